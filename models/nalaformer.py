@@ -1,0 +1,422 @@
+"""NaLaFormer: a hybrid vision backbone with norm×direction linear attention (NaLa) in stages 1-2
+and softmax attention in stages 3-4 (SPEC section 5).
+
+The module and parameter names follow the reference checkpoints (``../shared/reference``), so a
+reference state dict loads with ``strict=True``. Variants are registered in timm as
+``NALAFORMER_XT/T/S/B/L`` and in lowercase (``nalaformer_xt`` ...).
+"""
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+
+from .nala import NaLaAttention, RoPE, SoftmaxAttention
+
+__all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn']
+
+HEAD_HIDDEN = 1024
+
+
+class ChannelsLastLayerNorm(nn.Module):
+    """LayerNorm over channels of a (B, C, H, W) map; the LayerNorm is held as ``.norm`` (reference layout)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvFFN(nn.Module):
+    """fc1 -> exact GELU -> y + DWConv3x3(y) -> fc2, on (B, C, H, W) maps."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.dwconv = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, _, height, width = x.shape
+        y = self.act(self.fc1(x.flatten(2).transpose(1, 2)))                  # (B, N, F)
+        y = y.transpose(1, 2).reshape(batch, -1, height, width)
+        y = y + self.dwconv(y)
+        y = self.fc2(y.flatten(2).transpose(1, 2))
+        return y.transpose(1, 2).reshape(batch, -1, height, width)
+
+
+class NaLaBlock(nn.Module):
+    """x += cpe1(x); x += DropPath(g1 * attn(norm1(x))); x += cpe2(x); x += DropPath(g2 * ffn(norm2(x)))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, linear: bool,
+                 drop_path: float = 0.0, layer_scale_init: float = 1.0, attn_impl: str = 'plain') -> None:
+        super().__init__()
+        self.gamma_1 = nn.Parameter(torch.full((1, dim, 1, 1), float(layer_scale_init)))
+        self.gamma_2 = nn.Parameter(torch.full((1, dim, 1, 1), float(layer_scale_init)))
+        self.norm1 = ChannelsLastLayerNorm(dim)
+        self.attn = NaLaAttention(dim, num_heads, attn_impl) if linear else SoftmaxAttention(dim, num_heads)
+        self.norm2 = ChannelsLastLayerNorm(dim)
+        self.ffn = ConvFFN(dim, int(mlp_ratio * dim))
+        self.cpe1 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.cpe2 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        x = x + self.cpe1(x)
+        x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x), sin, cos))
+        x = x + self.cpe2(x)
+        x = x + self.drop_path(self.gamma_2 * self.ffn(self.norm2(x)))
+        return x
+
+
+class Downsample(nn.Module):
+    """Conv3x3 stride 2 with bias, then BatchNorm."""
+
+    def __init__(self, dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.reduction = nn.Conv2d(dim, out_dim, 3, stride=2, padding=1)
+        self.norm = nn.BatchNorm2d(out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.reduction(x))
+
+
+class NaLaStage(nn.Module):
+    """One stage: RoPE tables, blocks, and (except the last stage) a downsample."""
+
+    def __init__(self, dim: int, out_dim: Optional[int], depth: int, num_heads: int, mlp_ratio: float,
+                 linear: bool, drop_path: Sequence[float], layer_scale_init: float,
+                 attn_impl: str = 'plain') -> None:
+        super().__init__()
+        self.RoPE = RoPE(dim, num_heads)
+        self.blocks = nn.ModuleList([
+            NaLaBlock(dim, num_heads, mlp_ratio, linear, drop_path[i], layer_scale_init, attn_impl)
+            for i in range(depth)])
+        self.downsample = Downsample(dim, out_dim) if out_dim is not None else None
+        self.grad_checkpointing = False
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's blocks, without the downsample: the stage's feature map."""
+        sin, cos = self.RoPE(x.shape[-2:])
+        for block in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(block, x, sin, cos, use_reentrant=False)
+            else:
+                x = block(x, sin, cos)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_blocks(x)
+        return self.downsample(x) if self.downsample is not None else x
+
+
+def _stem(in_chans: int, dim: int) -> nn.Sequential:
+    """Four 3x3 convs (stride 2, 1, 1, 2) with BN and GELU: indices match the reference keys."""
+    half = dim // 2
+    return nn.Sequential(
+        nn.Conv2d(in_chans, half, 3, 2, 1), nn.BatchNorm2d(half), nn.GELU(),
+        nn.Conv2d(half, half, 3, 1, 1), nn.BatchNorm2d(half), nn.GELU(),
+        nn.Conv2d(half, half, 3, 1, 1), nn.BatchNorm2d(half), nn.GELU(),
+        nn.Conv2d(half, dim, 3, 2, 1), nn.BatchNorm2d(dim),
+    )
+
+
+class PatchEmbed(nn.Module):
+    """Convolutional stem of stride 4, held as ``.proj``."""
+
+    def __init__(self, in_chans: int, dim: int) -> None:
+        super().__init__()
+        self.proj = _stem(in_chans, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class NaLaFormer(nn.Module):
+    """NaLaFormer backbone and classifier.
+
+    Stages whose index is below ``num_linear_stages`` use NaLa, the rest softmax attention; every
+    shipped variant uses 2. ``attn_impl`` picks the NaLa implementation (``models.nala.NALA_IMPLS``).
+    """
+
+    def __init__(
+            self,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            embed_dims: Sequence[int] = (64, 128, 320, 512),
+            depths: Sequence[int] = (3, 5, 9, 3),
+            num_heads: Sequence[int] = (1, 2, 5, 8),
+            mlp_ratio: float = 4.0,
+            layer_scale_init: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
+            num_linear_stages: int = 2,
+            drop_rate: float = 0.0,
+            drop_path_rate: float = 0.0,
+            attn_impl: str = 'plain',
+            global_pool: str = 'avg',
+    ) -> None:
+        super().__init__()
+        if global_pool != 'avg':
+            raise ValueError(f"NaLaFormer supports global_pool='avg' only, got {global_pool!r}")
+        self.num_classes = num_classes
+        self.embed_dims = tuple(embed_dims)
+        self.num_features = embed_dims[-1]
+        self.head_hidden_size = HEAD_HIDDEN
+        self.drop_rate = drop_rate
+        self.grad_checkpointing = False
+
+        self.patch_embed = PatchEmbed(in_chans, embed_dims[0])
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        stages, self.feature_info = [], []
+        for i, depth in enumerate(depths):
+            start = sum(depths[:i])
+            stages.append(NaLaStage(
+                embed_dims[i], embed_dims[i + 1] if i + 1 < len(depths) else None, depth, num_heads[i],
+                mlp_ratio, linear=i < num_linear_stages, drop_path=dpr[start:start + depth],
+                layer_scale_init=layer_scale_init[i], attn_impl=attn_impl))
+            self.feature_info.append(dict(num_chs=embed_dims[i], reduction=4 * 2 ** i, module=f'layers.{i}'))
+        self.layers = nn.ModuleList(stages)
+
+        self.proj = nn.Linear(embed_dims[-1], HEAD_HIDDEN)
+        self.norm = nn.BatchNorm2d(HEAD_HIDDEN)
+        self.act = nn.SiLU()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Conv2d(HEAD_HIDDEN, num_classes, 1) if num_classes > 0 else nn.Identity()
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Conv2d):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    # ---- timm model API ------------------------------------------------------------------------
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """Nothing beyond timm's rule (1-D params and biases skip decay).
+
+        ``gamma_1``/``gamma_2`` are (1, C, 1, 1) and are decayed, as in the reference's training
+        (whose list named parameters that do not exist); the RoPE ``angle`` is a buffer.
+        """
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r'^patch_embed',
+            blocks=r'^layers\.(\d+)' if coarse else [
+                (r'^layers\.(\d+)\.blocks\.(\d+)', None),
+                (r'^layers\.(\d+)\.downsample', (0,)),
+            ],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+        for stage in self.layers:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        if global_pool not in (None, 'avg'):
+            raise ValueError(f"NaLaFormer supports global_pool='avg' only, got {global_pool!r}")
+        self.num_classes = num_classes
+        if num_classes > 0:
+            self.head = nn.Conv2d(HEAD_HIDDEN, num_classes, 1)
+            self._init_weights(self.head)
+        else:
+            self.head = nn.Identity()
+
+    def set_attn_impl(self, name: str) -> None:
+        """Switch every NaLa layer to another implementation of the same math."""
+        for module in self.modules():
+            if isinstance(module, NaLaAttention):
+                module.attn_impl = name
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Stage feature maps (before each downsample) at strides 4, 8, 16, 32; timm's signature."""
+        if output_fmt != 'NCHW':
+            raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        intermediates = []
+        x = self.patch_embed(x)
+        stages = self.layers[:max_index + 1] if stop_early else self.layers
+        for i, stage in enumerate(stages):
+            x = stage.forward_blocks(x)
+            if i in take_indices:
+                intermediates.append(x)
+            if stage.downsample is not None and (not intermediates_only or i < max_index):
+                x = stage.downsample(x)
+        if intermediates_only:
+            return intermediates
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages after the last wanted feature map (and the head)."""
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        self.layers = self.layers[:max_index + 1]
+        self.layers[-1].downsample = None
+        if prune_head:
+            self.proj = nn.Identity()
+            self.norm = nn.Identity()
+            self.reset_classifier(0)
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        for stage in self.layers:
+            x = stage(x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        batch, channels, height, width = x.shape
+        x = self.proj(x.flatten(2).transpose(1, 2))                             # (B, N, 1024)
+        x = x.transpose(1, 2).reshape(batch, -1, height, width)
+        x = self.avgpool(self.act(self.norm(x)))
+        x = self.head_drop(x)
+        if pre_logits:
+            return x.flatten(1)
+        return self.head(x).flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[str, torch.Tensor]:
+    """Accept a bare reference state dict or a training checkpoint (``model_ema`` preferred, as timm's
+    ``load_checkpoint`` does), with or without a DDP ``module.`` prefix. Keys are not renamed: the
+    reference layout is ours."""
+    for key in ('model_ema', 'state_dict_ema', 'model', 'state_dict'):
+        if isinstance(state_dict.get(key), dict):
+            state_dict = state_dict[key]
+            break
+    return {(k[len('module.'):] if k.startswith('module.') else k): v for k, v in state_dict.items()}
+
+
+#: Architecture of every variant (SPEC section 5); drop_path is the rate the recipe trains with.
+VARIANTS: Dict[str, Dict[str, Any]] = {
+    'NALAFORMER_XT': dict(embed_dims=(32, 64, 128, 384), depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 12),
+                          mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.10),
+    'NALAFORMER_T': dict(embed_dims=(64, 128, 256, 512), depths=(2, 2, 6, 2), num_heads=(1, 2, 4, 8),
+                         mlp_ratio=4.0, layer_scale_init=(1, 1, 1, 1), drop_path=0.10),
+    'NALAFORMER_S': dict(embed_dims=(64, 128, 320, 512), depths=(3, 5, 9, 3), num_heads=(1, 2, 5, 8),
+                         mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.15),
+    'NALAFORMER_B': dict(embed_dims=(96, 192, 384, 512), depths=(4, 6, 12, 6), num_heads=(1, 2, 6, 8),
+                         mlp_ratio=4.0, layer_scale_init=(1, 1, 1e-6, 1e-6), drop_path=0.40),
+    'NALAFORMER_L': dict(embed_dims=(96, 192, 448, 640), depths=(4, 7, 19, 8), num_heads=(1, 2, 7, 10),
+                         mlp_ratio=3.5, layer_scale_init=(1e-6, 1e-6, 1e-6, 1e-6), drop_path=0.55),
+}
+
+#: The paper's published figures (params M, GFLOPs, ImageNet top-1), for reports next to ours.
+PAPER_FIGURES: Dict[str, Tuple[float, float, float]] = {
+    'NALAFORMER_XT': (8, 1.0, 79.1), 'NALAFORMER_T': (15, 2.7, 82.6), 'NALAFORMER_S': (26, 5.1, 84.3),
+    'NALAFORMER_B': (52, 12, 85.2), 'NALAFORMER_L': (95, 18, 85.7),
+}
+
+
+def _cfg(**kwargs: Any) -> Dict[str, Any]:
+    return {
+        'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
+        'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'patch_embed.proj.0', 'classifier': 'head',
+        'paper_ids': 'arXiv:2506.21137', 'paper_name': 'Norm×Direction: Restoring the Missing Query Norm '
+                                                       'in Vision Linear Attention',
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({name: _cfg() for variant in VARIANTS for name in (variant, variant.lower())})
+
+
+def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    arch = dict(VARIANTS[variant.upper()])
+    arch.pop('drop_path')
+    overlay = kwargs.get('pretrained_cfg_overlay') or {}
+    if pretrained and not any(overlay.get(k) for k in ('file', 'url', 'hf_hub_id', 'state_dict')):
+        raise ValueError(f'{variant}: no pretrained weights are published yet; load yours with '
+                         f"pretrained_cfg_overlay=dict(file=PATH) or checkpoint_path=PATH")
+    return build_model_with_cfg(
+        NaLaFormer, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'),
+        **{**arch, **kwargs},
+    )
+
+
+@register_model
+def NALAFORMER_XT(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('NALAFORMER_XT', pretrained, **kwargs)
+
+
+@register_model
+def NALAFORMER_T(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('NALAFORMER_T', pretrained, **kwargs)
+
+
+@register_model
+def NALAFORMER_S(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('NALAFORMER_S', pretrained, **kwargs)
+
+
+@register_model
+def NALAFORMER_B(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('NALAFORMER_B', pretrained, **kwargs)
+
+
+@register_model
+def NALAFORMER_L(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('NALAFORMER_L', pretrained, **kwargs)
+
+
+@register_model
+def nalaformer_xt(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('nalaformer_xt', pretrained, **kwargs)
+
+
+@register_model
+def nalaformer_t(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('nalaformer_t', pretrained, **kwargs)
+
+
+@register_model
+def nalaformer_s(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('nalaformer_s', pretrained, **kwargs)
+
+
+@register_model
+def nalaformer_b(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('nalaformer_b', pretrained, **kwargs)
+
+
+@register_model
+def nalaformer_l(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+    return _create_nalaformer('nalaformer_l', pretrained, **kwargs)
