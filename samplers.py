@@ -1,0 +1,98 @@
+"""Samplers: repeated augmentation (DeiT ``RASampler``) and an exact distributed eval sampler.
+
+``RASampler(dataset, num_replicas=None, rank=None, shuffle=True, num_repeats=3, seed=0)``
+    DeiT semantics (timm's ``RepeatAugSampler`` is the same algorithm but has no seed, hence this
+    class): each epoch the indices are permuted with a generator seeded by ``seed + epoch`` (the
+    same order on every rank), every index is repeated ``num_repeats`` times consecutively, the
+    list is padded by wrapping to a multiple of ``num_replicas``, rank ``r`` takes every
+    ``num_replicas``-th element from ``r`` and keeps the first ``num_selected_samples``:
+    ``floor(len(dataset) // 256 * 256 / num_replicas)``. With seed 0 this is exactly DeiT's order.
+    Tiny data sets (< 256 images), where DeiT's rule gives an empty epoch, use
+    ``ceil(len(dataset) / num_replicas)`` instead (as timm does). Call ``set_epoch(epoch)`` every
+    epoch, also in single-process runs (num_replicas=1, rank=0): that is what reshuffles.
+``DistributedEvalSampler(dataset, num_replicas=None, rank=None)``
+    Rank ``r`` gets indices ``r, r + R, r + 2R, ...`` in increasing order: no padding, every index
+    exactly once over all ranks (ranks beyond ``len(dataset)`` get none). ``set_epoch`` is a no-op.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional, Sized
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+__all__ = ["RASampler", "DistributedEvalSampler"]
+
+
+def _world(num_replicas: Optional[int], rank: Optional[int]) -> tuple[int, int]:
+    initialized = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if initialized else 1
+    if rank is None:
+        rank = dist.get_rank() if initialized else 0
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise ValueError(f"invalid rank {rank} for num_replicas {num_replicas}")
+    return num_replicas, rank
+
+
+class RASampler(Sampler[int]):
+    """Repeated-augmentation sampler with DeiT semantics (see the module docstring)."""
+
+    def __init__(self, dataset: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, num_repeats: int = 3, seed: int = 0) -> None:
+        self.num_replicas, self.rank = _world(num_replicas, rank)
+        if int(num_repeats) != num_repeats or num_repeats < 1:
+            raise ValueError(f"num_repeats must be a positive integer, got {num_repeats}")
+        self.dataset, self.shuffle, self.num_repeats, self.seed = dataset, shuffle, int(num_repeats), seed
+        self.epoch = 0
+        n = len(dataset)
+        self.num_samples = int(math.ceil(n * self.num_repeats / self.num_replicas))
+        self.total_size = self.num_samples * self.num_replicas
+        if n >= 256:
+            self.num_selected_samples = int(math.floor(n // 256 * 256 / self.num_replicas))
+        else:  # DeiT's rule would give 0 samples: an empty epoch
+            self.num_selected_samples = int(math.ceil(n / self.num_replicas))
+        self.num_selected_samples = min(self.num_selected_samples, self.num_samples)
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        if n == 0:
+            return iter([])
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g)
+        else:
+            indices = torch.arange(n)
+        indices = torch.repeat_interleave(indices, self.num_repeats).tolist()
+        m = len(indices)
+        picked = range(self.rank, self.total_size, self.num_replicas)[: self.num_selected_samples]
+        return iter([indices[i % m] for i in picked])
+
+    def __len__(self) -> int:
+        return self.num_selected_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` (call before every epoch)."""
+        self.epoch = epoch
+
+
+class DistributedEvalSampler(Sampler[int]):
+    """Exact evaluation split: every index on exactly one rank, no padding, fixed order."""
+
+    def __init__(self, dataset: Sized, num_replicas: Optional[int] = None,
+                 rank: Optional[int] = None) -> None:
+        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.dataset = dataset
+        self.indices = list(range(self.rank, len(dataset), self.num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op (the evaluation order does not depend on the epoch)."""
