@@ -1,0 +1,514 @@
+"""Data sets and transforms (DeiT-compatible), with fault handling.
+
+Public API
+----------
+``build_dataset(is_train, args) -> (dataset, nb_classes)``
+    ``args.data_set`` in IMNET | CIFAR | INAT | INAT19 | DIGITS. Other fields read with ``getattr``
+    defaults: data_path, inat_category ('name'), input_size (224), color_jitter (0.4), aa
+    ('rand-m9-mstd0.5-inc1'), train_interpolation ('bicubic'), reprob (0.25), remode ('pixel'),
+    recount (1), eval_crop_ratio (0.875), strict_data (False), hflip / scale (see build_transform).
+``build_transform(is_train, args)``
+    Train: ``timm.data.create_transform``; eval: resize shorter side to int(input_size / 0.875),
+    bicubic, center crop, ImageNet mean/std. Inputs <= 32 px follow DeiT: train replaces the
+    random-resized crop by ``RandomCrop(input_size, padding=4)`` and eval only normalises, each
+    preceded by a bicubic resize to input_size x input_size (a no-op for 32 px CIFAR images, so
+    CIFAR is exactly DeiT; other images no longer crash the crop).
+``default_data_path(data_set) -> str | None``
+    ``./data/digits`` for DIGITS, None otherwise. ``build_dataset`` uses it when the data path is
+    empty, None or DeiT's ImageNet default.
+``prepare_digits(root) -> str``
+    Writes the scikit-learn digits once as an ImageFolder (see below) and returns ``root``.
+
+Errors
+------
+``DataLayoutError(ValueError)``: raised by ``build_dataset`` before any image is decoded, for a
+missing/empty data path, missing ``train/`` or ``val/``, no class folders, an empty class folder
+(no image file), ``val/`` classes different from ``train/``, a missing CIFAR pickle folder or
+iNaturalist JSON file. ``str(err)`` is ONE line: ``<path>: <problem>; expected <layout>``.
+
+``BadSampleError(RuntimeError)``: raised while loading an image that cannot be decoded (truncated,
+corrupt, not an image) when ``strict_data`` is True. ``str(err)`` names the file.
+
+Bad samples (ImageFolder-based sets: IMNET, DIGITS, INAT, INAT19)
+----------------------------------------------------------------
+With ``strict_data`` False (default) an undecodable image never kills the run:
+
+* train split: the sample is replaced by the next decodable index (idx+1, idx+2, ... wrapping),
+  with that sample's own label;
+* eval split: the image of the next decodable index is returned with the target ``IGNORE_TARGET``
+  (-100, CrossEntropyLoss's default ignore_index). The engine must exclude targets < 0 from the
+  loss/accuracy and report "evaluated X of Y" with X = number of targets >= 0 seen and
+  Y = ``len(dataset)``. Eval therefore never skips silently.
+
+Either way the path is warned once (``BadSampleWarning``) and recorded in a per-index flag that
+lives in shared memory, so it is visible from the main process even when DataLoader workers did the
+loading. Read it with ``bad_sample_paths(dataset) -> list[str]`` / ``bad_sample_count(dataset)``
+(cumulative since the dataset was built; works through ``Subset`` wrappers; [] / 0 for CIFAR).
+Each rank records only the samples it loaded: sum the counts across ranks for a global figure.
+
+Non-image files inside class folders (by extension, torchvision's ``IMG_EXTENSIONS``) are skipped,
+counted (``dataset.skipped_files``) and reported in one ``UserWarning`` per split; they are not a
+layout error. Hidden entries (names starting with '.') are ignored, neither classes nor files.
+
+DIGITS
+------
+``sklearn.datasets.load_digits`` (1797 8x8 images, values 0..16, bundled with scikit-learn, nothing
+downloaded) is written as RGB PNGs upscaled to 32x32 with bicubic interpolation (smooth strokes
+survive the later resize to 64 px far better than nearest-neighbour blocks), white ink on black,
+into ``<root>/train/<digit>/<index>.png`` and ``<root>/val/<digit>/<index>.png`` with a stratified
+80/20 split fixed by seed 0 (1437 train / 360 val). The data are written into a temporary sibling
+directory and renamed into place in one ``os.rename``: a killed writer leaves no half-written data
+set, and concurrent writers (torchrun ranks) race safely - the loser of the rename discards its
+copy and uses the winner's. Afterwards DIGITS is read by exactly the IMNET ImageFolder code path.
+For DIGITS the train transform defaults to no horizontal flip (digits are not mirror-symmetric) and
+crop scale (0.25, 1); ``args.hflip`` / ``args.scale`` override these for any data set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import uuid
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import datasets, transforms
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
+
+from timm.data import create_transform
+from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+__all__ = [
+    "DataLayoutError", "BadSampleError", "BadSampleWarning", "IGNORE_TARGET", "RobustImageFolder",
+    "INatDataset", "build_dataset", "build_transform", "default_data_path", "prepare_digits",
+    "bad_sample_paths", "bad_sample_count",
+]
+
+IGNORE_TARGET = -100
+DEIT_DEFAULT_DATA_PATH = "/datasets01/imagenet_full_size/061417/"
+DIGITS_DEFAULT_PATH = os.path.join(".", "data", "digits")
+DIGITS_MARKER = "DIGITS_COMPLETE"
+DIGITS_SEED = 0
+DIGITS_SIZE = 32
+IMAGEFOLDER_LAYOUT = ("<data-path>/train/<class>/<image> and <data-path>/val/<class>/<image> "
+                      "with the same class folders in both and image files (" +
+                      "/".join(e.lstrip(".") for e in IMG_EXTENSIONS) + ")")
+INAT_CATEGORIES = ("kingdom", "phylum", "class", "order", "supercategory", "family", "genus", "name")
+
+
+class DataLayoutError(ValueError):
+    """The data on disk do not have the expected layout; str() is one line naming the path."""
+
+
+class BadSampleError(RuntimeError):
+    """An image file could not be decoded and strict_data is on; str() names the file."""
+
+
+class BadSampleWarning(UserWarning):
+    """An image file could not be decoded and was replaced (warned once per path)."""
+
+
+def _layout_error(path: str, problem: str, layout: str) -> DataLayoutError:
+    return DataLayoutError(f"{path}: {problem}; expected {layout}".replace("\n", " "))
+
+
+def _is_image_name(name: str) -> bool:
+    return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def _list_classes(split_dir: str) -> list[str]:
+    return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+
+
+# --------------------------------------------------------------------------------------------
+# Robust ImageFolder
+# --------------------------------------------------------------------------------------------
+class _BadSampleMixin:
+    """Replace-and-record (or raise) for samples whose image cannot be decoded.
+
+    Requires ``self.samples`` (list of (path, target)), ``self.loader``, ``self.transform``,
+    ``self.target_transform``, ``self.is_train`` and ``self.strict``.
+    """
+
+    samples: list
+    _bad: torch.Tensor
+
+    def _init_bad_tracking(self, is_train: bool, strict: bool) -> None:
+        self.is_train = is_train
+        self.strict = strict
+        # one byte per sample in shared memory: visible from the main process and every worker
+        self._bad = torch.zeros(max(len(self.samples), 1), dtype=torch.uint8).share_memory_()
+
+    def _mark_bad(self, index: int, path: str, exc: BaseException) -> None:
+        if self.strict:
+            raise BadSampleError(f"cannot decode image {path}: {type(exc).__name__}: {exc} "
+                                 "(strict data mode; drop --strict-data to skip such files)") from exc
+        if int(self._bad[index]) == 0:
+            self._bad[index] = 1
+            what = "replaced by the next image" if self.is_train else \
+                "excluded from the evaluation count"
+            warnings.warn(f"cannot decode image {path} ({type(exc).__name__}: {exc}); {what}",
+                          BadSampleWarning, stacklevel=3)
+
+    def _load(self, index: int) -> Any:
+        path, _ = self.samples[index]
+        return self.loader(path)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        n = len(self.samples)
+        first_error: Optional[BaseException] = None
+        for k in range(n):
+            i = (index + k) % n
+            path, target = self.samples[i]
+            if k > 0 and int(self._bad[i]):
+                continue  # known bad, do not retry it as a replacement
+            try:
+                sample = self.loader(path)
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+                # OSError covers truncated files and PIL.UnidentifiedImageError
+                self._mark_bad(i, path, exc)
+                first_error = first_error or exc
+                continue
+            if k > 0 and not self.is_train:
+                target = IGNORE_TARGET
+            if self.transform is not None:
+                sample = self.transform(sample)
+            if self.target_transform is not None and target != IGNORE_TARGET:
+                target = self.target_transform(target)
+            return sample, target
+        raise BadSampleError(f"no decodable image left in the data set rooted at "
+                             f"{getattr(self, 'root', '?')} (first error: {first_error})")
+
+    def bad_sample_paths(self) -> list[str]:
+        """Paths of the samples found undecodable so far (in this process and its workers)."""
+        idx = torch.nonzero(self._bad[: len(self.samples)]).flatten().tolist()
+        return [self.samples[i][0] for i in idx]
+
+
+class RobustImageFolder(_BadSampleMixin, datasets.ImageFolder):
+    """``torchvision.datasets.ImageFolder`` with one-line layout errors, counted non-image files,
+    hidden entries ignored, and replace-and-record handling of undecodable images."""
+
+    def __init__(self, root: str, transform: Optional[Callable] = None, is_train: bool = True,
+                 strict: bool = False, layout: str = IMAGEFOLDER_LAYOUT,
+                 loader: Callable[[str], Any] = default_loader) -> None:
+        self.layout = layout
+        self.skipped_files: list[str] = []
+        super().__init__(root, transform=transform, loader=loader)
+        self._init_bad_tracking(is_train, strict)
+        if self.skipped_files:
+            warnings.warn(f"{root}: skipped {len(self.skipped_files)} non-image file(s) "
+                          f"(e.g. {self.skipped_files[0]}); only "
+                          f"{'/'.join(IMG_EXTENSIONS)} files are read", UserWarning, stacklevel=2)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        classes = _list_classes(directory)
+        if not classes:
+            raise _layout_error(directory, "no class folders", self.layout)
+        return classes, {c: i for i, c in enumerate(classes)}
+
+    def make_dataset(self, directory: str, class_to_idx: dict[str, int], extensions=None,
+                     is_valid_file=None, allow_empty: bool = False) -> list[tuple[str, int]]:
+        samples: list[tuple[str, int]] = []
+        for cls in sorted(class_to_idx):
+            cls_dir = os.path.join(directory, cls)
+            n_before = len(samples)
+            for dirpath, dirnames, filenames in sorted(os.walk(cls_dir, followlinks=True)):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                for name in sorted(filenames):
+                    if name.startswith("."):
+                        continue
+                    path = os.path.join(dirpath, name)
+                    if _is_image_name(name):
+                        samples.append((path, class_to_idx[cls]))
+                    else:
+                        self.skipped_files.append(path)
+            if len(samples) == n_before:
+                raise _layout_error(cls_dir, "empty class folder (no image file)", self.layout)
+        return samples
+
+
+def _check_imagefolder_root(root: Optional[str], layout: str, is_train: bool) -> None:
+    """Validate ``root/train`` and ``root/val`` before anything is decoded (one-line errors)."""
+    if not root:
+        raise _layout_error("--data-path", "missing (no data path given)", layout)
+    if not os.path.isdir(root):
+        raise _layout_error(root, "data path does not exist or is not a directory", layout)
+    train_dir, val_dir = os.path.join(root, "train"), os.path.join(root, "val")
+    # training needs both splits (the run evaluates every epoch); eval-only needs val/
+    for d in ((train_dir, val_dir) if is_train else (val_dir,)):
+        if not os.path.isdir(d):
+            raise _layout_error(d, f"missing {os.path.basename(d)}/ folder", layout)
+    if os.path.isdir(train_dir):
+        tc, vc = set(_list_classes(train_dir)), set(_list_classes(val_dir))
+        if tc and vc and tc != vc:
+            miss, extra = sorted(tc - vc), sorted(vc - tc)
+            parts = []
+            if miss:
+                parts.append(f"{len(miss)} train class(es) missing from val/ ({', '.join(miss[:5])}"
+                             f"{', ...' if len(miss) > 5 else ''})")
+            if extra:
+                parts.append(f"{len(extra)} val class(es) not in train/ ({', '.join(extra[:5])}"
+                             f"{', ...' if len(extra) > 5 else ''})")
+            raise _layout_error(val_dir, "class folders differ from train/: " + "; ".join(parts),
+                                layout)
+
+
+# --------------------------------------------------------------------------------------------
+# iNaturalist
+# --------------------------------------------------------------------------------------------
+class INatDataset(_BadSampleMixin, Dataset):
+    """iNaturalist 2018/2019 in its JSON layout, as DeiT's ``INatDataset``.
+
+    Labels: the value of ``category`` (categories.json) of each class, numbered in order of first
+    appearance in ``train<year>.json`` (DeiT's order, so DeiT checkpoints keep their heads).
+    Image paths: ``root/<file_name>`` if it exists, else DeiT's ``root/<cut0>/<cut2>/<cut3>``.
+    """
+
+    def __init__(self, root: str, train: bool = True, year: int = 2018,
+                 transform: Optional[Callable] = None, category: str = "name",
+                 strict: bool = False, loader: Callable[[str], Any] = default_loader) -> None:
+        layout = (f"<data-path>/train{year}.json, val{year}.json, categories.json and the image "
+                  f"folders named by their file_name entries (iNaturalist {year} layout)")
+        if category not in INAT_CATEGORIES:
+            raise _layout_error(root, f"unknown iNat category {category!r}",
+                                "one of " + "/".join(INAT_CATEGORIES))
+        if not root or not os.path.isdir(root):
+            raise _layout_error(root or "--data-path", "data path does not exist", layout)
+        self.root, self.transform, self.target_transform, self.loader = root, transform, None, loader
+        self.year = year
+
+        def read(name: str) -> Any:
+            p = os.path.join(root, name)
+            if not os.path.isfile(p):
+                raise _layout_error(p, "missing annotation file", layout)
+            try:
+                with open(p) as f:
+                    return json.load(f)
+            except (OSError, json.JSONDecodeError) as exc:
+                raise _layout_error(p, f"unreadable JSON ({exc})", layout) from exc
+
+        split_json = read(f"{'train' if train else 'val'}{year}.json")
+        catg = read("categories.json")
+        train_json = split_json if train else read(f"train{year}.json")
+        by_id = {int(c["id"]): c for c in catg} if catg and "id" in catg[0] else None
+
+        def cat_value(cid: int) -> Any:
+            return (by_id[cid] if by_id is not None else catg[cid])[category]
+
+        targeter: dict[Any, int] = {}
+        for ann in train_json["annotations"]:
+            targeter.setdefault(cat_value(int(ann["category_id"])), len(targeter))
+        self.nb_classes = len(targeter)
+        img_cat = {a["image_id"]: int(a["category_id"]) for a in split_json.get("annotations", [])}
+        self.samples = []
+        for im in split_json["images"]:
+            fname = im["file_name"]
+            cut = fname.split("/")
+            path = os.path.join(root, fname)
+            if not os.path.exists(path) and len(cut) >= 4:
+                path = os.path.join(root, cut[0], cut[2], cut[3])
+            cid = img_cat.get(im.get("id"), int(cut[2]) if len(cut) >= 3 else -1)
+            self.samples.append((path, targeter[cat_value(cid)]))
+        if not self.samples:
+            raise _layout_error(root, "no images listed in the annotation file", layout)
+        self.targets = [t for _, t in self.samples]
+        self._init_bad_tracking(train, strict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+# --------------------------------------------------------------------------------------------
+# DIGITS writer
+# --------------------------------------------------------------------------------------------
+def default_data_path(data_set: str) -> Optional[str]:
+    """Default ``--data-path`` of a data set: ``./data/digits`` for DIGITS, None otherwise."""
+    return DIGITS_DEFAULT_PATH if data_set == "DIGITS" else None
+
+
+def _digits_complete(root: str) -> bool:
+    return os.path.isfile(os.path.join(root, DIGITS_MARKER))
+
+
+def _write_digits(dest: str) -> None:
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()  # bundled with scikit-learn, never downloads
+    idx = np.arange(len(d.target))
+    tr, va = train_test_split(idx, test_size=0.2, random_state=DIGITS_SEED, stratify=d.target)
+    for split, ids in (("train", tr), ("val", va)):
+        for c in range(10):
+            os.makedirs(os.path.join(dest, split, str(c)), exist_ok=True)
+        for i in sorted(ids.tolist()):
+            a = (d.images[i] * (255.0 / 16.0)).round().clip(0, 255).astype(np.uint8)
+            im = Image.fromarray(a, mode="L").resize((DIGITS_SIZE, DIGITS_SIZE), Image.BICUBIC)
+            im.convert("RGB").save(os.path.join(dest, split, str(int(d.target[i])), f"{i:04d}.png"))
+    with open(os.path.join(dest, DIGITS_MARKER), "w") as f:
+        f.write(f"sklearn load_digits, {len(tr)} train / {len(va)} val, seed {DIGITS_SEED}, "
+                f"{DIGITS_SIZE}px bicubic RGB PNG\n")
+
+
+def _cleanup_stale_tmp(parent: str, base: str) -> None:
+    host = socket.gethostname()
+    for e in os.scandir(parent):
+        if not e.name.startswith(f".{base}.tmp-"):
+            continue
+        parts = e.name.split("-")  # .<base>.tmp-<host>-<pid>-<hex>
+        try:
+            pid, h = int(parts[-2]), "-".join(parts[1:-2])
+        except (ValueError, IndexError):
+            continue
+        if h != host:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(e.path, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def prepare_digits(root: str) -> str:
+    """Write the scikit-learn digits as an ImageFolder under ``root`` once; return ``root``.
+
+    Safe against kills (temp dir + one atomic rename) and concurrent callers (loser discards).
+    """
+    root = os.path.normpath(root)
+    if _digits_complete(root):
+        return root
+    if os.path.isdir(root) and os.listdir(root):
+        if os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "val")):
+            return root  # a user-provided ImageFolder: read it as is
+        raise _layout_error(root, "exists, is not empty and is not a digits data set",
+                            "an empty or absent directory to write the digits into, or "
+                            + IMAGEFOLDER_LAYOUT)
+    parent, base = os.path.split(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{base}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        _write_digits(tmp)
+        try:
+            os.rename(tmp, root)  # atomic; replaces only an absent or empty directory
+        except OSError:
+            if not _digits_complete(root):
+                raise
+        _cleanup_stale_tmp(parent, base)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+# --------------------------------------------------------------------------------------------
+# Builders
+# --------------------------------------------------------------------------------------------
+def _resolve_data_path(args: Any) -> Optional[str]:
+    data_set = getattr(args, "data_set", "IMNET")
+    path = getattr(args, "data_path", None)
+    if data_set == "DIGITS" and (not path or os.path.normpath(path) ==
+                                 os.path.normpath(DEIT_DEFAULT_DATA_PATH)):
+        return default_data_path(data_set)
+    return path
+
+
+def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
+    """Return ``(dataset, nb_classes)`` for ``args.data_set``; see the module docstring."""
+    data_set = getattr(args, "data_set", "IMNET")
+    strict = bool(getattr(args, "strict_data", False))
+    root = _resolve_data_path(args)
+    transform = build_transform(is_train, args)
+
+    if data_set == "CIFAR":
+        layout = "<data-path>/cifar-100-python/{train,test,meta} (CIFAR-100 python version; " \
+                 "nothing is downloaded)"
+        if not root:
+            raise _layout_error("--data-path", "missing (no data path given)", layout)
+        if os.path.basename(os.path.normpath(root)) == "cifar-100-python":
+            root = os.path.dirname(os.path.normpath(root))
+        try:
+            ds = datasets.CIFAR100(root, train=is_train, transform=transform, download=False)
+        except RuntimeError as exc:
+            raise _layout_error(root, "CIFAR-100 not found or corrupted", layout) from exc
+        return ds, 100
+
+    if data_set in ("INAT", "INAT19"):
+        ds = INatDataset(root, train=is_train, year=2018 if data_set == "INAT" else 2019,
+                         category=getattr(args, "inat_category", "name"), transform=transform,
+                         strict=strict)
+        return ds, ds.nb_classes
+
+    if data_set in ("IMNET", "DIGITS"):
+        if data_set == "DIGITS":
+            root = prepare_digits(root)
+        _check_imagefolder_root(root, IMAGEFOLDER_LAYOUT, is_train)
+        ds = RobustImageFolder(os.path.join(root, "train" if is_train else "val"), transform=transform,
+                               is_train=is_train, strict=strict)
+        if data_set == "DIGITS" and len(ds.classes) != 10:
+            raise _layout_error(root, f"{len(ds.classes)} class folders, not 10", IMAGEFOLDER_LAYOUT)
+        return ds, len(ds.classes)
+
+    raise _layout_error(str(data_set), "unknown data set", "one of IMNET, CIFAR, INAT, INAT19, DIGITS")
+
+
+def build_transform(is_train: bool, args: Any) -> Callable:
+    """DeiT transforms (timm ``create_transform`` for training); see the module docstring."""
+    input_size = int(getattr(args, "input_size", 224))
+    resize_im = input_size > 32
+    bicubic = transforms.InterpolationMode.BICUBIC
+    if is_train:
+        digits = getattr(args, "data_set", None) == "DIGITS"
+        aa = getattr(args, "aa", "rand-m9-mstd0.5-inc1")
+        if aa in (None, "", "none", "None"):
+            aa = None
+        scale = getattr(args, "scale", None) or ((0.25, 1.0) if digits else None)
+        hflip = getattr(args, "hflip", None)
+        hflip = (0.0 if digits else 0.5) if hflip is None else float(hflip)
+        t = create_transform(
+            input_size=input_size, is_training=True,
+            color_jitter=getattr(args, "color_jitter", 0.4), auto_augment=aa,
+            interpolation=getattr(args, "train_interpolation", "bicubic"),
+            re_prob=getattr(args, "reprob", 0.25), re_mode=getattr(args, "remode", "pixel"),
+            re_count=getattr(args, "recount", 1), scale=scale, hflip=hflip)
+        if not resize_im:  # DeiT: random crop with padding; the resize is a no-op on CIFAR
+            t.transforms[0:1] = [transforms.Resize((input_size, input_size), interpolation=bicubic),
+                                 transforms.RandomCrop(input_size, padding=4)]
+        return t
+    steps: list[Callable] = []
+    if not resize_im:  # DeiT: no resize for 32 px inputs; the resize is a no-op on CIFAR
+        steps.append(transforms.Resize((input_size, input_size), interpolation=bicubic))
+    else:
+        size = int(input_size / getattr(args, "eval_crop_ratio", 0.875))
+        steps += [transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC),
+                  transforms.CenterCrop(input_size)]
+    steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)]
+    return transforms.Compose(steps)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad-sample reporting
+# --------------------------------------------------------------------------------------------
+def _unwrap(dataset: Any) -> Any:
+    while not hasattr(dataset, "bad_sample_paths") and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return dataset
+
+
+def bad_sample_paths(dataset: Any) -> list[str]:
+    """Paths found undecodable so far in ``dataset`` (any DataLoader worker); [] if not tracked."""
+    ds = _unwrap(dataset)
+    return ds.bad_sample_paths() if hasattr(ds, "bad_sample_paths") else []
+
+
+def bad_sample_count(dataset: Any) -> int:
+    """Number of undecodable samples found so far in ``dataset``; 0 if not tracked."""
+    ds = _unwrap(dataset)
+    if not hasattr(ds, "_bad"):
+        return 0
+    return int(ds._bad[: len(ds.samples)].sum())

@@ -1,0 +1,328 @@
+"""datasets.py: builders on tiny generated folders, layout errors, bad images, DIGITS writer."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Subset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import datasets as D  # noqa: E402
+
+
+def make_args(**kw):
+    a = dict(data_set="IMNET", data_path=None, input_size=32, color_jitter=0.4,
+             aa="rand-m9-mstd0.5-inc1", train_interpolation="bicubic", reprob=0.25, remode="pixel",
+             recount=1, inat_category="name", strict_data=False)
+    a.update(kw)
+    return SimpleNamespace(**a)
+
+
+def save_img(path, color=(255, 0, 0), size=6, fmt=None):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new("RGB", (size, size), color).save(path, fmt)
+
+
+def make_folder(root, classes=("cat", "dog"), n=3, splits=("train", "val"), ext=".png"):
+    for split in splits:
+        for ci, c in enumerate(classes):
+            for i in range(n):
+                save_img(os.path.join(root, split, c, f"{i}{ext}"), (ci * 100, i * 40, 0))
+    return str(root)
+
+
+def assert_one_line_error(exc_info, *needles):
+    msg = str(exc_info.value)
+    assert "\n" not in msg and "expected" in msg, msg
+    for s in needles:
+        assert str(s) in msg, (s, msg)
+    return msg
+
+
+# ---------------------------------------------------------------------------- builders
+def test_imagefolder_build_and_items(tmp_path):
+    root = make_folder(tmp_path / "d", classes=("a", "b", "c"))
+    ds, nc = D.build_dataset(True, make_args(data_path=root))
+    dv, nv = D.build_dataset(False, make_args(data_path=root, input_size=40))
+    assert (nc, nv, len(ds), len(dv)) == (3, 3, 9, 9)
+    x, y = ds[4]
+    assert x.shape == (3, 32, 32) and y == 1
+    x, y = dv[8]
+    assert x.shape == (3, 40, 40) and y == 2
+    assert D.bad_sample_paths(ds) == [] and D.bad_sample_count(dv) == 0
+
+
+def test_transforms_follow_recipe():
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+    from torchvision import transforms as T
+    ev = D.build_transform(False, make_args(input_size=224)).transforms
+    assert isinstance(ev[0], T.Resize) and ev[0].size == 256
+    assert ev[0].interpolation == T.InterpolationMode.BICUBIC
+    assert isinstance(ev[1], T.CenterCrop) and tuple(ev[1].size) == (224, 224)
+    tr = D.build_transform(True, make_args(input_size=224)).transforms
+    assert isinstance(tr[0], RandomResizedCropAndInterpolation) and tr[0].scale == (0.08, 1.0)
+    names = [type(t).__name__ for t in tr]
+    assert "RandAugment" in names and "RandomHorizontalFlip" in names
+    re = [t for t in tr if type(t).__name__ == "RandomErasing"][0]
+    assert (re.probability, re.mode, re.max_count) == (0.25, "pixel", 1)
+    small = D.build_transform(True, make_args(input_size=32)).transforms
+    assert isinstance(small[1], T.RandomCrop) and small[1].padding == 4
+    assert small[0].size == (32, 32) and "RandAugment" in [type(t).__name__ for t in small]
+    ev32 = D.build_transform(False, make_args()).transforms
+    assert ev32[0].size == (32, 32) and not any(isinstance(t, T.CenterCrop) for t in ev32)
+    dig = D.build_transform(True, make_args(input_size=64, data_set="DIGITS", aa="none")).transforms
+    assert "RandomHorizontalFlip" not in [type(t).__name__ for t in dig] and dig[0].scale == (0.25, 1.0)
+
+
+# ---------------------------------------------------------------------------- layout errors
+def test_missing_data_path(tmp_path):
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_path=None))
+    assert_one_line_error(e, "--data-path", "train/")
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_path=str(tmp_path / "nope")))
+    assert_one_line_error(e, tmp_path / "nope", "does not exist")
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_missing_split(tmp_path, split):
+    root = make_folder(tmp_path, splits=({"train", "val"} - {split}))
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_path=root))
+    assert_one_line_error(e, os.path.join(root, split), f"missing {split}/")
+
+
+def test_eval_only_needs_val(tmp_path):
+    root = make_folder(tmp_path, splits=("val",))
+    ds, nc = D.build_dataset(False, make_args(data_path=root))
+    assert len(ds) == 6 and nc == 2
+
+
+def test_empty_class_folder_and_no_classes(tmp_path):
+    root = make_folder(tmp_path)
+    os.makedirs(os.path.join(root, "train", "zebra"))
+    os.makedirs(os.path.join(root, "val", "zebra"))
+    with open(os.path.join(root, "train", "zebra", "notes.txt"), "w") as f:
+        f.write("not an image")
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_path=root))
+    assert_one_line_error(e, os.path.join(root, "train", "zebra"), "empty class folder")
+    empty = tmp_path / "e"
+    os.makedirs(empty / "train")
+    os.makedirs(empty / "val")
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_path=str(empty)))
+    assert_one_line_error(e, empty / "train", "no class folders")
+
+
+def test_val_classes_differ(tmp_path):
+    root = make_folder(tmp_path)
+    save_img(os.path.join(root, "val", "emu", "0.png"))
+    os.rename(os.path.join(root, "val", "dog"), os.path.join(root, "val", "doge"))
+    for is_train in (True, False):
+        with pytest.raises(D.DataLayoutError) as e:
+            D.build_dataset(is_train, make_args(data_path=root))
+        assert_one_line_error(e, os.path.join(root, "val"), "dog", "doge", "emu")
+
+
+def test_unknown_data_set():
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_set="MNIST"))
+    assert_one_line_error(e, "MNIST", "IMNET")
+
+
+def test_non_image_files_counted_and_warned(tmp_path):
+    root = make_folder(tmp_path)
+    for p in ("train/cat/readme.txt", "train/dog/labels.csv", "train/dog/.DS_Store"):
+        with open(os.path.join(root, p), "w") as f:
+            f.write("x")
+    os.makedirs(os.path.join(root, "train", ".ipynb_checkpoints"))  # hidden: not a class
+    with pytest.warns(UserWarning, match=r"skipped 2 non-image file"):
+        ds, nc = D.build_dataset(True, make_args(data_path=root))
+    assert nc == 2 and len(ds) == 6 and len(ds.skipped_files) == 2
+    assert all(p.endswith(".png") for p, _ in ds.samples)
+
+
+# ---------------------------------------------------------------------------- bad images
+def corrupt_folder(tmp_path):
+    root = make_folder(tmp_path, ext=".jpg")
+    trunc = os.path.join(root, "train", "cat", "1.jpg")
+    noise = Image.frombytes("RGB", (64, 64), os.urandom(64 * 64 * 3))
+    noise.save(trunc, quality=95)
+    data = open(trunc, "rb").read()
+    with open(trunc, "wb") as f:
+        f.write(data[: len(data) // 2])  # truncated JPEG
+    garbage = os.path.join(root, "val", "dog", "0.jpg")
+    with open(garbage, "wb") as f:
+        f.write(b"this is not a jpeg at all")
+    return root, trunc, garbage
+
+
+def test_corrupt_train_image_replaced_and_reported(tmp_path):
+    root, trunc, _ = corrupt_folder(tmp_path)
+    ds, _ = D.build_dataset(True, make_args(data_path=root))
+    i = [p for p, _ in ds.samples].index(trunc)
+    with pytest.warns(D.BadSampleWarning, match=trunc):
+        x, y = ds[i]
+    assert x.shape == (3, 32, 32) and y == ds.samples[i + 1][1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # second time: no new warning, still replaced
+        ds[i]
+    assert D.bad_sample_paths(ds) == [trunc] and D.bad_sample_count(Subset(ds, [0])) == 1
+
+
+def test_corrupt_image_seen_by_worker_is_visible_in_main(tmp_path):
+    root, trunc, _ = corrupt_folder(tmp_path)
+    ds, _ = D.build_dataset(True, make_args(data_path=root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        n = sum(len(y) for _, y in DataLoader(ds, batch_size=2, num_workers=2))
+    assert n == len(ds)
+    assert D.bad_sample_paths(ds) == [trunc]
+
+
+def test_strict_data_raises_naming_file(tmp_path):
+    root, trunc, garbage = corrupt_folder(tmp_path)
+    ds, _ = D.build_dataset(True, make_args(data_path=root, strict_data=True))
+    with pytest.raises(D.BadSampleError, match=trunc):
+        ds[[p for p, _ in ds.samples].index(trunc)]
+    dv, _ = D.build_dataset(False, make_args(data_path=root, strict_data=True))
+    with pytest.raises(D.BadSampleError, match=garbage):
+        dv[[p for p, _ in dv.samples].index(garbage)]
+
+
+def test_corrupt_eval_image_is_ignored_not_miscounted(tmp_path):
+    root, _, garbage = corrupt_folder(tmp_path)
+    dv, _ = D.build_dataset(False, make_args(data_path=root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        targets = torch.cat([y for _, y in DataLoader(dv, batch_size=4)])
+    assert len(targets) == len(dv) == 6
+    assert int((targets == D.IGNORE_TARGET).sum()) == 1  # "evaluated 5 of 6"
+    assert D.bad_sample_paths(dv) == [garbage]
+
+
+# ---------------------------------------------------------------------------- CIFAR / INAT
+def test_cifar_absent_is_clear(tmp_path):
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_set="CIFAR", data_path=str(tmp_path)))
+    assert_one_line_error(e, tmp_path, "cifar-100-python", "CIFAR-100 not found")
+    assert not os.listdir(tmp_path)  # nothing downloaded
+
+
+def make_inat(root, year=2018):
+    cats = [dict(id=0, name="rosa", kingdom="Plantae"), dict(id=1, name="quercus", kingdom="Plantae"),
+            dict(id=2, name="apis", kingdom="Animalia")]
+    json.dump(cats, open(os.path.join(root, "categories.json"), "w"))
+    for split, per in (("train", 2), ("val", 1)):
+        images, anns = [], []
+        for cid, kd in ((2, "Animalia"), (0, "Plantae"), (1, "Plantae")):
+            for k in range(per):
+                iid = len(images)
+                fname = f"train_val{year}/{kd}/{cid}/{split}{k}.jpg"
+                save_img(os.path.join(root, fname), fmt="JPEG")
+                images.append(dict(id=iid, file_name=fname))
+                anns.append(dict(image_id=iid, category_id=cid))
+        json.dump(dict(images=images, annotations=anns),
+                  open(os.path.join(root, f"{split}{year}.json"), "w"))
+
+
+def test_inat_layout_and_categories(tmp_path):
+    make_inat(str(tmp_path))
+    ds, nc = D.build_dataset(True, make_args(data_set="INAT", data_path=str(tmp_path)))
+    assert (len(ds), nc) == (6, 3)
+    assert [t for _, t in ds.samples] == [0, 0, 1, 1, 2, 2]  # DeiT order: first appearance
+    dv, nk = D.build_dataset(False, make_args(data_set="INAT", data_path=str(tmp_path),
+                                              inat_category="kingdom"))
+    assert (len(dv), nk) == (3, 2) and [t for _, t in dv.samples] == [0, 1, 1]
+    assert dv[0][0].shape == (3, 32, 32)
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(True, make_args(data_set="INAT19", data_path=str(tmp_path)))
+    assert_one_line_error(e, "train2019.json", "missing annotation file")
+
+
+# ---------------------------------------------------------------------------- DIGITS
+def listing(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_digits_written_once_split_and_read_as_imagefolder(tmp_path):
+    root = str(tmp_path / "digits")
+    ds, nc = D.build_dataset(True, make_args(data_set="DIGITS", data_path=root, input_size=64))
+    dv, _ = D.build_dataset(False, make_args(data_set="DIGITS", data_path=root, input_size=64))
+    assert type(ds) is D.RobustImageFolder and nc == 10
+    assert (len(ds), len(dv)) == (1437, 360) and len(ds) + len(dv) == 1797
+    per_class = torch.bincount(torch.tensor(dv.targets), minlength=10)
+    assert per_class.min() >= 35 and per_class.max() <= 37  # stratified
+    assert not set(os.path.basename(p) for p, _ in ds.samples) & \
+        set(os.path.basename(p) for p, _ in dv.samples)
+    im = Image.open(ds.samples[0][0])
+    assert im.mode == "RGB" and im.size == (32, 32)
+    assert dv[0][0].shape == (3, 64, 64)
+    # idempotent: a second call does not rewrite anything
+    marker = os.path.join(root, D.DIGITS_MARKER)
+    before = (listing(root), os.stat(marker).st_mtime_ns)
+    D.prepare_digits(root)
+    assert (listing(root), os.stat(marker).st_mtime_ns) == before
+    # deterministic: an independent write gives the same split and the same bytes
+    other = D.prepare_digits(str(tmp_path / "again"))
+    assert listing(other) == before[0]
+    f = os.path.join("val", "3", sorted(os.listdir(os.path.join(root, "val", "3")))[0])
+    assert open(os.path.join(root, f), "rb").read() == open(os.path.join(other, f), "rb").read()
+    assert [e for e in os.listdir(tmp_path) if ".tmp-" in e] == []
+
+
+def test_digits_default_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert D.default_data_path("DIGITS") == os.path.join(".", "data", "digits")
+    assert D.default_data_path("IMNET") is None
+    written = []
+    monkeypatch.setattr(D, "prepare_digits", lambda r: written.append(r) or r)
+    for p in ("", None, D.DEIT_DEFAULT_DATA_PATH):
+        with pytest.raises(D.DataLayoutError):  # the stub wrote nothing: layout error follows
+            D.build_dataset(True, make_args(data_set="DIGITS", data_path=p))
+    assert written == [os.path.join(".", "data", "digits")] * 3
+
+
+def test_digits_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    root = str(tmp_path / "digits")
+
+    def dies(dest):
+        os.makedirs(os.path.join(dest, "train", "0"))
+        raise KeyboardInterrupt  # killed mid-write
+    monkeypatch.setattr(D, "_write_digits", dies)
+    with pytest.raises(KeyboardInterrupt):
+        D.prepare_digits(root)
+    assert os.listdir(tmp_path) == []
+    # a stale temp dir of a dead writer (kill -9) is never read and is cleaned up later
+    stale = tmp_path / f".digits.tmp-{os.uname().nodename}-999999999-deadbeef"
+    os.makedirs(stale / "train" / "0")
+    monkeypatch.undo()
+    D.prepare_digits(root)
+    assert sorted(os.listdir(tmp_path)) == ["digits"]
+
+
+def test_digits_foreign_nonempty_dir_is_layout_error(tmp_path):
+    (tmp_path / "stuff.txt").write_text("x")
+    with pytest.raises(D.DataLayoutError) as e:
+        D.prepare_digits(str(tmp_path))
+    assert_one_line_error(e, tmp_path, "not a digits data set")
+
+
+def test_digits_concurrent_writers(tmp_path):
+    root = str(tmp_path / "digits")
+    code = ("import sys; sys.path.insert(0, %r); import datasets as D; "
+            "D.prepare_digits(%r); print('ok')" % (ROOT, root))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted(os.listdir(tmp_path)) == ["digits"]  # no temp dir left behind
+    files = listing(root)
+    assert len([f for f in files if f.endswith(".png")]) == 1797 and D.DIGITS_MARKER in files
