@@ -217,8 +217,8 @@ class RobustImageFolder(_BadSampleMixin, datasets.ImageFolder):
         for cls in sorted(class_to_idx):
             cls_dir = os.path.join(directory, cls)
             n_before = len(samples)
-            for dirpath, dirnames, filenames in sorted(os.walk(cls_dir, followlinks=True)):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for dirpath, dirnames, filenames in os.walk(cls_dir, followlinks=True):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # prune hidden
                 for name in sorted(filenames):
                     if name.startswith("."):
                         continue

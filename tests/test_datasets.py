@@ -143,9 +143,11 @@ def test_non_image_files_counted_and_warned(tmp_path):
         with open(os.path.join(root, p), "w") as f:
             f.write("x")
     os.makedirs(os.path.join(root, "train", ".ipynb_checkpoints"))  # hidden: not a class
+    save_img(os.path.join(root, "train", "cat", ".ipynb_checkpoints", "0-checkpoint.png"))
+    save_img(os.path.join(root, "train", "cat", "extra", "sub.png"))  # nested images are read
     with pytest.warns(UserWarning, match=r"skipped 2 non-image file"):
         ds, nc = D.build_dataset(True, make_args(data_path=root))
-    assert nc == 2 and len(ds) == 6 and len(ds.skipped_files) == 2
+    assert nc == 2 and len(ds) == 7 and len(ds.skipped_files) == 2
     assert all(p.endswith(".png") for p, _ in ds.samples)
 
 
