@@ -1,0 +1,525 @@
+"""Helpers of the training engine: distributed setup, progress logging, checkpoints, RNG state, signals.
+
+Everything here is independent of the model: the engine only needs `import models` to register the
+NaLaFormer variants in timm.
+"""
+import datetime
+import errno
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict, deque
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors that end the run with one line and a non-zero exit status (no stack trace).
+# --------------------------------------------------------------------------------------------------
+class UserError(Exception):
+    """A problem the user can fix (bad flag, bad file, bad checkpoint): printed as one line."""
+
+    exit_code = 1
+
+
+class CheckpointError(UserError):
+    pass
+
+
+class CheckpointWriteError(UserError):
+    pass
+
+
+class NonFiniteLossError(UserError):
+    pass
+
+
+class PeerLostError(UserError):
+    """Another process of the job died or stopped answering."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed
+# --------------------------------------------------------------------------------------------------
+def is_dist_avail_and_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size():
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def get_rank():
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def is_main_process():
+    return get_rank() == 0
+
+
+def launch_env():
+    """(rank, world_size, local_rank, launcher) read from the environment, without starting anything.
+
+    torchrun and `torch.distributed.launch --use_env` set RANK/WORLD_SIZE/LOCAL_RANK; SLURM's srun
+    sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; otherwise this is a plain single process.
+    """
+    env = os.environ
+    if 'RANK' in env and 'WORLD_SIZE' in env:
+        return int(env['RANK']), int(env['WORLD_SIZE']), int(env.get('LOCAL_RANK', 0)), 'torchrun'
+    if 'SLURM_PROCID' in env and int(env.get('SLURM_NTASKS', '1')) > 1:
+        return int(env['SLURM_PROCID']), int(env['SLURM_NTASKS']), int(env.get('SLURM_LOCALID', 0)), 'slurm'
+    return 0, 1, 0, 'none'
+
+
+def _slurm_master_addr():
+    nodelist = os.environ.get('SLURM_STEP_NODELIST') or os.environ.get('SLURM_JOB_NODELIST') or os.environ.get('SLURM_NODELIST', '')
+    try:
+        out = subprocess.run(['scontrol', 'show', 'hostnames', nodelist], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    # simple fallback for "node[01-04],other" style lists: take the first host
+    first = nodelist.split(',')[0]
+    if '[' in first:
+        prefix, rest = first.split('[', 1)
+        first = prefix + rest.split('-')[0].split(',')[0].rstrip(']')
+    return first or '127.0.0.1'
+
+
+def init_distributed_mode(args):
+    """Start the process group if a launcher asked for several processes; sets args.rank,
+    args.world_size, args.gpu, args.distributed, args.dist_backend and args.device."""
+    rank, world_size, local_rank, launcher = launch_env()
+    if args.local_rank is not None and launcher == 'none':
+        # old `torch.distributed.launch` without --use_env passes --local-rank; the rest is in env
+        local_rank = args.local_rank
+    args.rank, args.world_size, args.gpu, args.launcher = rank, world_size, local_rank, launcher
+    use_cuda = str(args.device).startswith('cuda') and torch.cuda.is_available()
+    if use_cuda:
+        args.device = f'cuda:{local_rank}' if world_size > 1 else (args.device if ':' in str(args.device) else 'cuda')
+    else:
+        args.device = 'cpu'
+    if world_size == 1:
+        args.distributed = False
+        args.dist_backend = None
+        return
+    if launcher == 'slurm':
+        os.environ.setdefault('MASTER_ADDR', _slurm_master_addr())
+        os.environ.setdefault('MASTER_PORT', '29500')
+        os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'] = str(rank), str(world_size), str(local_rank)
+    args.distributed = True
+    args.dist_backend = 'nccl' if use_cuda else 'gloo'
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    kwargs = dict(backend=args.dist_backend, init_method=args.dist_url, world_size=world_size, rank=rank,
+                  timeout=datetime.timedelta(seconds=args.dist_timeout))
+    if use_cuda:
+        kwargs['device_id'] = torch.device('cuda', local_rank)
+    try:
+        dist.init_process_group(**kwargs)
+    except Exception as e:  # noqa: BLE001 - report rendezvous problems as one line
+        raise PeerLostError(f'could not join the process group (rank {rank} of {world_size}, '
+                            f'{args.dist_url}, backend {args.dist_backend}): {first_line(e)}') from e
+    barrier()
+    setup_for_distributed(rank == 0)
+
+
+def barrier():
+    if is_dist_avail_and_initialized():
+        dist.barrier()
+
+
+def setup_for_distributed(is_master):
+    """Only rank 0 prints, unless print(..., force=True)."""
+    import builtins as __builtin__
+    builtin_print = __builtin__.print
+
+    def print(*args, **kwargs):  # noqa: A001
+        force = kwargs.pop('force', False)
+        if is_master or force:
+            builtin_print(*args, **kwargs)
+
+    __builtin__.print = print
+
+
+def all_reduce_sum(values, device):
+    """Sum a list of numbers over all processes (float64 so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if is_dist_avail_and_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_max(values, device):
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if is_dist_avail_and_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def first_line(e):
+    msg = str(e).strip().splitlines()
+    return msg[0] if msg else type(e).__name__
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress logging (DeiT/torchvision MetricLogger with an img/s meter)
+# --------------------------------------------------------------------------------------------------
+class SmoothedValue:
+    def __init__(self, window_size=20, fmt=None):
+        self.deque = deque(maxlen=window_size)
+        self.total = 0.0
+        self.count = 0
+        self.fmt = fmt or '{median:.4f} ({global_avg:.4f})'
+
+    def update(self, value, n=1):
+        self.deque.append(value)
+        self.count += n
+        self.total += value * n
+
+    def synchronize_between_processes(self, device='cpu'):
+        if not is_dist_avail_and_initialized():
+            return
+        count, total = all_reduce_sum([self.count, self.total], device)
+        self.count, self.total = int(count), total
+
+    @property
+    def median(self):
+        return float(np.median(list(self.deque))) if self.deque else 0.0
+
+    @property
+    def avg(self):
+        return float(np.mean(list(self.deque))) if self.deque else 0.0
+
+    @property
+    def global_avg(self):
+        return self.total / max(self.count, 1)
+
+    @property
+    def max(self):
+        return max(self.deque) if self.deque else 0.0
+
+    @property
+    def value(self):
+        return self.deque[-1] if self.deque else 0.0
+
+    def __str__(self):
+        return self.fmt.format(median=self.median, avg=self.avg, global_avg=self.global_avg,
+                               max=self.max, value=self.value)
+
+
+class MetricLogger:
+    def __init__(self, delimiter='  '):
+        self.meters = defaultdict(SmoothedValue)
+        self.delimiter = delimiter
+
+    def update(self, n=1, **kwargs):
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            self.meters[k].update(float(v), n=n)
+
+    def __getattr__(self, attr):
+        if attr in self.__dict__.get('meters', {}):
+            return self.meters[attr]
+        raise AttributeError(attr)
+
+    def __str__(self):
+        return self.delimiter.join(f'{name}: {meter}' for name, meter in self.meters.items())
+
+    def synchronize_between_processes(self, device='cpu'):
+        for meter in self.meters.values():
+            meter.synchronize_between_processes(device)
+
+    def add_meter(self, name, meter):
+        self.meters[name] = meter
+
+    def log_every(self, iterable, print_freq, header='', total=None, start=0, images_per_step=None):
+        """Yield from `iterable`, printing a progress line (ETA, meters, img/s) every `print_freq` steps."""
+        total = len(iterable) if total is None else total
+        start_time = end = time.time()
+        iter_time = SmoothedValue(fmt='{avg:.4f}')
+        data_time = SmoothedValue(fmt='{avg:.4f}')
+        width = len(str(total))
+        for i, obj in enumerate(iterable, start=start):
+            data_time.update(time.time() - end)
+            yield obj
+            iter_time.update(time.time() - end)
+            if i % print_freq == 0 or i == total - 1:
+                eta = str(datetime.timedelta(seconds=int(iter_time.global_avg * (total - i - 1))))
+                ips = ''
+                if images_per_step and iter_time.avg > 0:
+                    ips = f'{self.delimiter}img/s: {images_per_step / iter_time.avg:.1f}'
+                print(f'{header} [{i:>{width}}/{total}]{self.delimiter}eta: {eta}{self.delimiter}{self}'
+                      f'{ips}{self.delimiter}time: {iter_time}{self.delimiter}data: {data_time}', flush=True)
+            end = time.time()
+        total_time = str(datetime.timedelta(seconds=int(time.time() - start_time)))
+        print(f'{header} Total time: {total_time}', flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Random-number state (torch, CUDA, numpy, python) as weights_only-loadable plain objects
+# --------------------------------------------------------------------------------------------------
+def get_rng_state():
+    np_state = np.random.get_state()
+    state = {
+        'torch': torch.get_rng_state(),
+        'numpy': {'name': str(np_state[0]), 'keys': torch.from_numpy(np_state[1].astype(np.int64)),
+                  'pos': int(np_state[2]), 'has_gauss': int(np_state[3]), 'cached_gaussian': float(np_state[4])},
+        'python': _to_plain(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state['torch'])
+    n = state['numpy']
+    np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'], n['cached_gaussian']))
+    py = state['python']
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def _to_plain(obj):
+    """Convert to types that torch.load(weights_only=True) accepts (dict/list/tuple/str/int/float/bool/None)."""
+    if isinstance(obj, dict):
+        return {str(k): _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_plain(v) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return str(obj)
+
+
+def args_to_dict(args):
+    return _to_plain(dict(vars(args)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: atomic writes, safe loads, clear errors
+# --------------------------------------------------------------------------------------------------
+TMP_PREFIX = '.tmp-'
+
+
+def save_atomic(obj, path):
+    """torch.save to a temporary file in the same directory, fsync, then os.replace: a crash at any
+    moment leaves either the previous file or the new one, never a half-written one."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + '.', dir=directory)
+        with os.fdopen(fd, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        try:
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else first_line(e)
+        if e.errno == errno.ENOSPC:
+            reason = 'no space left on device'
+        raise CheckpointWriteError(f'could not write checkpoint {path}: {reason}; '
+                                   f'the previous {os.path.basename(path)} (if any) is kept') from e
+    except RuntimeError as e:  # torch.save wraps some write failures (e.g. file too large) in RuntimeError
+        raise CheckpointWriteError(f'could not write checkpoint {path}: {first_line(e)}; '
+                                   f'the previous {os.path.basename(path)} (if any) is kept') from e
+    finally:
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+
+
+def remove_stale_tmp(directory):
+    """Temporary files left by a process killed mid-write (kill -9)."""
+    for p in glob.glob(os.path.join(glob.escape(directory), TMP_PREFIX + '*')):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+
+
+def load_checkpoint_file(path):
+    """torch.load(weights_only=True) with one-line errors for missing, truncated, foreign and unsafe files."""
+    path = os.fspath(path)
+    if path.startswith(('http://', 'https://')):
+        raise CheckpointError(f'{path}: downloading checkpoints is disabled; download it yourself and pass the local file')
+    if not os.path.exists(path):
+        raise CheckpointError(f'checkpoint {path} does not exist')
+    if os.path.isdir(path):
+        raise CheckpointError(f'checkpoint {path} is a directory, expected a .pth file')
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f'checkpoint {path} is empty (0 bytes)')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        if 'Weights only load failed' in msg or 'weights_only' in msg.lower() and 'unsupported' in msg.lower():
+            raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
+                                  f'refusing to unpickle it (weights_only=True)') from e
+        if 'central directory' in msg or 'zip archive' in msg or 'unexpected EOF' in msg or 'EOFError' in type(e).__name__ \
+                or isinstance(e, EOFError) or 'truncated' in msg.lower():
+            with open(path, 'rb') as f:
+                magic = f.read(4)
+            if magic[:2] == b'PK':
+                raise CheckpointError(f'checkpoint {path} is truncated or corrupt '
+                                      f'({os.path.getsize(path)} bytes); use an older backup checkpoint') from e
+        raise CheckpointError(f'{path} is not a PyTorch checkpoint ({first_line(e)})') from e
+    return ckpt
+
+
+def checkpoint_state_dict(ckpt, path):
+    """The model weights of a loaded checkpoint: 'model' (training checkpoints), 'state_dict', or a bare state dict."""
+    if isinstance(ckpt, dict):
+        for key in ('model', 'state_dict', 'model_ema'):
+            if key in ckpt and isinstance(ckpt[key], dict):
+                sd = ckpt[key]
+                break
+        else:
+            sd = ckpt
+        if sd and all(isinstance(v, torch.Tensor) for v in sd.values()):
+            return {k[7:] if k.startswith('module.') else k: v for k, v in sd.items()}
+    raise CheckpointError(f'{path} is a torch file but holds no model weights '
+                          f'(expected a dict with a "model" state dict)')
+
+
+def classifier_keys(model):
+    """State-dict keys of the classifier (those re-initialised by --finetune)."""
+    keys = set()
+    get = getattr(model, 'get_classifier', None)
+    clf = get() if callable(get) else None
+    if isinstance(clf, torch.nn.Module):
+        ids = {id(p) for p in clf.parameters()}
+        for name, p in model.named_parameters():
+            if id(p) in ids:
+                keys.add(name)
+    return keys
+
+
+def guess_variant(sd, candidates, num_classes):
+    """Name of the registered model whose key/shape set matches `sd` best (ignoring the classifier)."""
+    import timm
+    best, best_score = None, -1.0
+    target = {k: tuple(v.shape) for k, v in sd.items()}
+    for name in candidates:
+        try:
+            with torch.device('meta'):
+                m = timm.create_model(name, num_classes=num_classes)
+        except Exception:  # noqa: BLE001
+            continue
+        ref = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        common = set(ref) | set(target)
+        score = sum(1 for k in common if k in ref and k in target and ref[k] == target[k]) / max(len(common), 1)
+        if score > best_score:
+            best, best_score = name, score
+    return best, best_score
+
+
+def describe_mismatch(model, sd, model_name, path, candidates=()):
+    """One line explaining why `sd` does not load into `model` strictly (None if it does)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    wrong = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
+    if not (missing or unexpected or wrong):
+        return None
+    clf = classifier_keys(model)
+    if not missing and not unexpected and wrong and set(wrong) <= clf:
+        k = sorted(wrong)[0]
+        n_ckpt = sd[k].shape[0]
+        return (f'{path} has a {n_ckpt}-class classifier but the model has {own[k].shape[0]} classes; '
+                f'to start from it with a new head use --finetune {path}')
+    guess, score = guess_variant(sd, [c for c in candidates if c != model_name], num_classes=1000)
+    if guess is not None and score > 0.9:
+        return f'{path} looks like a {guess} checkpoint, not {model_name}; pass --model {guess}'
+    detail = []
+    if missing:
+        detail.append(f'{len(missing)} missing keys (e.g. {missing[0]})')
+    if unexpected:
+        detail.append(f'{len(unexpected)} unexpected keys (e.g. {unexpected[0]})')
+    if wrong:
+        k = wrong[0]
+        detail.append(f'{len(wrong)} shape mismatches (e.g. {k}: {tuple(sd[k].shape)} vs {tuple(own[k].shape)})')
+    return f'{path} does not match {model_name}: ' + ', '.join(detail)
+
+
+# --------------------------------------------------------------------------------------------------
+# Graceful stop on SIGTERM / SIGINT
+# --------------------------------------------------------------------------------------------------
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the training loop checks it (agreed over all ranks) at each step boundary.
+    A second SIGINT aborts at once."""
+
+    def __init__(self):
+        self.signum = None
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+        if hasattr(signal, 'SIGUSR1'):  # some schedulers warn with SIGUSR1 before SIGTERM
+            signal.signal(signal.SIGUSR1, self._handler)
+
+    def _handler(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @property
+    def requested(self):
+        return self.signum is not None
+
+    def name(self):
+        return signal.Signals(self.signum).name if self.signum is not None else ''
+
+
+def worker_init_fn(worker_id):
+    # Data-loader workers leave SIGINT/SIGTERM to the main process, which stops them cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def state_digest(state_dict):
+    """sha256 over the names and bytes of a state dict (compare weights across ranks/runs)."""
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        v = state_dict[k].detach().cpu().contiguous()
+        h.update(k.encode())
+        h.update(v.view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b'')
+    return h.hexdigest()[:16]
+
+
+def write_json_line(path, obj):
+    with open(path, 'a') as f:
+        f.write(json.dumps(obj) + '\n')
+        f.flush()
+
+
+def eprint(*a):
+    """Print to stderr on every rank (error lines)."""
+    sys.stderr.write(' '.join(str(x) for x in a) + '\n')
+    sys.stderr.flush()
