@@ -390,16 +390,19 @@ def prepare_digits(root: str) -> str:
                             "an empty or absent directory to write the digits into, or "
                             + IMAGEFOLDER_LAYOUT)
     parent, base = os.path.split(os.path.abspath(root))
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{base}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        os.makedirs(parent, exist_ok=True)
         _write_digits(tmp)
         try:
             os.rename(tmp, root)  # atomic; replaces only an absent or empty directory
         except OSError:
-            if not _digits_complete(root):
+            if not _digits_complete(root):  # not a lost race with another writer
                 raise
         _cleanup_stale_tmp(parent, base)
+    except OSError as exc:
+        raise _layout_error(root, f"cannot write the digits data set ({exc})",
+                            "a writable --data-path for DIGITS") from exc
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,6 @@
 """datasets.py: builders on tiny generated folders, layout errors, bad images, DIGITS writer."""
 import json
 import os
-import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
@@ -318,13 +317,47 @@ def test_digits_foreign_nonempty_dir_is_layout_error(tmp_path):
 
 
 def test_digits_concurrent_writers(tmp_path):
+    import multiprocessing as mp
     root = str(tmp_path / "digits")
-    code = ("import sys; sys.path.insert(0, %r); import datasets as D; "
-            "D.prepare_digits(%r); print('ok')" % (ROOT, root))
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    procs = [mp.get_context("fork").Process(target=D.prepare_digits, args=(root,)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
     assert sorted(os.listdir(tmp_path)) == ["digits"]  # no temp dir left behind
     files = listing(root)
     assert len([f for f in files if f.endswith(".png")]) == 1797 and D.DIGITS_MARKER in files
+
+
+def test_digits_killed_writer_leaves_no_dataset(tmp_path):
+    import signal
+    import time
+    root = str(tmp_path / "digits")
+    import multiprocessing as mp
+    p = mp.get_context("fork").Process(target=D.prepare_digits, args=(root,))
+    p.start()
+    deadline = time.time() + 60
+
+    def pngs_in_tmp():
+        tmps = [e for e in os.listdir(tmp_path) if ".tmp-" in e]
+        d = os.path.join(tmp_path, tmps[0], "train", "0") if tmps else ""
+        return len(os.listdir(d)) if os.path.isdir(d) else 0
+    while time.time() < deadline and pngs_in_tmp() < 5:  # wait until it is mid-write
+        time.sleep(0.002)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+    assert not os.path.exists(root)  # never a half-written data set under the real name
+    assert len([e for e in os.listdir(tmp_path) if ".tmp-" in e]) == 1
+    D.prepare_digits(root)  # a later run writes it and removes the dead writer's leftovers
+    assert sorted(os.listdir(tmp_path)) == ["digits"]
+    assert len([f for f in listing(root) if f.endswith(".png")]) == 1797
+
+
+def test_digits_unwritable_path_is_layout_error(tmp_path):
+    (tmp_path / "afile").write_text("x")  # a file where a folder is needed: fails even as root
+    bad = tmp_path / "afile" / "digits"
+    with pytest.raises(D.DataLayoutError) as e:
+        D.prepare_digits(str(bad))
+    assert_one_line_error(e, bad, "cannot write")
