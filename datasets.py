@@ -44,7 +44,10 @@ Either way the path is warned once (``BadSampleWarning``) and recorded in a per-
 lives in shared memory, so it is visible from the main process even when DataLoader workers did the
 loading. Read it with ``bad_sample_paths(dataset) -> list[str]`` / ``bad_sample_count(dataset)``
 (cumulative since the dataset was built; works through ``Subset`` wrappers; [] / 0 for CIFAR).
-Each rank records only the samples it loaded: sum the counts across ranks for a global figure.
+Each rank records only the samples it loaded, and with repeated augmentation the same image is
+loaded on several ranks, so do not sum per-rank counts: ``bad_sample_count_all_ranks(dataset,
+device)`` all-reduces the per-index flags (``bad_sample_mask``) with MAX and counts each bad file
+once (a collective: call it on every rank; ``device`` must be CUDA under NCCL).
 
 Non-image files inside class folders (by extension, torchvision's ``IMG_EXTENSIONS``) are skipped,
 counted (``dataset.skipped_files``) and reported in one ``UserWarning`` per split; they are not a
@@ -85,7 +88,7 @@ from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 __all__ = [
     "DataLayoutError", "BadSampleError", "BadSampleWarning", "IGNORE_TARGET", "RobustImageFolder",
     "INatDataset", "build_dataset", "build_transform", "default_data_path", "prepare_digits",
-    "bad_sample_paths", "bad_sample_count",
+    "bad_sample_paths", "bad_sample_count", "bad_sample_mask", "bad_sample_count_all_ranks",
 ]
 
 IGNORE_TARGET = -100
@@ -515,3 +518,22 @@ def bad_sample_count(dataset: Any) -> int:
     if not hasattr(ds, "_bad"):
         return 0
     return int(ds._bad[: len(ds.samples)].sum())
+
+
+def bad_sample_mask(dataset: Any) -> torch.Tensor:
+    """Copy of the per-index flags (uint8, 1 = undecodable) of ``dataset``; empty if not tracked."""
+    ds = _unwrap(dataset)
+    if not hasattr(ds, "_bad"):
+        return torch.zeros(0, dtype=torch.uint8)
+    return ds._bad[: len(ds.samples)].clone()
+
+
+def bad_sample_count_all_ranks(dataset: Any, device: Any = "cpu") -> int:
+    """Distinct undecodable files found by any rank (collective when torch.distributed is up)."""
+    import torch.distributed as dist
+    mask = bad_sample_mask(dataset)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return int(mask.sum())
+    flags = mask.to(device=device, dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return int(flags.sum())

@@ -176,6 +176,38 @@ def test_corrupt_train_image_replaced_and_reported(tmp_path):
         warnings.simplefilter("error")  # second time: no new warning, still replaced
         ds[i]
     assert D.bad_sample_paths(ds) == [trunc] and D.bad_sample_count(Subset(ds, [0])) == 1
+    assert D.bad_sample_mask(ds).tolist() == [int(p == trunc) for p, _ in ds.samples]
+    assert D.bad_sample_count_all_ranks(ds) == 1
+
+
+def _rank_finds_bad(rank, root, trunc, init_file, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ds, _ = D.build_dataset(True, make_args(data_path=root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds[[p for p, _ in ds.samples].index(trunc)]  # both ranks load the same bad file (RA repeats)
+        if rank == 1:
+            ds[len(ds) - 1]  # and only rank 1 meets a second one
+    out.put((rank, D.bad_sample_count(ds), D.bad_sample_count_all_ranks(ds)))
+    dist.destroy_process_group()
+
+
+def test_bad_count_across_ranks_counts_each_file_once(tmp_path):
+    import multiprocessing as mp
+    root, trunc, _ = corrupt_folder(tmp_path)
+    with open(os.path.join(root, "train", "dog", "2.jpg"), "wb") as f:
+        f.write(b"garbage")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_finds_bad, args=(r, root, trunc, str(tmp_path / "init"), out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert sorted(out.get(timeout=5) for _ in procs) == [(0, 1, 2), (1, 2, 2)]  # distinct files: 2, not 3
 
 
 def test_corrupt_image_seen_by_worker_is_visible_in_main(tmp_path):
