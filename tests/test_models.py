@@ -1,0 +1,392 @@
+"""Model zoo: faithfulness to the reference, the NaLa math, and the timm API (issue 2)."""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import timm
+import timm.optim
+import models
+from models import NALA_IMPLS, VARIANTS
+from models.nala import NALA_EPS, RoPE, apply_rope, nala_kernel_terms
+from reference_impl import read_keys, reference_forward, seeded_state_dict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_REFERENCE = os.path.join(os.path.dirname(REPO), 'shared', 'reference')
+sys.path.insert(0, REPO)
+from tools.flops import count_flops, count_params  # noqa: E402
+
+
+def keys_file(variant):
+    path = os.path.join(SHARED_REFERENCE, f'{variant}.keys.txt')
+    if not os.path.exists(path):
+        pytest.skip(f'{path} is not present (the reference key lists live in ../shared/reference)')
+    return path
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope='module')
+def xt_seeded(tmp_path_factory):
+    """The name-seeded XT weights saved as a bare reference state dict file."""
+    sd = seeded_state_dict(read_keys(keys_file('NALAFORMER_XT')))
+    path = tmp_path_factory.mktemp('ckpt') / 'xt_seeded.pth'
+    torch.save(sd, path)
+    return sd, str(path)
+
+
+# ---- faithfulness -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize('variant', list(VARIANTS))
+def test_state_dict_layout_matches_reference(variant):
+    rows = read_keys(keys_file(variant))
+    sd = timm.create_model(variant).state_dict()
+    assert list(sd) == [r[0] for r in rows]
+    for key, shape, dtype in rows:
+        assert tuple(sd[key].shape) == shape, key
+        assert str(sd[key].dtype) == f'torch.{dtype}', key
+
+
+def test_reference_test_vector():
+    """The reference model's logits for the name-seeded XT weights (SPEC section 6)."""
+    path = os.path.join(SHARED_REFERENCE, 'NALAFORMER_XT_224_logits.json')
+    if not os.path.exists(path):
+        pytest.skip(f'{path} is not shipped in ../shared/reference; '
+                    'test_matches_independent_reference covers the same weights and input')
+    with open(path) as f:
+        data = json.load(f)
+    expected = torch.tensor(data['logits'] if isinstance(data, dict) else data, dtype=torch.float32)
+    sd = seeded_state_dict(read_keys(keys_file('NALAFORMER_XT')))
+    model = timm.create_model('NALAFORMER_XT').eval()
+    model.load_state_dict(sd, strict=True)
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(model(x), expected.reshape(2, -1)) <= 1e-4
+
+
+@pytest.mark.parametrize('size', [(224, 224), (32, 32), (96, 40), (45, 77)])
+@pytest.mark.parametrize('attn_impl', sorted(NALA_IMPLS))
+def test_matches_independent_reference(xt_seeded, size, attn_impl):
+    """Seeded weights loaded through timm's checkpoint_path give the reference's logits."""
+    sd, path = xt_seeded
+    model = timm.create_model('NALAFORMER_XT', checkpoint_path=path, attn_impl=attn_impl).eval()
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(model(x), reference_forward(sd, 'NALAFORMER_XT', x)) <= 1e-4
+
+
+@pytest.mark.parametrize('variant', ['NALAFORMER_T', 'NALAFORMER_S', 'NALAFORMER_L'])
+def test_other_variants_match_independent_reference(variant):
+    sd = seeded_state_dict(read_keys(keys_file(variant)))
+    model = timm.create_model(variant).eval()
+    model.load_state_dict(sd, strict=True)
+    x = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(x), reference_forward(sd, variant, x)) <= 1e-4
+
+
+REFERENCE_FIGURES = {  # params (M), fvcore GFLOPs of the reference model at 224 (SPEC section 5)
+    'NALAFORMER_XT': (6.14, 0.652), 'NALAFORMER_T': (15.91, 2.875), 'NALAFORMER_S': (25.65, 5.065),
+    'NALAFORMER_B': (52.00, 11.792), 'NALAFORMER_L': (95.43, 17.748),
+}
+
+
+@pytest.mark.parametrize('variant', list(VARIANTS))
+def test_params_and_fvcore_flops_match_reference(variant):
+    model = timm.create_model(variant)
+    params, gflops = REFERENCE_FIGURES[variant]
+    assert count_params(model) / 1e6 == pytest.approx(params, abs=0.006)
+    assert count_flops(model) / 1e9 == pytest.approx(gflops, rel=0.01)
+
+
+def test_flops_cli_prints_every_variant(capsys):
+    from tools.flops import main
+    main(['--model', 'NALAFORMER_XT', 'nalaformer_t', '--input-size', '64', '96'])
+    out = capsys.readouterr().out
+    assert '3x64x96' in out and 'NALAFORMER_XT' in out and 'nalaformer_t' in out
+    with pytest.raises(SystemExit):
+        main(['--model', 'NALAFORMER_XXL'])
+
+
+# ---- the NaLa math ---------------------------------------------------------------------------
+
+def random_qkv(batch=2, heads=2, hw=(5, 7), d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = hw[0] * hw[1]
+    return [torch.randn(batch, heads, n, d, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def explicit_nala(q, k, v, sin, cos):
+    """The same kernel as an explicit N x N matrix: A_ij = Q~_i.K~_j / (N (Q_i.Kbar + eps))."""
+    d = q.shape[-1]
+    q_feat, k_feat = nala_kernel_terms(q, k)
+    rope2 = lambda t: torch.cat([apply_rope(t[..., :d], sin, cos), apply_rope(t[..., d:], sin, cos)], -1)
+    n = q.shape[-2]
+    denom = n * (q_feat @ k_feat.mean(-2, keepdim=True).transpose(-2, -1) + NALA_EPS)
+    attn = (rope2(q_feat) @ rope2(k_feat).transpose(-2, -1)) / denom
+    return attn @ v
+
+
+@pytest.mark.parametrize('hw', [(1, 1), (4, 4), (5, 7), (14, 9)])
+@pytest.mark.parametrize('impl', sorted(NALA_IMPLS))
+def test_linear_time_equals_explicit_matrix(hw, impl):
+    q, k, v = random_qkv(hw=hw)
+    sin, cos = (t.double() for t in RoPE(32, 2)(hw))
+    expected = explicit_nala(q, k, v, sin, cos)
+    got = NALA_IMPLS[impl](q.float(), k.float(), v.float(), sin.float(), cos.float())
+    assert rel_err(got.double(), expected) <= 1e-4
+
+
+def test_rope_tables_follow_spec():
+    rope = RoPE(64, 4)                                    # d = 16, m = 4
+    omega = 10000 ** -(torch.arange(4) / 3)
+    assert torch.allclose(rope.angle, omega.repeat_interleave(2))
+    sin, cos = rope((3, 5))
+    row, col = 2, 3
+    theta = torch.cat([row * rope.angle, col * rope.angle])
+    assert torch.allclose(sin[row * 5 + col], theta.sin()) and torch.allclose(cos[row * 5 + col], theta.cos())
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert torch.equal(apply_rope(x, torch.ones(4), torch.zeros(4)), torch.tensor([-2.0, 1.0, -4.0, 3.0]))
+
+
+def implied_rows(q, k):
+    """NaLa attention rows without RoPE: Q_i.K_j normalised over j."""
+    q_feat, k_feat = nala_kernel_terms(q, k)
+    scores = q_feat @ k_feat.transpose(-2, -1)
+    return scores / scores.sum(-1, keepdim=True)
+
+
+def entropy(rows):
+    return -(rows * torch.log(rows.clamp_min(1e-30))).sum(-1)
+
+
+def test_query_norm_controls_spikiness():
+    """Longer queries give spikier NaLa rows; plain ReLU linear attention cannot see the norm."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 256, 16, generator=g, dtype=torch.float64)
+    direction = F.normalize(torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64), dim=-1)
+    nala_entropy, relu_rows = [], []
+    for norm in (0.1, 0.3, 1.0, 3.0):
+        rows = implied_rows(norm * direction, k)
+        assert (rows >= 0).all()
+        assert torch.allclose(rows.sum(-1), torch.ones(1, 1, 64, dtype=torch.float64))
+        nala_entropy.append(entropy(rows).mean().item())
+        relu_scores = F.relu(norm * direction) @ F.relu(k).transpose(-2, -1)
+        relu_rows.append(relu_scores / relu_scores.sum(-1, keepdim=True))
+    assert all(a > b for a, b in zip(nala_entropy, nala_entropy[1:])), nala_entropy
+    for rows in relu_rows[1:]:
+        assert torch.allclose(rows, relu_rows[0])
+
+
+@pytest.mark.parametrize('impl', sorted(NALA_IMPLS))
+def test_zero_queries_and_relu_zeros_stay_finite(impl):
+    q, k, v = (t.float().requires_grad_() for t in random_qkv())
+    with torch.no_grad():
+        q[:, :, :3] = 0                                   # whole zero query vectors
+    sin, cos = RoPE(32, 2)((5, 7))
+    out = NALA_IMPLS[impl](q, k, v, sin, cos)
+    assert torch.isfinite(out).all() and (out[:, :, :3] == 0).all()
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+def test_zero_input_image_is_finite():
+    model = timm.create_model('NALAFORMER_XT', num_classes=3)
+    model.patch_embed.proj[-1].bias.data.zero_()
+    x = torch.zeros(2, 3, 32, 32, requires_grad=True)
+    for stage in model.layers[:2]:                        # make the first blocks see all-zero queries
+        for block in stage.blocks:
+            block.attn.qkvg.bias.data.zero_()
+    out = model(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ---- model behaviour -------------------------------------------------------------------------
+
+def test_gradients_reach_every_parameter():
+    model = timm.create_model('NALAFORMER_XT', num_classes=5)
+    model(torch.randn(2, 3, 48, 64)).logsumexp(-1).sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing
+
+
+def test_batch_independence_in_eval():
+    model = timm.create_model('NALAFORMER_XT', num_classes=5).eval()
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        full = model(x)
+        x2 = x.clone()
+        x2[1:] = torch.randn(3, 3, 64, 64) * 10
+        assert torch.allclose(model(x2)[0], full[0], atol=1e-5)
+        assert torch.allclose(model(x[:1])[0], full[0], atol=1e-5)
+
+
+@pytest.mark.parametrize('variant', list(VARIANTS))
+def test_every_variant_trains_and_round_trips(variant, tmp_path):
+    model = timm.create_model(variant, num_classes=7)
+    out = model(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 7)
+    out.sum().backward()
+    path = tmp_path / 'sd.pth'
+    torch.save(model.state_dict(), path)
+    clone = timm.create_model(variant, num_classes=7)
+    clone.load_state_dict(torch.load(path, weights_only=True), strict=True)
+    x = torch.randn(1, 3, 32, 32)
+    model.eval(), clone.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), clone(x))
+
+
+# ---- timm API --------------------------------------------------------------------------------
+
+def test_create_model_kwargs_reach_the_model():
+    model = timm.create_model('NALAFORMER_T', num_classes=10, drop_path_rate=0.2, in_chans=1, drop_rate=0.3)
+    assert model(torch.randn(2, 1, 32, 32)).shape == (2, 10)
+    assert model.patch_embed.proj[0].in_channels == 1
+    rates = [getattr(b.drop_path, 'drop_prob', 0.0) for s in model.layers for b in s.blocks]
+    assert rates[0] == 0 and rates[-1] == pytest.approx(0.2) and len(rates) == 12
+    assert model.head_drop.p == 0.3
+    assert 'nalaformer_xt' in timm.list_models('nalaformer*') and 'NALAFORMER_L' in timm.list_models('NALAFORMER*')
+
+
+def test_pretrained_cfg():
+    model = timm.create_model('nalaformer_s')
+    cfg = model.pretrained_cfg
+    assert cfg['mean'] == (0.485, 0.456, 0.406) and cfg['std'] == (0.229, 0.224, 0.225)
+    assert cfg['crop_pct'] == 0.875 and cfg['interpolation'] == 'bicubic' and cfg['input_size'] == (3, 224, 224)
+    assert isinstance(model.get_submodule(cfg['first_conv']), torch.nn.Conv2d)
+    assert model.get_submodule(cfg['classifier']) is model.get_classifier()
+    data_cfg = timm.data.resolve_data_config({}, model=model)
+    assert data_cfg['crop_pct'] == 0.875
+
+
+def test_forward_features_head_and_classifier():
+    model = timm.create_model('NALAFORMER_XT').eval()
+    x = torch.randn(2, 3, 64, 96)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape == (2, 384, 2, 3)
+        pre = model.forward_head(feats, pre_logits=True)
+        assert pre.shape == (2, model.head_hidden_size)
+        assert torch.allclose(model.get_classifier()(pre[:, :, None, None]).flatten(1), model(x), atol=1e-5)
+        model.reset_classifier(3)
+        assert model(x).shape == (2, 3) and model.get_classifier().out_channels == 3
+        model.reset_classifier(0)
+        assert torch.allclose(model(x), pre, atol=1e-5)
+
+
+def saved_tensor_bytes(model, x):
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    return out, total
+
+
+def test_grad_checkpointing_same_results_less_memory():
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=4).eval()   # eval: no drop path randomness
+    x = torch.randn(2, 3, 64, 64)
+    out_plain, bytes_plain = saved_tensor_bytes(model, x)
+    out_plain.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    out_ckpt, bytes_ckpt = saved_tensor_bytes(model, x)
+    out_ckpt.sum().backward()
+    assert torch.equal(out_plain, out_ckpt)
+    assert all(torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-7) for n, p in model.named_parameters())
+    assert bytes_ckpt < 0.5 * bytes_plain
+
+
+def test_features_only():
+    model = timm.create_model('NALAFORMER_S', features_only=True).eval()
+    assert model.feature_info.channels() == [64, 128, 320, 512]
+    assert model.feature_info.reduction() == [4, 8, 16, 32]
+    with torch.no_grad():
+        feats = model(torch.randn(1, 3, 128, 96))
+    assert [tuple(f.shape) for f in feats] == [(1, 64, 32, 24), (1, 128, 16, 12), (1, 320, 8, 6), (1, 512, 4, 3)]
+    partial = timm.create_model('NALAFORMER_XT', features_only=True, out_indices=(1, 2))
+    assert [f.shape[1] for f in partial(torch.randn(1, 3, 64, 64))] == [64, 128]
+
+
+def test_features_match_full_model():
+    full = timm.create_model('NALAFORMER_XT').eval()
+    feats = timm.create_model('NALAFORMER_XT', features_only=True).eval()
+    inner = feats.model.state_dict()                      # the pruned backbone: no proj/norm/head
+    assert set(inner) < set(full.state_dict()) and 'head.weight' not in inner
+    feats.model.load_state_dict({k: v for k, v in full.state_dict().items() if k in inner}, strict=True)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(feats(x)[-1], full.forward_features(x))
+
+
+def test_no_weight_decay_names_existing_parameters():
+    model = timm.create_model('NALAFORMER_XT')
+    names = dict(model.named_parameters())
+    assert all(n in names for n in model.no_weight_decay())
+    optimizer = timm.optim.create_optimizer_v2(model, 'adamw', lr=1e-3, weight_decay=0.05)
+    no_decay = {id(p) for g in optimizer.param_groups if g['weight_decay'] == 0 for p in g['params']}
+    assert id(model.layers[0].blocks[0].attn.qkvg.bias) in no_decay
+    assert id(model.layers[0].blocks[0].attn.qkvg.weight) not in no_decay
+
+
+def test_checkpoint_path_and_pretrained_file_load_training_checkpoints(xt_seeded, tmp_path):
+    sd, bare_path = xt_seeded
+    x = torch.randn(1, 3, 64, 64)
+    expected = reference_forward(sd, 'NALAFORMER_XT', x)
+    ddp = {'module.' + k: v for k, v in sd.items()}
+    for i, ckpt in enumerate([{'model': sd, 'epoch': 1}, {'model': ddp}, {'model_ema': sd, 'model': ddp}]):
+        path = tmp_path / f'ckpt{i}.pth'
+        torch.save(ckpt, path)
+        for model in (timm.create_model('NALAFORMER_XT', checkpoint_path=str(path)),
+                      timm.create_model('NALAFORMER_XT', pretrained=True,
+                                        pretrained_cfg_overlay=dict(file=str(path)))):
+            with torch.no_grad():
+                assert rel_err(model.eval()(x), expected) <= 1e-4
+    new_head = timm.create_model('NALAFORMER_XT', pretrained=True, num_classes=10,
+                                 pretrained_cfg_overlay=dict(file=bare_path))
+    assert new_head.get_classifier().out_channels == 10
+    assert torch.equal(new_head.layers[0].blocks[0].attn.qkvg.weight, sd['layers.0.blocks.0.attn.qkvg.weight'])
+
+
+def test_strict_loading_names_bad_keys(xt_seeded, tmp_path):
+    sd, _ = xt_seeded
+    bad = dict(sd)
+    bad.pop('layers.1.blocks.0.attn.ln.weight')
+    bad['layers.1.blocks.0.attn.extra'] = torch.zeros(1)
+    path = tmp_path / 'bad.pth'
+    torch.save(bad, path)
+    for kwargs in (dict(checkpoint_path=str(path)), dict(pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))):
+        with pytest.raises(RuntimeError) as err:
+            timm.create_model('NALAFORMER_XT', **kwargs)
+        assert 'layers.1.blocks.0.attn.ln.weight' in str(err.value) and 'layers.1.blocks.0.attn.extra' in str(err.value)
+
+
+def test_pretrained_without_weights_is_a_clear_error():
+    with pytest.raises(ValueError, match='pretrained_cfg_overlay=dict\\(file=PATH\\)'):
+        timm.create_model('NALAFORMER_T', pretrained=True)
+
+
+def test_attn_impl_switch():
+    model = timm.create_model('NALAFORMER_XT', attn_impl='plain')
+    with pytest.raises(ValueError, match='unknown attn_impl'):
+        model.set_attn_impl('nope')
+    with pytest.raises(ValueError, match='unknown attn_impl'):
+        timm.create_model('NALAFORMER_XT', attn_impl='nope')
+    plain = model.eval()(torch.randn(1, 3, 32, 32))
+    assert math.isfinite(plain.sum().item())
