@@ -140,7 +140,18 @@ def test_hooks_capture_the_layers_q_and_k(tiny_model, images):
     torch.testing.assert_close(rec['k'][:, 0], k[..., :32], rtol=1e-4, atol=1e-5)
     assert aa.stage_kind(tiny_model, 1) == 'nala' and aa.stage_kind(tiny_model, 2) == 'softmax'
     # hooks are removed afterwards
-    assert not block.attn.qkvg._forward_hooks and not block.attn._forward_pre_hooks
+    assert not block.attn.qkvg._forward_hooks and not tiny_model.layers[1]._forward_pre_hooks
+    sin, cos = tiny_model.layers[1].RoPE((4, 4))
+    torch.testing.assert_close(rec['sin'], sin)
+    # both model frames (reference layout 'plain' and the default) hand over the same q, k
+    plain = timm.create_model('NALAFORMER_XT', num_classes=10).eval()
+    plain.load_state_dict(tiny_model.state_dict())
+    plain.set_attn_impl('plain')
+    other = aa.capture(plain, images)
+    for key in captured:
+        assert other[key]['hw'] == captured[key]['hw']
+        torch.testing.assert_close(other[key]['q'], captured[key]['q'], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(other[key]['k'], captured[key]['k'], rtol=1e-4, atol=1e-5)
 
 
 def test_stage_entropies_equal_explicit_computation(tiny_model, images):

@@ -6,7 +6,7 @@
     python tools/analyze_attention.py --model NALAFORMER_T --images ./my_images --input-size 224
 
 The images run through the model in eval mode; forward hooks on every attention layer record its
-raw q and k (the output of ``attn.qkvg``, split into heads). For every query of the chosen stage
+raw q and k (the output of ``attn.qkvg``, split into heads; either model frame). For every query of the chosen stage
 (``--stage``, 0-based as in ``layers.S``; all blocks, heads and images pooled) the tool computes the
 attention row that three attention rules give on the same q, k, with RoPE off:
 
@@ -159,25 +159,35 @@ def attention_layers(model: nn.Module) -> List[Tuple[int, int, nn.Module]]:
 @contextmanager
 def record_qk(model: nn.Module) -> Iterator[Dict[Tuple[int, int], List[Dict[str, Any]]]]:
     """Hook every attention layer; yields {(stage, block): [one dict per forward]} with q, k of shape
-    (B, heads, N, d) taken from the ``attn.qkvg`` output, the map size (H, W), and the RoPE sin/cos
-    tables the layer received."""
+    (B, heads, N, d) taken from the ``attn.qkvg`` output and the map size (H, W).
+
+    The qkvg output is (B, N, 4C) in the reference-layout frame and (B, H, W, 4C) in the channels-last
+    one; for the former (H, W) comes from a pre-hook on the stage (its input map)."""
     records: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
+    stage_hw: Dict[int, Tuple[int, int]] = {}
     handles = []
+    for s, stage in enumerate(model.layers):
+        def stage_hook(module: nn.Module, args: Tuple[Any, ...], s=s) -> None:
+            stage_hw[s] = tuple(args[0].shape[-2:])
+
+        handles.append(stage.register_forward_pre_hook(stage_hook))
     for s, b, attn in attention_layers(model):
         key = (s, b)
         records[key] = []
 
-        def pre_hook(module: nn.Module, args: Tuple[Any, ...], key=key) -> None:
-            x, sin, cos = args[:3]
-            records[key].append({'hw': tuple(x.shape[-2:]), 'sin': sin.detach().float(),
-                                 'cos': cos.detach().float()})
-
         def qkvg_hook(module: nn.Module, args: Tuple[Any, ...], out: torch.Tensor, key=key, attn=attn) -> None:
-            q, k = out.detach().float().chunk(4, dim=-1)[:2]
+            out = out.detach().float()
+            if out.dim() == 4:                                   # channels-last tokens (B, H, W, 4C)
+                hw = (int(out.shape[1]), int(out.shape[2]))
+                out = out.flatten(1, 2)
+            else:
+                hw = stage_hw[key[0]]
+            if hw[0] * hw[1] != out.shape[1]:
+                raise RuntimeError(f'layers.{key[0]}.blocks.{key[1]}: {out.shape[1]} tokens, map {hw}')
+            q, k = out.chunk(4, dim=-1)[:2]
             split = lambda t: t.unflatten(-1, (attn.num_heads, attn.head_dim)).transpose(1, 2)  # noqa: E731
-            records[key][-1].update(q=split(q), k=split(k))
+            records[key].append({'q': split(q), 'k': split(k), 'hw': hw})
 
-        handles.append(attn.register_forward_pre_hook(pre_hook))
         handles.append(attn.qkvg.register_forward_hook(qkvg_hook))
     try:
         yield records
@@ -188,15 +198,17 @@ def record_qk(model: nn.Module) -> Iterator[Dict[Tuple[int, int], List[Dict[str,
 
 def capture(model: nn.Module, images: torch.Tensor, batch_size: int = 16) -> Dict[Tuple[int, int], Dict[str, Any]]:
     """Run ``images`` through ``model`` (eval, no grad); return per layer q, k (B, h, N, d) over all
-    images, hw, sin, cos."""
+    images, hw, and the stage's RoPE tables sin, cos (N, d) for that size."""
     model.eval()
     with torch.no_grad(), record_qk(model) as records:
         for start in range(0, len(images), batch_size):
             model(images[start:start + batch_size])
-    out = {}
-    for key, recs in records.items():
-        out[key] = {'q': torch.cat([r['q'] for r in recs]), 'k': torch.cat([r['k'] for r in recs]),
-                    'hw': recs[0]['hw'], 'sin': recs[0]['sin'], 'cos': recs[0]['cos']}
+        out = {}
+        for (s, b), recs in records.items():
+            hw = recs[0]['hw']
+            sin, cos = model.layers[s].RoPE(hw)
+            out[(s, b)] = {'q': torch.cat([r['q'] for r in recs]), 'k': torch.cat([r['k'] for r in recs]),
+                           'hw': hw, 'sin': sin.float(), 'cos': cos.float()}
     return out
 
 
