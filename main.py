@@ -210,6 +210,26 @@ def validate_args(args, parser):
         parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)')
 
 
+def build_model(args, nb_classes):
+    """The model with the number of classes, dropout and drop path of the command line."""
+    import timm
+    import models  # noqa: F401
+    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop,
+                             drop_path_rate=args.drop_path)
+
+
+def build_lr_scheduler(args, optimizer):
+    """timm scheduler stepped per epoch; call `.step(epoch)` at the START of epoch `epoch`, so that
+    epoch e runs at the LR of epoch e (warmup from --warmup-lr over --warmup-epochs, then cosine)."""
+    from timm.scheduler import create_scheduler_v2
+    lr_scheduler, _ = create_scheduler_v2(
+        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
+        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs, decay_rate=args.decay_rate,
+        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
+        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
+    return lr_scheduler
+
+
 def seed_everything(seed):
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -222,8 +242,8 @@ def count_flops(model, input_size, device):
     logging.getLogger('fvcore').setLevel(logging.ERROR)
     was_training = model.training
     model.eval()
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
+    try:  # fork_rng: counting FLOPs must not change the random stream of the run
+        with warnings.catch_warnings(), torch.no_grad(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter('ignore')  # fvcore imports deprecated torch.jit APIs and warns per unsupported op
             from fvcore.nn import FlopCountAnalysis
             x = torch.zeros(1, 3, input_size, input_size, device=device)
@@ -308,7 +328,6 @@ def main(args, parser):
     from timm.data import Mixup
     from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from timm.optim import create_optimizer_v2
-    from timm.scheduler import create_scheduler_v2
     from timm.utils import ModelEmaV3
     import datasets
     import engine
@@ -347,8 +366,7 @@ def main(args, parser):
 
     # ---------------- model ----------------
     print(f'Creating model: {args.model}')
-    model = timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop,
-                              drop_path_rate=args.drop_path)
+    model = build_model(args, nb_classes)
     if args.finetune:
         finetune_from(model, args.finetune, args.model)
     if args.attn_only:
@@ -387,11 +405,7 @@ def main(args, parser):
     optimizer = create_optimizer_v2(model_without_ddp, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                                     momentum=args.momentum, eps=args.opt_eps,
                                     **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
-    lr_scheduler, _ = create_scheduler_v2(
-        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
-        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs, decay_rate=args.decay_rate,
-        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
-        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
+    lr_scheduler = build_lr_scheduler(args, optimizer)
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     print(f'LR {args.lr:.3g} (global batch {global_batch}), {args.sched} schedule, warmup {args.warmup_epochs} epochs '
@@ -426,7 +440,13 @@ def main(args, parser):
         print(f'Loaded weights from {resume_path}')
         if not args.eval and isinstance(ckpt, dict) and all(k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch')):
             optimizer.load_state_dict(ckpt['optimizer'])
-            lr_scheduler.load_state_dict(ckpt['lr_scheduler'])
+            saved, fresh = ckpt['lr_scheduler'], lr_scheduler.state_dict()
+            changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
+            if changed:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
+                print('Note: the LR schedule flags changed since the checkpoint ('
+                      + ', '.join(f'{k}: {saved[k]} -> {fresh[k]}' for k in changed[:4]) + '); following the command line')
+            else:
+                lr_scheduler.load_state_dict(saved)
             if model_ema is not None:
                 if 'model_ema' in ckpt:
                     model_ema.module.load_state_dict(ckpt['model_ema'], strict=True)

@@ -425,13 +425,23 @@ def guess_variant(sd, candidates, num_classes):
     import timm
     best, best_score = None, -1.0
     target = {k: tuple(v.shape) for k, v in sd.items()}
-    for name in candidates:
+    for name in sorted(candidates, key=lambda n: (-len(n), n)):
+        if best_score > 0.98:
+            break
+        m = None
         try:
-            with torch.device('meta'):
+            with torch.device('meta'):  # no memory, no init: shapes only
                 m = timm.create_model(name, num_classes=num_classes)
-        except Exception:  # noqa: BLE001
-            continue
+        except Exception:  # noqa: BLE001 - some models compute with tensors while building
+            pass
+        if m is None:
+            try:
+                with torch.no_grad():
+                    m = timm.create_model(name, num_classes=num_classes)
+            except Exception:  # noqa: BLE001
+                continue
         ref = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        del m
         common = set(ref) | set(target)
         score = sum(1 for k in common if k in ref and k in target and ref[k] == target[k]) / max(len(common), 1)
         if score > best_score:

@@ -1,0 +1,193 @@
+"""Real runs of main.py on a tiny ImageFolder on the CPU: 1-epoch training, --eval of the saved
+checkpoint, resume equality (2 epochs == 1 + resume + 1, bit for bit), a torchrun gloo run with two
+ranks (identical weights, exact dist-eval equal to a single-process eval), and --finetune."""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+TORCHRUN = [PY, '-m', 'torch.distributed.run']
+
+# small and fast: 32 px NALAFORMER_XT, 3 classes x 8 train images, 15 val images (odd: not divisible by 2 ranks)
+BASE = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+        '--num_workers', '1', '--no-flops', '--print-freq', '1', '--unscale-lr', '--lr', '2e-3',
+        '--warmup-epochs', '1', '--epochs', '2']
+
+
+def make_imagefolder(root, classes=3, n_train=8, n_val=5, size=32, seed=0):
+    """Colour-coded classes (class c brightens channel c % 3), PNG files in train/ and val/."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for split, n in (('train', n_train), ('val', n_val)):
+        for c in range(classes):
+            d = os.path.join(root, split, f'c{c}')
+            os.makedirs(d, exist_ok=True)
+            for i in range(n):
+                a = rng.integers(0, 80, (size, size, 3), dtype=np.uint8)
+                a[..., c % 3] += 150 - 40 * (c // 3)
+                Image.fromarray(a).save(os.path.join(d, f'{i}.png'))
+    return str(root)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def env():
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', PYTHONWARNINGS='ignore::UserWarning')
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'SLURM_PROCID', 'SLURM_NTASKS'):
+        e.pop(k, None)
+    return e
+
+
+def run_main(args, nproc=1, timeout=240, check=True, **kw):
+    cmd = ([PY, 'main.py'] if nproc == 1 else
+           TORCHRUN + [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'])
+    p = subprocess.run(cmd + list(args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f'exit {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}')
+    return p
+
+
+def load(path):
+    return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def assert_same_weights(a, b):
+    for key in ('model', 'model_ema'):
+        assert a[key].keys() == b[key].keys()
+        diff = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
+        assert not diff, f'{key}: {len(diff)} tensors differ, e.g. {diff[:3]}'
+
+
+def accuracy_line(out):
+    lines = [line for line in out.splitlines() if line.startswith('Accuracy of the network')]
+    assert lines, out[-3000:]
+    return lines
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return make_imagefolder(tmp_path_factory.mktemp('tiny'))
+
+
+@pytest.fixture(scope='module')
+def one_epoch(data, tmp_path_factory):
+    """A finished 1-epoch run (part one of the resume test); its output dir is copied, never modified."""
+    out = str(tmp_path_factory.mktemp('one') / 'out')
+    args = [a for a in BASE[:-1] if a != '--no-flops']  # this run also prints the fvcore FLOPs
+    p = run_main(args + ['1', '--data-path', data, '--output_dir', out])
+    return out, p
+
+
+@pytest.fixture(scope='module')
+def straight(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('straight') / 'out')
+    run_main(BASE + ['--data-path', data, '--output_dir', out])
+    return out
+
+
+def test_one_epoch_training_run(one_epoch):
+    out, p = one_epoch
+    assert 'number of params: ' in p.stdout and 'fvcore FLOPs at 1x3x32x32: ' in p.stdout
+    prog = [line for line in p.stdout.splitlines() if line.startswith('Epoch: [0]') and 'eta:' in line]
+    assert prog and all(s in prog[-1] for s in ('loss:', 'lr:', 'img/s:')), p.stdout[-2000:]
+    assert 'Accuracy of the network on the 15 test images' in p.stdout
+    logs = [json.loads(line) for line in open(os.path.join(out, 'log.txt'))]
+    assert len(logs) == 1
+    for k in ('epoch', 'n_parameters', 'train_lr', 'train_loss', 'test_loss', 'test_acc1', 'test_acc5',
+              'test_ema_acc1', 'test_ema_loss'):
+        assert k in logs[0]
+    assert logs[0]['train_lr'] == pytest.approx(1e-6)  # epoch 0 runs at the warmup LR
+    ck = load(os.path.join(out, 'checkpoint.pth'))
+    assert ck['epoch'] == 0 and isinstance(ck['args'], dict) and ck['args']['model'] == 'NALAFORMER_XT'
+    assert {'model', 'model_ema', 'optimizer', 'lr_scheduler', 'scaler', 'max_accuracy', 'rng_state'} <= set(ck)
+    assert not any(k.startswith('module.') for k in ck['model'])
+    assert ck['max_accuracy'] == pytest.approx(max(logs[0]['test_acc1'], logs[0]['test_ema_acc1']))
+    assert os.path.exists(os.path.join(out, 'best.pth'))
+
+
+def test_eval_of_a_saved_checkpoint(one_epoch, data):
+    out, _ = one_epoch
+    log = json.loads(open(os.path.join(out, 'log.txt')).readline())
+    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+                  '--num_workers', '0', '--no-flops', '--eval', '--resume', os.path.join(out, 'checkpoint.pth'),
+                  '--data-path', data])
+    (line,) = accuracy_line(p.stdout)
+    assert line == f"Accuracy of the network on the 15 test images: {log['test_acc1']:.2f}%"
+
+
+def test_resume_gives_the_same_weights_as_a_straight_run(one_epoch, straight, data, tmp_path):
+    out1, _ = one_epoch
+    out = str(tmp_path / 'out')
+    shutil.copytree(out1, out)
+    p = run_main(BASE + ['--data-path', data, '--output_dir', out])  # automatic resume from out/checkpoint.pth
+    assert 'Resumed from' in p.stdout and 'continuing at epoch 1' in p.stdout
+    a, b = load(os.path.join(straight, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth'))
+    assert a['epoch'] == b['epoch'] == 1
+    assert_same_weights(a, b)
+    assert a['max_accuracy'] == b['max_accuracy']
+    for k in a['optimizer']['state']:
+        assert torch.equal(a['optimizer']['state'][k]['exp_avg'], b['optimizer']['state'][k]['exp_avg'])
+    la = [json.loads(x) for x in open(os.path.join(straight, 'log.txt'))]
+    lb = [json.loads(x) for x in open(os.path.join(out, 'log.txt'))]
+    assert la[1]['test_acc1'] == lb[1]['test_acc1'] and la[1]['train_lr'] == lb[1]['train_lr']
+
+
+@pytest.fixture(scope='module')
+def torchrun_run(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('ddp') / 'out')
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--data-path', data, '--output_dir', out, '--dist-eval',
+                        '--num_workers', '0']
+    p = run_main(args, nproc=2)
+    return out, p
+
+
+def test_torchrun_two_ranks_end_with_identical_weights(torchrun_run):
+    out, p = torchrun_run
+    assert 'Launcher: torchrun, 2 process(es), backend gloo' in p.stdout
+    digests = re.findall(r'\[rank (\d)\] final weights sha256: (\w+)', p.stdout + p.stderr)
+    assert sorted(r for r, _ in digests) == ['0', '1'], p.stdout[-3000:]
+    assert len({d for _, d in digests}) == 1
+    assert 'Accuracy of the network on the 15 test images' in p.stdout
+    assert load(os.path.join(out, 'checkpoint.pth'))['rng_state'].__len__() == 2
+
+
+def test_dist_eval_is_exact_and_equals_single_process(torchrun_run, data):
+    out, _ = torchrun_run
+    ev = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+          '--num_workers', '0', '--no-flops', '--eval', '--resume', os.path.join(out, 'checkpoint.pth'),
+          '--data-path', data, '--dist-eval']
+    single = run_main(ev)
+    multi = run_main(ev, nproc=2)
+    assert accuracy_line(single.stdout) == accuracy_line(multi.stdout)
+    assert 'on the 15 test images' in accuracy_line(multi.stdout)[0]
+    star = lambda s: [line for line in s.splitlines() if line.startswith('* Acc@1')]  # noqa: E731
+    assert star(single.stdout) == star(multi.stdout)
+
+
+def test_finetune_from_a_checkpoint_with_another_head_and_size(one_epoch, tmp_path):
+    out1, _ = one_epoch
+    data2 = make_imagefolder(tmp_path / 'two', classes=2, n_train=4, n_val=2, size=48, seed=1)
+    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '48', '--batch-size', '4', '--device', 'cpu',
+                  '--num_workers', '0', '--no-flops', '--epochs', '1', '--finetune', os.path.join(out1, 'checkpoint.pth'),
+                  '--data-path', data2, '--output_dir', str(tmp_path / 'ft')])
+    assert 'classifier re-initialised' in p.stdout and 'head.weight' in p.stdout
+    assert 'Accuracy of the network on the 4 test images' in p.stdout
+    ck = load(tmp_path / 'ft' / 'checkpoint.pth')
+    src = load(os.path.join(out1, 'checkpoint.pth'))
+    assert ck['model']['head.weight'].shape[0] == 2
+    assert ck['epoch'] == 0 and 'step' not in ck
+    assert src['model']['head.weight'].shape[0] == 3
