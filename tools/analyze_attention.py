@@ -277,6 +277,10 @@ def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
         'hw': list(rec0['hw']), 'n_tokens': n_tokens, 'log_n': math.log(n_tokens), 'rope': False,
         'query_norm': {'mean': float(norm.mean()), 'std': float(norm.std()), 'min': float(norm.min()),
                        'max': float(norm.max())},
+        # NaLa's power p = 3 (0.5 + tanh ||q||) over these queries (SPEC 2, step 6): how much room the
+        # norm has to sharpen the feature map (p saturates at 4.5)
+        'nala_power': {'min': 3 * (0.5 + math.tanh(float(norm.min()))), 'max': 3 * (0.5 + math.tanh(float(norm.max()))),
+                       'mean': float((3 * (0.5 + np.tanh(norm))).mean())},
         'methods': {}, 'per_layer': per_layer, 'deciles': [],
     }
     arrays = {'norm': norm}
@@ -309,7 +313,8 @@ def format_table(result: Dict[str, Any]) -> str:
     lines = [f"stage {result['stage']} ({result['kind']}), {result['hw'][0]}x{result['hw'][1]} tokens "
              f"(log N = {result['log_n']:.3f}), {result['heads']} head(s) x {len(result['blocks'])} block(s), "
              f"{result['n_images']} image(s), RoPE off; ||q|| mean {result['query_norm']['mean']:.3f} "
-             f"[{result['query_norm']['min']:.3f}, {result['query_norm']['max']:.3f}]",
+             f"[{result['query_norm']['min']:.3f}, {result['query_norm']['max']:.3f}], NaLa power p in "
+             f"[{result['nala_power']['min']:.2f}, {result['nala_power']['max']:.2f}]",
              f"{'':<8} {'pooled':>17}  {'within layer (mean)':>19}",
              f"{'method':<8} {'pearson':>8} {'spearman':>8}  {'pearson':>9} {'spearman':>9} {'mean H':>8} "
              f"{'queries':>8} {'excluded':>8}"]
@@ -338,8 +343,10 @@ def plot_entropy(result: Dict[str, Any], path: str, title: str, seed: int = 0) -
         s = result['methods'][m]
         for b in result['blocks']:
             sel = idx[arrays['block'][idx] == b]
+            layer_r = [e[m]['pearson'] for e in result['per_layer'] if e['block'] == b]
             ax.scatter(arrays['norm'][sel], arrays[m][sel], s=3, alpha=0.25, color=f'C{b % 10}', rasterized=True,
-                       label=f'block {b}')
+                       label=f'block {b} (r = {np.nanmean(layer_r) if not np.all(np.isnan(layer_r)) else float("nan"):.3f}'
+                             + (', mean over heads)' if len(layer_r) > 1 else ')'))
         ax.plot([], [], ' ', label=f"pooled: Pearson r = {s['pearson']:.3f}, Spearman ρ = {s['spearman']:.3f}")
         ax.plot([], [], ' ', label=f"within layer: r = {s['within_layer_pearson']:.3f}, "
                                   f"ρ = {s['within_layer_spearman']:.3f}")
@@ -572,10 +579,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                   input_size=input_size, n_images=len(images),
                   source=args.images or args.data_set, seed=None if args.checkpoint else args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
-    weights = os.path.basename(args.checkpoint) if args.checkpoint else f'untrained (seed {args.seed})'
+    weights = (os.path.join(os.path.basename(os.path.dirname(os.path.abspath(args.checkpoint))),
+                            os.path.basename(args.checkpoint))
+               + (f" (epoch {meta['epoch']})" if meta.get('epoch') is not None else '') + (' EMA' if args.ema else '')
+               if args.checkpoint else f'untrained (seed {args.seed})')
     title = (f"{args.model}, {weights}, stage {args.stage} ({'NaLa' if kinds[args.stage] == 'nala' else 'softmax'} "
              f"layer), {result['n_tokens']} tokens, {len(images)} images at {input_size}px - RoPE off "
-             f"for all three distributions")
+             f"for all three distributions; NaLa power p in [{result['nala_power']['min']:.2f}, "
+             f"{result['nala_power']['max']:.2f}]")
     png = os.path.join(args.output_dir, f'entropy_stage{args.stage}.png')
     plot_entropy(result, png, title)
     arrays = result.pop('_arrays')
