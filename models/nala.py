@@ -3,7 +3,9 @@
 This module holds all attention math of NaLaFormer (SPEC sections 2-4). The function
 ``nala_attention_plain`` follows the reference implementation's order of operations step by step
 and is the oracle every faster implementation is tested against. Implementations are chosen by
-name through ``NALA_IMPLS``; they all take and return the same tensors.
+name through ``NALA_IMPLS``; they all take and return the same tensors. ``nala_attention_fast``
+(``'fast'``, the default) computes the same numbers with fewer passes over memory and a hand-written
+backward (see its docstring for the algebra).
 """
 from typing import Callable, Dict, Tuple
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'NALA_IMPLS', 'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
+    'nala_attention_fast', 'softmax_attention_fast', 'rope_pair_tables', 'swap_pairs', 'NaLaFastFunction',
 ]
 
 NALA_EPS = 1e-6  # added to the normaliser, as in the reference
@@ -110,10 +113,143 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return attn.softmax(dim=-1) @ v
 
 
+# ---- fast path ----------------------------------------------------------------------------------
+# The same math as ``nala_attention_plain`` with fewer passes over memory. Three identities:
+#
+# 1. RoPE as a pair swap. sin and cos are equal within each channel pair (the angle vector repeats
+#    every frequency twice), so with s' = sin * (-1, +1, -1, +1, ...) and swap(x) = (x1, x0, x3, x2, ...):
+#        R(x) = x * cos + swap(x) * s' = x * cos - swap(x * s').
+# 2. RoPE folded into the products. swap is a symmetric permutation, swap(Y) M = Y swap_rows(M), so
+#        R(Q) S     = [Q*cos | Q*s'] @ [S ; -swap_rows(S)]
+#        R(K)^T V   = top - swap_rows(bottom)   with [top ; bottom] = [K*cos | K*s']^T @ V.
+#    One broadcast multiply with a (N, 2, 2d) table replaces the four rotary passes (slice, stack, two
+#    multiplies, add, cat) over each half of each feature map; the products get a 4d inner size.
+# 3. One power instead of two. With u = q / n and p the per-token exponent,
+#        [ReLU(u)^p ; ReLU(-u)^p] = ReLU([b ; -b]),  b = sign(u) |u|^p = u * |u|^(p-1),
+#    and the backward reuses |u|^(p-1) for dp/du. The backward is written out (NaLaFastFunction) and
+#    saves only Q, K (2d wide), b, |u|^(p-1) and the un-normalised output: fewer tensors than autograd
+#    keeps for the plain graph, and none of the rotated copies.
+# Exact zeros: a zero query has n = 0, the divisor is guarded as in the plain path, b = 0 and every
+# gradient term carries the factor |u|^(p-1) = 0 (p - 1 >= 0.5) or b = 0; log|u| is clamped to a
+# finite value where b = 0, so 0 * log 0 never appears.
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def swap_pairs(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) along ``dim`` (-1 or -2)."""
+    if dim == -1:
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.unflatten(-2, (-1, 2)).flip(-2).flatten(-3, -2)
+
+
+def rope_pair_tables(sin: torch.Tensor, cos: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """(N, 2, repeat*d) table: row 0 is cos, row 1 is s' = sin * (-1, +1, ...), each repeated ``repeat``
+    times along channels (``repeat=2`` for the 2d-wide NaLa features)."""
+    sign = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device).repeat(sin.shape[-1] // 2)
+    return torch.stack([cos, sin * sign], dim=-2).repeat(1, 1, repeat)
+
+
+def _signs(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([[1.0], [-1.0]], dtype=x.dtype, device=x.device)
+
+
+def _split_relu(x: torch.Tensor) -> torch.Tensor:
+    """[ReLU(x) ; ReLU(-x)] along the last dim, in one multiply and one in-place clamp."""
+    return (x.unsqueeze(-2) * _signs(x)).clamp_min_(0).flatten(-2)
+
+
+def _with_tables(feat: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[feat * cos | feat * s'] (..., N, 4d) from feat (..., N, 2d) and the (N, 2, 2d) table."""
+    return (feat.unsqueeze(-2) * table).flatten(-2)
+
+
+def _unrotate(grad: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``_with_tables`` w.r.t. its features: g[:, :2d] * cos + g[:, 2d:] * s'."""
+    g = grad.unflatten(-1, (2, -1))
+    return torch.addcmul(g[..., 0, :] * table[:, 0], g[..., 1, :], table[:, 1])
+
+
+class NaLaFastFunction(torch.autograd.Function):
+    """NaLa core (SPEC section 2, steps 4-9) with a hand-written backward; see the notes above.
+
+    q, k, v: (B, h, N, d) float32 (any strides); table: ``rope_pair_tables(sin, cos, 2)``.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        n_tokens, d = q.shape[-2], q.shape[-1]
+        # keys: K = [ReLU(k^3) ; ReLU(-k^3)], R(K)^T V / N as one product, mean for the normaliser
+        k_feat = _split_relu(k * k * k)                                          # (B, h, N, 2d)
+        k_mean = k_feat.mean(dim=-2, keepdim=True)                               # (B, h, 1, 2d)
+        kv = _with_tables(k_feat, table).transpose(-2, -1) @ v                   # (B, h, 4d, d)
+        kv = (kv[..., :2 * d, :] - swap_pairs(kv[..., 2 * d:, :], -2)) / n_tokens
+        kv = torch.cat([kv, -swap_pairs(kv, -2)], dim=-2)                        # (B, h, 4d, d)
+        # queries: n, p, b = sign(u)|u|^p, Q = [ReLU(b) ; ReLU(-b)]
+        q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+        divisor = torch.where(q_norm > 0, q_norm, torch.ones_like(q_norm))
+        tanh_n = torch.tanh(q_norm)
+        power = 3 * (0.5 + tanh_n)
+        u = q / divisor
+        pow_m1 = u.abs().pow_(power - 1)                                          # |u|^(p-1)
+        b = pow_m1 * u
+        q_feat = _split_relu(b)                                                  # (B, h, N, 2d)
+        z = 1 / (q_feat @ k_mean.transpose(-2, -1) + NALA_EPS)                   # (B, h, N, 1)
+        num = _with_tables(q_feat, table) @ kv                                   # (B, h, N, d)
+        ctx.save_for_backward(q, k, v, table, kv, k_mean, z, divisor, tanh_n, power, pow_m1, b,
+                              q_feat, k_feat, num)
+        return num * z
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (q, k, v, table, kv, k_mean, z, divisor, tanh_n, power, pow_m1, b,
+         q_feat, k_feat, num) = ctx.saved_tensors
+        n_tokens, d = q.shape[-2], q.shape[-1]
+        grad_num = grad * z
+        grad_den = (grad * num).sum(dim=-1, keepdim=True).mul_(-z * z)           # d/d(Q . mean K)
+        # numerator product and normaliser -> Q
+        grad_kv = _with_tables(q_feat, table).transpose(-2, -1) @ grad_num       # (B, h, 4d, d)
+        grad_kv = grad_kv[..., :2 * d, :] - swap_pairs(grad_kv[..., 2 * d:, :], -2)
+        grad_q_feat = _unrotate(grad_num @ kv.transpose(-2, -1), table)
+        grad_q_feat = grad_q_feat.addcmul_(grad_den, k_mean).unflatten(-1, (2, d))
+        # Q = [ReLU(b) ; ReLU(-b)] -> b -> (u, p) -> q
+        grad_b = torch.where(q > 0, grad_q_feat[..., 0, :], -grad_q_feat[..., 1, :])
+        u = q / divisor
+        grad_u = grad_b * power * pow_m1
+        log_u = u.abs().clamp_min_(_TINY).log_()
+        grad_n = (grad_b * b * log_u).sum(dim=-1, keepdim=True) * (3 * (1 - tanh_n * tanh_n))
+        radial = (u * grad_u).sum(dim=-1, keepdim=True)
+        grad_q = (grad_u - u * radial) / divisor + grad_n * u
+        # keys and values
+        grad_k_mean = grad_den.transpose(-2, -1) @ q_feat                        # (B, h, 1, 2d)
+        grad_kv = torch.cat([grad_kv, -swap_pairs(grad_kv, -2)], dim=-2) / n_tokens
+        grad_v = _with_tables(k_feat, table) @ grad_kv
+        grad_k_feat = _unrotate(v @ grad_kv.transpose(-2, -1), table)
+        grad_k_feat = grad_k_feat.add_(grad_k_mean / n_tokens).unflatten(-1, (2, d))
+        k_cube = k * k * k
+        grad_k = (grad_k_feat[..., 0, :] * (k_cube > 0) - grad_k_feat[..., 1, :] * (k_cube < 0)) * (3 * k * k)
+        return grad_q, grad_k, grad_v, None
+
+
+def nala_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """NaLa core with the same inputs and numbers as ``nala_attention_plain`` (fp32, ~1e-6 relative)."""
+    return NaLaFastFunction.apply(q, k, v, rope_pair_tables(sin, cos, 2))
+
+
+def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """``softmax_attention_plain`` with one rotary pass over q and k together and fused SDPA."""
+    table = rope_pair_tables(sin, cos)
+    qk = torch.stack([q, k])
+    qk = torch.addcmul(qk * table[:, 0], swap_pairs(qk), table[:, 1])
+    return F.scaled_dot_product_attention(qk[0], qk[1], v)
+
+
 AttnCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: NaLa core implementations by name; every entry computes the same numbers as ``'plain'``.
-NALA_IMPLS: Dict[str, AttnCore] = {'plain': nala_attention_plain}
+NALA_IMPLS: Dict[str, AttnCore] = {'plain': nala_attention_plain, 'fast': nala_attention_fast}
 
 
 class GatedAttention(nn.Module):
@@ -122,6 +258,10 @@ class GatedAttention(nn.Module):
     x (B, C, H, W) -> tokens -> [q|k|v|g] = qkvg(x) -> lepe = DWConv5x5(v) -> core(q, k, v) per head
     -> y = LN(o + lepe) * SiLU(g) -> out_proj -> (B, C, H, W). Subclasses choose the core.
     The part between qkvg and out_proj runs in float32, also under autocast.
+
+    Two frames compute the same numbers: the plain one (``fast = False``, the reference's layout) and
+    ``forward_tokens``, which takes and returns channels-last tokens (B, H, W, C) so that a block can
+    keep its feature map channels-last without a single permute copy.
     """
 
     def __init__(self, dim: int, num_heads: int) -> None:
@@ -133,12 +273,15 @@ class GatedAttention(nn.Module):
         self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
         self.out_proj = nn.Linear(dim, dim)
         self.ln = nn.LayerNorm(dim)
+        self.fast = True
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return self.forward_tokens(x.permute(0, 2, 3, 1), sin, cos).permute(0, 3, 1, 2)
         batch, channels, height, width = x.shape
         tokens = x.flatten(2).transpose(1, 2)                                   # (B, N, C)
         qkvg = self.qkvg(tokens)
@@ -154,11 +297,27 @@ class GatedAttention(nn.Module):
         out = self.out_proj(y.to(qkvg.dtype))
         return out.transpose(1, 2).reshape(batch, channels, height, width)
 
+    def forward_tokens(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        """The same frame on channels-last tokens: x (B, H, W, C) -> (B, H, W, C)."""
+        batch, height, width, channels = x.shape
+        qkvg = self.qkvg(x)                                                      # (B, H, W, 4C)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            q, k, v, g = qkvg.float().chunk(4, dim=-1)
+            lepe = F.conv2d(v.permute(0, 3, 1, 2), self.lepe.weight.float(), self.lepe.bias.float(),
+                            padding=2, groups=channels).permute(0, 2, 3, 1)        # (B, H, W, C)
+            heads = [t.reshape(batch, height * width, self.num_heads, self.head_dim).transpose(1, 2)
+                     for t in (q, k, v)]                                          # views, no copies
+            o = self.core(*heads, sin, cos).transpose(1, 2).reshape(batch, height, width, channels)
+            y = F.layer_norm(o + lepe, (channels,), self.ln.weight.float(), self.ln.bias.float(),
+                             self.ln.eps) * F.silu(g)
+        return self.out_proj(y.to(qkvg.dtype))
+
 
 class NaLaAttention(GatedAttention):
-    """Norm×direction linear attention (stages 1-2). ``attn_impl`` names an entry of ``NALA_IMPLS``."""
+    """Norm×direction linear attention (stages 1-2). ``attn_impl`` names an entry of ``NALA_IMPLS``;
+    ``'plain'`` also selects the plain frame, every other implementation the channels-last one."""
 
-    def __init__(self, dim: int, num_heads: int, attn_impl: str = 'plain') -> None:
+    def __init__(self, dim: int, num_heads: int, attn_impl: str = 'fast') -> None:
         super().__init__(dim, num_heads)
         self.attn_impl = attn_impl
 
@@ -171,13 +330,21 @@ class NaLaAttention(GatedAttention):
         if name not in NALA_IMPLS:
             raise ValueError(f'unknown attn_impl {name!r}; choose one of {sorted(NALA_IMPLS)}')
         self._attn_impl = name
+        self.fast = name != 'plain'
 
     def core(self, q, k, v, sin, cos):
         return NALA_IMPLS[self._attn_impl](q, k, v, sin, cos)
 
 
 class SoftmaxAttention(GatedAttention):
-    """Softmax attention with RoPE (stages 3-4), same parameters and frame as NaLa."""
+    """Softmax attention with RoPE (stages 3-4), same parameters and frame as NaLa. ``fast`` selects
+    ``softmax_attention_fast`` (one rotary pass, fused scaled_dot_product_attention)."""
+
+    def __init__(self, dim: int, num_heads: int, fast: bool = True) -> None:
+        super().__init__(dim, num_heads)
+        self.fast = fast
 
     def core(self, q, k, v, sin, cos):
+        if self.fast:
+            return softmax_attention_fast(q, k, v, sin, cos)
         return softmax_attention_plain(q, k, v, sin, cos)

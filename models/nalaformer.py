@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -16,11 +17,20 @@ from timm.layers import DropPath, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
-from .nala import NaLaAttention, RoPE, SoftmaxAttention
+from .nala import NALA_IMPLS, NaLaAttention, RoPE, SoftmaxAttention
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn']
 
 HEAD_HIDDEN = 1024
+
+
+def conv_plus_identity(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """x + conv(x) for a depthwise 'same' conv, as one conv whose kernel has 1 added at its centre:
+    one pass over x instead of two, and no stored sum. The result differs only by rounding."""
+    kh, kw = conv.kernel_size
+    identity = torch.zeros(kh, kw, dtype=conv.weight.dtype, device=conv.weight.device)
+    identity[kh // 2, kw // 2] = 1
+    return F.conv2d(x, conv.weight + identity, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
 class ChannelsLastLayerNorm(nn.Module):
@@ -32,6 +42,10 @@ class ChannelsLastLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """On channels-last tokens (B, H, W, C): the LayerNorm itself, no permutes."""
+        return self.norm(x)
 
 
 class ConvFFN(nn.Module):
@@ -52,17 +66,32 @@ class ConvFFN(nn.Module):
         y = self.fc2(y.flatten(2).transpose(1, 2))
         return y.transpose(1, 2).reshape(batch, -1, height, width)
 
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """On channels-last tokens (B, H, W, C) -> (B, H, W, C); the depthwise conv reads the
+        (B, H, W, F) activations as a channels-last map, and its residual is folded into its kernel."""
+        y = self.act(self.fc1(x))
+        y = conv_plus_identity(y.permute(0, 3, 1, 2), self.dwconv).permute(0, 2, 3, 1)
+        return self.fc2(y)
+
 
 class NaLaBlock(nn.Module):
-    """x += cpe1(x); x += DropPath(g1 * attn(norm1(x))); x += cpe2(x); x += DropPath(g2 * ffn(norm2(x)))."""
+    """x += cpe1(x); x += DropPath(g1 * attn(norm1(x))); x += cpe2(x); x += DropPath(g2 * ffn(norm2(x))).
+
+    With ``fast`` (every attn_impl but 'plain') the block keeps its map channels-last: x (B, C, H, W)
+    in channels_last memory is (B, H, W, C) tokens by a free permute, so norms, attention and FFN run
+    on tokens without copies; the CPE residuals are folded into their kernels and the layer-scale
+    residuals are one addcmul each.
+    """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, linear: bool,
-                 drop_path: float = 0.0, layer_scale_init: float = 1.0, attn_impl: str = 'plain') -> None:
+                 drop_path: float = 0.0, layer_scale_init: float = 1.0, attn_impl: str = 'fast') -> None:
         super().__init__()
+        self.fast = attn_impl != 'plain'
         self.gamma_1 = nn.Parameter(torch.full((1, dim, 1, 1), float(layer_scale_init)))
         self.gamma_2 = nn.Parameter(torch.full((1, dim, 1, 1), float(layer_scale_init)))
         self.norm1 = ChannelsLastLayerNorm(dim)
-        self.attn = NaLaAttention(dim, num_heads, attn_impl) if linear else SoftmaxAttention(dim, num_heads)
+        self.attn = (NaLaAttention(dim, num_heads, attn_impl) if linear
+                     else SoftmaxAttention(dim, num_heads, fast=self.fast))
         self.norm2 = ChannelsLastLayerNorm(dim)
         self.ffn = ConvFFN(dim, int(mlp_ratio * dim))
         self.cpe1 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
@@ -70,11 +99,27 @@ class NaLaBlock(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return self.forward_fast(x, sin, cos)
         x = x + self.cpe1(x)
         x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x), sin, cos))
         x = x + self.cpe2(x)
         x = x + self.drop_path(self.gamma_2 * self.ffn(self.norm2(x)))
         return x
+
+    def _add_scaled(self, x: torch.Tensor, gamma: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.drop_path, nn.Identity) or not self.training:
+            return torch.addcmul(x, gamma, y)
+        return x + self.drop_path(gamma * y)
+
+    def forward_fast(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        """The same block on a channels-last map (any layout works; channels_last avoids copies)."""
+        x = conv_plus_identity(x, self.cpe1)
+        attn = self.attn.forward_tokens(self.norm1.forward_tokens(x.permute(0, 2, 3, 1)), sin, cos)
+        x = self._add_scaled(x, self.gamma_1, attn.permute(0, 3, 1, 2))
+        x = conv_plus_identity(x, self.cpe2)
+        ffn = self.ffn.forward_tokens(self.norm2.forward_tokens(x.permute(0, 2, 3, 1)))
+        return self._add_scaled(x, self.gamma_2, ffn.permute(0, 3, 1, 2))
 
 
 class Downsample(nn.Module):
@@ -94,7 +139,7 @@ class NaLaStage(nn.Module):
 
     def __init__(self, dim: int, out_dim: Optional[int], depth: int, num_heads: int, mlp_ratio: float,
                  linear: bool, drop_path: Sequence[float], layer_scale_init: float,
-                 attn_impl: str = 'plain') -> None:
+                 attn_impl: str = 'fast') -> None:
         super().__init__()
         self.RoPE = RoPE(dim, num_heads)
         self.blocks = nn.ModuleList([
@@ -106,6 +151,8 @@ class NaLaStage(nn.Module):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's blocks, without the downsample: the stage's feature map."""
         sin, cos = self.RoPE(x.shape[-2:])
+        if self.blocks and self.blocks[0].fast:
+            x = x.contiguous(memory_format=torch.channels_last)
         for block in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
                 x = checkpoint(block, x, sin, cos, use_reentrant=False)
@@ -159,12 +206,15 @@ class NaLaFormer(nn.Module):
             num_linear_stages: int = 2,
             drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
-            attn_impl: str = 'plain',
+            attn_impl: str = 'fast',
             global_pool: str = 'avg',
     ) -> None:
         super().__init__()
         if global_pool != 'avg':
             raise ValueError(f"NaLaFormer supports global_pool='avg' only, got {global_pool!r}")
+        if attn_impl not in NALA_IMPLS:
+            raise ValueError(f'unknown attn_impl {attn_impl!r}; choose one of {sorted(NALA_IMPLS)}')
+        self.attn_impl = attn_impl
         self.num_classes = num_classes
         self.embed_dims = tuple(embed_dims)
         self.num_features = embed_dims[-1]
@@ -243,10 +293,16 @@ class NaLaFormer(nn.Module):
             self.head = nn.Identity()
 
     def set_attn_impl(self, name: str) -> None:
-        """Switch every NaLa layer to another implementation of the same math."""
+        """Switch every NaLa layer to another implementation of the same math. ``'plain'`` also
+        selects the reference-layout block, frame and softmax core; every other name the fast ones."""
+        if name not in NALA_IMPLS:
+            raise ValueError(f'unknown attn_impl {name!r}; choose one of {sorted(NALA_IMPLS)}')
+        self.attn_impl = name
         for module in self.modules():
             if isinstance(module, NaLaAttention):
                 module.attn_impl = name
+            elif isinstance(module, (NaLaBlock, SoftmaxAttention)):
+                module.fast = name != 'plain'
 
     def forward_intermediates(
             self,

@@ -1,0 +1,201 @@
+"""The fast path computes the plain path's numbers: NaLa core, softmax core, block and whole model,
+outputs and gradients (fp32, <= 1e-4 relative), zero handling, autocast, fvcore counts, compile."""
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import timm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402,F401
+from models.nala import (NALA_IMPLS, NaLaAttention, RoPE, nala_attention_fast, nala_attention_plain,  # noqa: E402
+                         softmax_attention_fast, softmax_attention_plain)
+
+TOL = 1e-4
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 when both are exactly zero)."""
+    scale = b.abs().max()
+    diff = (a - b).abs().max()
+    return 0.0 if diff == 0 else (diff / scale).item()
+
+
+def run_core(fn, base, sin, cos, weight):
+    x = base.clone().requires_grad_()
+    q, k, v = x.unbind(-2)
+    out = fn(q, k, v, sin, cos)
+    (out * weight).sum().backward()
+    return out.detach(), x.grad
+
+
+def qkv_with_zeros(batch, heads, tokens, dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(batch, heads, tokens, 3, dim, generator=gen)
+    base[0, 0, 0, 0] = 0                 # a zero query
+    base[0, 0, 1, 0, : dim // 2] = 0     # exact zeros inside a query
+    base[0, -1, 2, 1] = 0                # a zero key
+    base[-1, 0, 3, 0, 1] = 0
+    return base
+
+
+@pytest.mark.parametrize('batch,heads,height,width,dim', [
+    (2, 1, 7, 9, 16), (3, 2, 8, 5, 32), (1, 4, 3, 11, 8), (2, 2, 14, 14, 64)])
+def test_nala_fast_core_equals_plain(batch, heads, height, width, dim):
+    sin, cos = RoPE(heads * dim, heads)((height, width))
+    base = qkv_with_zeros(batch, heads, height * width, dim, seed=height * width)
+    weight = torch.randn(batch, heads, height * width, dim, generator=torch.Generator().manual_seed(1))
+    out_p, grad_p = run_core(nala_attention_plain, base, sin, cos, weight)
+    out_f, grad_f = run_core(nala_attention_fast, base, sin, cos, weight)
+    assert torch.isfinite(out_f).all() and torch.isfinite(grad_f).all()
+    assert rel_err(out_f, out_p) <= TOL
+    for i, name in enumerate('qkv'):
+        assert rel_err(grad_f[..., i, :], grad_p[..., i, :]) <= TOL, name
+
+
+def test_nala_fast_zero_query_row_is_finite_and_matches():
+    sin, cos = RoPE(16, 1)((4, 4))
+    base = torch.randn(1, 1, 16, 3, 16, generator=torch.Generator().manual_seed(3))
+    base[..., 0, :] = 0                                  # every query is zero
+    out_f, grad_f = run_core(nala_attention_fast, base, sin, cos, torch.ones(1, 1, 16, 16))
+    out_p, grad_p = run_core(nala_attention_plain, base, sin, cos, torch.ones(1, 1, 16, 16))
+    assert torch.isfinite(out_f).all() and torch.isfinite(grad_f).all()
+    assert torch.equal(grad_f[..., 0, :], torch.zeros_like(grad_f[..., 0, :]))
+    assert rel_err(grad_f, grad_p) <= TOL and rel_err(out_f, out_p) <= TOL
+
+
+@pytest.mark.parametrize('heads,height,width,dim', [(1, 5, 7, 16), (3, 6, 4, 32)])
+def test_softmax_fast_core_equals_plain(heads, height, width, dim):
+    sin, cos = RoPE(heads * dim, heads)((height, width))
+    base = torch.randn(2, heads, height * width, 3, dim, generator=torch.Generator().manual_seed(5))
+    weight = torch.randn(2, heads, height * width, dim)
+    out_p, grad_p = run_core(softmax_attention_plain, base, sin, cos, weight)
+    out_f, grad_f = run_core(softmax_attention_fast, base, sin, cos, weight)
+    assert rel_err(out_f, out_p) <= TOL and rel_err(grad_f, grad_p) <= TOL
+
+
+def model_pass(model, x, impl, train_bn=False):
+    model.set_attn_impl(impl)
+    model.train(train_bn)
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('name,size', [('NALAFORMER_XT', (64, 96)), ('NALAFORMER_T', (64, 40)),
+                                       ('NALAFORMER_XT', (72, 40))])
+def test_model_fast_equals_plain_outputs_and_every_gradient(name, size):
+    torch.manual_seed(0)
+    # layer scales away from 1 and random norms so that every parameter matters
+    model = timm.create_model(name, num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim == 1 and ('norm' in n or n.endswith('ln.weight')):
+                p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 3, *size)
+    # eval-mode BN: a bias in front of a training-mode BN has a zero gradient, i.e. pure noise
+    out_p, xg_p, grads_p = model_pass(model, x, 'plain')
+    out_f, xg_f, grads_f = model_pass(model, x, 'fast')
+    assert rel_err(out_f, out_p) <= TOL
+    assert rel_err(xg_f, xg_p) <= TOL
+    assert grads_p.keys() == grads_f.keys()
+    worst = max((rel_err(grads_f[n], grads_p[n]), n) for n in grads_p)
+    assert worst[0] <= TOL, worst
+    # training-mode BN: outputs still agree
+    out_p, _, _ = model_pass(model, x, 'plain', train_bn=True)
+    out_f, _, _ = model_pass(model, x, 'fast', train_bn=True)
+    assert rel_err(out_f, out_p) <= TOL
+
+
+def test_fast_is_default_and_switchable():
+    assert 'plain' in NALA_IMPLS and 'fast' in NALA_IMPLS
+    model = timm.create_model('NALAFORMER_XT')
+    attn = model.layers[0].blocks[0].attn
+    assert model.attn_impl == 'fast' and attn.attn_impl == 'fast' and model.layers[0].blocks[0].fast
+    plain = timm.create_model('NALAFORMER_XT', attn_impl='plain')
+    assert plain.layers[0].blocks[0].attn.attn_impl == 'plain' and not plain.layers[0].blocks[0].fast
+    assert not plain.layers[2].blocks[0].attn.fast
+    model.set_attn_impl('plain')
+    assert all(not b.fast and not b.attn.fast for s in model.layers for b in s.blocks)
+    model.set_attn_impl('fast')
+    assert all(b.fast and b.attn.fast for s in model.layers for b in s.blocks)
+    with pytest.raises(ValueError):
+        model.set_attn_impl('nope')
+    with pytest.raises(ValueError):
+        timm.create_model('NALAFORMER_XT', attn_impl='nope')
+    assert list(model.state_dict()) == list(plain.state_dict())
+
+
+def test_analysis_hooks_see_the_fast_path():
+    """attn.qkvg output, num_heads, head_dim and stage.RoPE((H, W)) keep their meaning."""
+    model = timm.create_model('NALAFORMER_XT').eval()
+    seen = []
+    attn = model.layers[1].blocks[0].attn
+    handle = attn.qkvg.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 64, 96))
+    handle.remove()
+    assert seen == [torch.Size([1, 8, 12, 4 * attn.num_heads * attn.head_dim])]
+    sin, cos = model.layers[1].RoPE((8, 12))
+    assert sin.shape == cos.shape == (96, attn.head_dim)
+
+
+def test_autocast_runs_the_attention_core_in_fp32():
+    dtypes = []
+
+    def spy(q, k, v, sin, cos):
+        dtypes.append((q.dtype, k.dtype, v.dtype))
+        return nala_attention_fast(q, k, v, sin, cos)
+
+    NALA_IMPLS['spy'] = spy
+    try:
+        attn = NaLaAttention(32, 2, attn_impl='spy')
+        sin, cos = RoPE(32, 2)((6, 5))
+        x = torch.randn(2, 32, 6, 5)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            out = attn(x, sin, cos)
+        out.float().sum().backward()
+        ref = NaLaAttention(32, 2, attn_impl='plain')
+        ref.load_state_dict(attn.state_dict())
+        expected = ref(x, sin, cos)
+    finally:
+        del NALA_IMPLS['spy']
+    assert dtypes == [(torch.float32,) * 3]
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert all(torch.isfinite(p.grad).all() for p in attn.parameters())
+    assert rel_err(out.float(), expected) < 0.05
+
+
+def test_fvcore_counts_are_identical():
+    from tools.flops import count_flops
+    model = timm.create_model('NALAFORMER_XT')
+    fast = count_flops(model, (3, 64, 96))
+    model.set_attn_impl('plain')
+    assert count_flops(model, (3, 64, 96)) == fast
+
+
+def test_grad_checkpointing_and_layouts_give_the_same_numbers():
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=5).eval()
+    x = torch.randn(2, 3, 64, 64)
+    out, xg, grads = model_pass(model, x, 'fast')
+    model.set_grad_checkpointing(True)
+    out_c, xg_c, grads_c = model_pass(model, x.contiguous(memory_format=torch.channels_last), 'fast')
+    assert rel_err(out_c, out) <= TOL and rel_err(xg_c, xg) <= TOL
+    assert max(rel_err(grads_c[n], grads[n]) for n in grads) <= TOL
+
+
+def test_no_graph_breaks_under_torch_compile():
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    model = timm.create_model('NALAFORMER_XT', num_classes=5)
+    x = torch.randn(2, 3, 32, 48)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', DeprecationWarning)
+        explanation = dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    dynamo.reset()
