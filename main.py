@@ -480,9 +480,11 @@ def main(args, parser):
             line += f" (evaluated {stats['n']} of {len(dataset_val)} images; undecodable ones excluded)"
         return line
 
+    # evaluation uses the bare module: a DDP forward may broadcast buffers, a collective that would hang
+    # when ranks get different numbers of validation batches (exact dist-eval does not pad)
     sum_over_ranks = bool(args.dist_eval and args.distributed)
     if args.eval:
-        test_stats = engine.evaluate(loader_val, model, device, amp_dtype, args.channels_last, args.print_freq,
+        test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
                                      sum_over_ranks=sum_over_ranks)
         print(accuracy_line(test_stats))
         return 0
@@ -549,7 +551,7 @@ def main(args, parser):
         if args.distributed:
             bad = int(utils.all_reduce_sum([bad], device)[0])
 
-        test_stats = engine.evaluate(loader_val, model, device, amp_dtype, args.channels_last, args.print_freq,
+        test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
                                      sum_over_ranks=sum_over_ranks)
         print(accuracy_line(test_stats))
         ema_stats = None

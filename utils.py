@@ -374,20 +374,22 @@ def load_checkpoint_file(path):
         raise CheckpointError(f'checkpoint {path} is a directory, expected a .pth file')
     if os.path.getsize(path) == 0:
         raise CheckpointError(f'checkpoint {path} is empty (0 bytes)')
+    with open(path, 'rb') as f:
+        magic = f.read(4)
+    is_zip, is_legacy = magic[:2] == b'PK', magic[:1] == b'\x80'  # torch.save zip format / legacy pickle format
+    if not (is_zip or is_legacy):
+        raise CheckpointError(f'{path} is not a PyTorch checkpoint (unknown file format)')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # noqa: BLE001
         msg = str(e)
-        if 'Weights only load failed' in msg or 'weights_only' in msg.lower() and 'unsupported' in msg.lower():
+        if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
             raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
                                   f'refusing to unpickle it (weights_only=True)') from e
-        if 'central directory' in msg or 'zip archive' in msg or 'unexpected EOF' in msg or 'EOFError' in type(e).__name__ \
-                or isinstance(e, EOFError) or 'truncated' in msg.lower():
-            with open(path, 'rb') as f:
-                magic = f.read(4)
-            if magic[:2] == b'PK':
-                raise CheckpointError(f'checkpoint {path} is truncated or corrupt '
-                                      f'({os.path.getsize(path)} bytes); use an older backup checkpoint') from e
+        if (is_zip and ('central directory' in msg or 'zip archive' in msg or 'failed reading' in msg)) \
+                or isinstance(e, EOFError) or 'EOF' in msg:
+            raise CheckpointError(f'checkpoint {path} is truncated or corrupt ({os.path.getsize(path)} bytes); '
+                                  f'use a backup checkpoint') from e
         raise CheckpointError(f'{path} is not a PyTorch checkpoint ({first_line(e)})') from e
     return ckpt
 

@@ -1,0 +1,272 @@
+"""Faults of the engine (issue 5, all but the data-layout bullets): bad checkpoints, failing and killed
+writes, preemption by SIGINT/SIGTERM with exact resume (plain process and torchrun), non-finite loss,
+incompatible flags, a dead rank, dist-eval with fewer images than processes. Process-level faults are
+provoked on real processes."""
+import fractions
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import main
+import utils
+from test_runs import (BASE, PY, REPO, TORCHRUN, accuracy_line, assert_same_weights, env, free_port, load,
+                       make_imagefolder, run_main)
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return make_imagefolder(tmp_path_factory.mktemp('tinyf'))
+
+
+def one_line_error(p):
+    assert p.returncode not in (0, None)
+    assert 'Traceback' not in p.stderr, p.stderr[-3000:]
+    errs = [line for line in p.stderr.splitlines() if 'error:' in line]
+    assert errs, p.stderr[-3000:]
+    return errs[-1]
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _xt(num_classes=3):
+    return main.build_model(main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT']), num_classes)
+
+
+@pytest.fixture(scope='module')
+def xt_ckpt(tmp_path_factory):
+    p = tmp_path_factory.mktemp('ck') / 'xt.pth'
+    torch.save({'model': _xt(3).state_dict(), 'epoch': 0}, p)
+    return p
+
+
+def test_not_a_checkpoint(tmp_path):
+    p = tmp_path / 'notes.pth'
+    p.write_text('these are not weights\n')
+    with pytest.raises(utils.CheckpointError, match=r'is not a PyTorch checkpoint'):
+        main.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
+
+
+def test_truncated_checkpoint(xt_ckpt, tmp_path):
+    p = tmp_path / 'cut.pth'
+    p.write_bytes(xt_ckpt.read_bytes()[: xt_ckpt.stat().st_size // 2])
+    with pytest.raises(utils.CheckpointError, match=r'truncated or corrupt'):
+        main.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
+
+
+def test_arbitrary_objects_are_never_unpickled(xt_ckpt, tmp_path):
+    p = tmp_path / 'obj.pth'
+    torch.save({'model': load(xt_ckpt)['model'], 'extra': fractions.Fraction(1, 3)}, p)
+    with pytest.raises(utils.CheckpointError, match=r'refusing to unpickle'):
+        main.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
+
+
+def test_checkpoint_of_another_variant_names_it(xt_ckpt):
+    import timm
+    t = timm.create_model('NALAFORMER_T', num_classes=3)
+    with pytest.raises(utils.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
+        main.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
+
+
+def test_other_number_of_classes_points_to_finetune(xt_ckpt):
+    with pytest.raises(utils.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
+        main.load_model_weights(_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
+
+
+def test_bad_checkpoint_ends_in_one_line_and_non_zero_exit(data, tmp_path):
+    bad = tmp_path / 'bad.pth'
+    bad.write_bytes(b'\x00garbage' * 10)
+    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--device', 'cpu', '--num_workers', '0',
+                  '--no-flops', '--eval', '--resume', str(bad), '--data-path', data], check=False)
+    assert 'is not a PyTorch checkpoint' in one_line_error(p)
+
+
+@pytest.fixture(scope='module')
+def one_epoch(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('f1') / 'out')
+    run_main(BASE[:-1] + ['1', '--data-path', data, '--output_dir', out])
+    return out
+
+
+def _limit_file_size(nbytes):
+    def pre():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return pre
+
+
+def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, data, tmp_path):
+    out = str(tmp_path / 'out')
+    shutil.copytree(one_epoch, out)
+    ck = os.path.join(out, 'checkpoint.pth')
+    before = open(ck, 'rb').read()
+    # a "full disk": no file may grow beyond 1 MB, the checkpoint needs ~60 MB
+    p = run_main(BASE + ['--data-path', data, '--output_dir', out], check=False,
+                 preexec_fn=_limit_file_size(1 << 20))
+    line = one_line_error(p)
+    assert f'could not write checkpoint {ck}' in line and 'previous checkpoint.pth' in line
+    assert open(ck, 'rb').read() == before
+    assert not [f for f in os.listdir(out) if f.startswith(utils.TMP_PREFIX)]
+
+
+def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
+    script = (
+        'import sys, torch, utils\n'
+        'state = {"model": {"w%d" % i: torch.randn(256, 256) for i in range(16)}}\n'
+        'print("ready", flush=True)\n'
+        'e = 0\n'
+        'while True:\n'
+        '    state["epoch"] = e; utils.save_atomic(state, sys.argv[1]); e += 1\n')
+    path = tmp_path / 'checkpoint.pth'
+    for delay in (0.3, 0.77):
+        proc = subprocess.Popen([PY, '-c', script, str(path)], cwd=REPO, env=env(), stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == 'ready'
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        ck = load(path)  # whatever moment the kill hit, the file is a complete checkpoint
+        assert ck['model']['w15'].shape == (256, 256)
+        utils.remove_stale_tmp(str(tmp_path))
+        assert os.listdir(tmp_path) == ['checkpoint.pth']
+
+
+# ------------------------------------------------------------------------------------------ preemption
+def _start(cmd):
+    return subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _signal_when(proc, pattern, sig, timeout=180):
+    """Send `sig` once stdout shows `pattern`; return (stdout, stderr) after exit."""
+    out = []
+    t0 = time.time()
+    for line in proc.stdout:
+        out.append(line)
+        if re.search(pattern, line):
+            proc.send_signal(sig)
+            t_sig = time.time()
+            break
+        assert time.time() - t0 < timeout
+    rest, err = proc.communicate(timeout=120)
+    return ''.join(out) + rest, err, time.time() - t_sig
+
+
+STOP = BASE[:-1] + ['1', '--batch-size', '2']  # one epoch of 12 steps: room for a stop in the middle
+
+
+def test_sigint_stops_at_a_step_and_resume_is_exact(data, tmp_path):
+    ref = str(tmp_path / 'ref')
+    run_main(STOP + ['--data-path', data, '--output_dir', ref])
+    out = str(tmp_path / 'out')
+    cmd = [PY, 'main.py'] + STOP + ['--data-path', data, '--output_dir', out]
+    stdout, stderr, waited = _signal_when(_start(cmd), r'Epoch: \[0\] \[ ?2/', signal.SIGINT)
+    assert 'Traceback' not in stderr, stderr[-3000:]
+    m = re.search(r'Stopped by SIGINT at epoch 0 step (\d+)', stdout)
+    assert m, stdout[-3000:] + stderr[-3000:]
+    assert waited < 30
+    ck = load(os.path.join(out, 'checkpoint.pth'))
+    assert ck['epoch'] == 0 and ck['step'] == int(m.group(1))
+    p = run_main(STOP + ['--data-path', data, '--output_dir', out])  # the same command again
+    assert f'continuing at epoch 0 step {m.group(1)}' in p.stdout
+    assert_same_weights(load(os.path.join(ref, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth')))
+
+
+def test_sigterm_under_torchrun_stops_all_ranks_and_resume_is_exact(data, tmp_path):
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--num_workers', '0', '--data-path', data]
+    ref = str(tmp_path / 'ref')
+    p_ref = run_main(args + ['--output_dir', ref], nproc=2)
+    digest = set(re.findall(r'final weights sha256: (\w+)', p_ref.stdout + p_ref.stderr))
+    assert len(digest) == 1
+    out = str(tmp_path / 'out')
+    cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'] \
+        + args + ['--output_dir', out]
+    stdout, stderr, waited = _signal_when(_start(cmd), r'Epoch: \[0\] \[1/', signal.SIGTERM)
+    assert waited < 40
+    m = re.search(r'Stopped by SIGTERM at epoch 0 step (\d+)', stdout)
+    assert m, stdout[-3000:] + stderr[-3000:]
+    ck = load(os.path.join(out, 'checkpoint.pth'))
+    assert ck['step'] == int(m.group(1)) and len(ck['rng_state']) == 2
+    p = run_main(args + ['--output_dir', out], nproc=2)
+    assert f'continuing at epoch 0 step {m.group(1)}' in p.stdout
+    assert set(re.findall(r'final weights sha256: (\w+)', p.stdout + p.stderr)) == digest
+    assert_same_weights(load(os.path.join(ref, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth')))
+
+
+# ------------------------------------------------------------------------------------------ numerics
+def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_last_checkpoint(data, tmp_path):
+    out = str(tmp_path / 'out')
+    # epoch 0 at a harmless warmup LR, epoch 1 at an absurd LR under fp16: the loss blows up
+    args = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+            '--num_workers', '0', '--no-flops', '--amp', 'fp16', '--unscale-lr', '--lr', '1e6',
+            '--warmup-epochs', '1', '--epochs', '2', '--max-bad-steps', '2', '--mixup', '0', '--cutmix', '0',
+            '--data-path', data, '--output_dir', out]
+    p = run_main(args, check=False)
+    line = one_line_error(p)
+    assert re.search(r'non-finite (loss|gradients) .*at epoch 1 step \d+', line), line
+    assert '--max-bad-steps 2' in line
+    ck = load(os.path.join(out, 'checkpoint.pth'))
+    assert ck['epoch'] == 0 and all(torch.isfinite(v).all() for v in ck['model'].values() if v.is_floating_point())
+
+
+# ------------------------------------------------------------------------------------------ command line
+@pytest.mark.parametrize('argv, message', [
+    (['--model', 'NOT_A_MODEL'], r"unknown model 'NOT_A_MODEL'; known NaLaFormer variants: NALAFORMER_B, NALAFORMER_L"),
+    (['--distillation-type', 'hard', '--teacher-path', 't.pth', '--finetune', 'x.pth'], r'--distillation-type with --finetune'),
+    (['--eval'], r'--eval needs a checkpoint'),
+    (['--batch-size', '0'], r'--batch-size must be at least 1'),
+    (['--batch-size', '5'], r'--batch-size 5 is odd; mixup'),
+    (['--resume', '/nonexistent/ck.pth'], r'--resume /nonexistent/ck.pth: no such file'),
+    (['--teacher-path', 'https://x/y.pth', '--distillation-type', 'soft'], r'local file'),
+])
+def test_incompatible_flags_fail_like_argparse_before_any_work(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('RANK', '0')
+    with pytest.raises(SystemExit) as ei:
+        main.run(argv + ['--data-path', '/nonexistent'])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert 'usage:' in err and 'Traceback' not in err
+    assert not torch.distributed.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------ distributed
+def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
+    port = free_port()
+    args = [PY, 'main.py'] + BASE[:-1] + ['3', '--batch-size', '2', '--num_workers', '0', '--data-path', data,
+                                          '--dist-timeout', '60']
+    procs = []
+    for rank in (0, 1):
+        e = env()
+        e.update(RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK=str(rank), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(args, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    for line in procs[0].stdout:
+        if re.search(r'Epoch: \[0\] \[ ?1/', line):
+            break
+    procs[1].kill()  # kill -9 rank 1 in the middle of training
+    t0 = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    procs[1].wait()
+    assert time.time() - t0 < 70
+    assert procs[0].returncode != 0
+    assert 'Traceback' not in err, err[-3000:]
+    assert re.search(r'\[rank 0\] error: lost contact with the other processes', err), err[-3000:]
+
+
+def test_dist_eval_with_fewer_images_than_processes_is_exact(tmp_path):
+    data = make_imagefolder(tmp_path / 'd', classes=2, n_train=1, n_val=1)  # 2 val images, 3 processes
+    ck = tmp_path / 'm.pth'
+    torch.manual_seed(0)
+    torch.save({'model': _xt(2).state_dict()}, ck)
+    ev = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+          '--num_workers', '0', '--no-flops', '--eval', '--resume', str(ck), '--data-path', data, '--dist-eval']
+    single, multi = run_main(ev), run_main(ev, nproc=3)
+    assert accuracy_line(multi.stdout) == accuracy_line(single.stdout)
+    assert 'on the 2 test images' in accuracy_line(multi.stdout)[0]
