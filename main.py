@@ -483,7 +483,10 @@ def main(args, parser):
     # evaluation uses the bare module: a DDP forward may broadcast buffers, a collective that would hang
     # when ranks get different numbers of validation batches (exact dist-eval does not pad)
     sum_over_ranks = bool(args.dist_eval and args.distributed)
-    if args.eval:
+    if not args.eval and start_epoch >= args.epochs:
+        print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
+              f'evaluating it (raise --epochs to train longer)')
+    if args.eval or start_epoch >= args.epochs:
         test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
                                      sum_over_ranks=sum_over_ranks)
         print(accuracy_line(test_stats))

@@ -196,3 +196,33 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
     res = engine.train_one_epoch(model, crit, loader, opt, 'cpu', epoch=0, stop_flag=flag, print_freq=100)
     assert res.stopped and res.next_step == 1 and res.rng_state is not None and res.epoch_rng_state is not None
+
+
+# -------------------------------------------------------------------------------- launch scripts
+@pytest.mark.parametrize('variant, drop_path', [('NALAFORMER_XT', '0.1'), ('NALAFORMER_T', '0.1'),
+                                                ('NALAFORMER_S', '0.15'), ('NALAFORMER_B', '0.4'),
+                                                ('NALAFORMER_L', '0.55')])
+def test_pretrain_sh_holds_each_variant_recipe(variant, drop_path):
+    import subprocess
+    e = dict(os.environ, MODEL=variant, PYTHON='echo', DATA='/d', OUTPUT='/o', NPROC='4', NNODES='2',
+             NODE_RANK='1', MASTER_ADDR='10.0.0.1', MASTER_PORT='1234')
+    p = subprocess.run(['bash', os.path.join(main.__file__.rsplit('/', 1)[0], 'pretrain.sh'), '--epochs', '7'],
+                       env=e, capture_output=True, text=True, check=True)
+    printed, ran = p.stdout.splitlines()
+    assert printed.startswith('+ echo -m torch.distributed.run')
+    for piece in ('--nnodes=2', '--node_rank=1', '--nproc_per_node=4', '--master_addr=10.0.0.1',
+                  '--master_port=1234', f'--model {variant}', f'--drop-path {drop_path}', '--batch-size 128',
+                  '--data-path /d', '--output_dir /o', '--amp fp16'):
+        assert piece in ran, piece
+    assert ran.endswith('--epochs 7')  # extra flags come last and override
+    args = main.get_args_parser().parse_args(ran.split(' main.py ', 1)[1].split())
+    assert args.drop_path == float(drop_path) and args.epochs == 7 and args.lr == 5e-4
+
+
+def test_eval_sh_prints_and_runs_an_exact_evaluation():
+    import subprocess
+    e = dict(os.environ, PYTHON='echo', CKPT='/c.pth', DATA='/d', NPROC='2')
+    p = subprocess.run(['bash', os.path.join(main.__file__.rsplit('/', 1)[0], 'eval.sh')], env=e,
+                       capture_output=True, text=True, check=True)
+    ran = p.stdout.splitlines()[1]
+    assert '--nproc_per_node=2' in ran and '--eval --resume /c.pth' in ran and '--dist-eval' in ran

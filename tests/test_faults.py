@@ -146,15 +146,28 @@ def _signal_when(proc, pattern, sig, timeout=180):
     """Send `sig` once stdout shows `pattern`; return (stdout, stderr) after exit."""
     out = []
     t0 = time.time()
-    for line in proc.stdout:
-        out.append(line)
-        if re.search(pattern, line):
-            proc.send_signal(sig)
-            t_sig = time.time()
-            break
-        assert time.time() - t0 < timeout
-    rest, err = proc.communicate(timeout=120)
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if re.search(pattern, line):
+                proc.send_signal(sig)
+                t_sig = time.time()
+                break
+            assert time.time() - t0 < timeout
+        else:
+            raise AssertionError('no line matched ' + pattern + ':\n' + ''.join(out)[-3000:] + proc.stderr.read()[-3000:])
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
     return ''.join(out) + rest, err, time.time() - t_sig
+
+
+def _kill_group(proc):
+    """Leave no process of a failed test behind (torchrun workers included)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 STOP = BASE[:-1] + ['1', '--batch-size', '2']  # one epoch of 12 steps: room for a stop in the middle
@@ -247,13 +260,17 @@ def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
         e.update(RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK=str(rank), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
         procs.append(subprocess.Popen(args, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
-    for line in procs[0].stdout:
-        if re.search(r'Epoch: \[0\] \[ ?1/', line):
-            break
-    procs[1].kill()  # kill -9 rank 1 in the middle of training
-    t0 = time.time()
-    _, err = procs[0].communicate(timeout=120)
-    procs[1].wait()
+    try:
+        for line in procs[0].stdout:
+            if re.search(r'Epoch: \[0\] \[ ?1/', line):
+                break
+        procs[1].kill()  # kill -9 rank 1 in the middle of training
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=120)
+        procs[1].wait()
+    finally:
+        for p in procs:
+            _kill_group(p)
     assert time.time() - t0 < 70
     assert procs[0].returncode != 0
     assert 'Traceback' not in err, err[-3000:]

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -55,7 +56,17 @@ def env():
 def run_main(args, nproc=1, timeout=240, check=True, **kw):
     cmd = ([PY, 'main.py'] if nproc == 1 else
            TORCHRUN + [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'])
-    p = subprocess.run(cmd + list(args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout, **kw)
+    if nproc > 1 and '--dist-timeout' not in args:
+        args = list(args) + ['--dist-timeout', '120']  # a test that hangs in a collective fails instead of waiting 30 min
+    proc = subprocess.Popen(cmd + list(args), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, not only the launcher
+        out, err = proc.communicate()
+        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}')
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise AssertionError(f'exit {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}')
     return p
