@@ -31,8 +31,9 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                     clip_grad=None, clip_mode='norm', model_ema=None, mixup_fn=None, set_training_mode=True,
                     args=None, stop_flag=None, start_step=0, resume_rng_state=None, epoch_rng_state=None,
                     loss_meter_state=None, bce_loss=False, channels_last=False, print_freq=10,
-                    max_bad_steps=20, num_classes=None):
-    """One pass over `data_loader`.
+                    max_bad_steps=20, num_classes=None, ema_source=None):
+    """One pass over `data_loader`. `model` may be DDP-wrapped and/or compiled; `ema_source` is the bare
+    module the EMA follows.
 
     Resuming in the middle of an epoch (`start_step` > 0): the RNG state from before the epoch's data
     iterator was created is restored, the first `start_step` batches are loaded again but not trained on
@@ -121,7 +122,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                 optimizer.step()
                 bad_steps = 0
             if model_ema is not None:
-                model_ema.update(model.module if hasattr(model, 'module') else model)
+                model_ema.update(ema_source if ema_source is not None else model)
             metric_logger.update(loss=loss_value)
         metric_logger.update(lr=optimizer.param_groups[0]['lr'])
 

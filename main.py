@@ -541,7 +541,7 @@ def main(args, parser):
             epoch_rng_state=epoch_rng if epoch == start_epoch else None,
             loss_meter_state=loss_meter if epoch == start_epoch else None,
             bce_loss=args.bce_loss, channels_last=args.channels_last, print_freq=args.print_freq,
-            max_bad_steps=args.max_bad_steps, num_classes=nb_classes)
+            max_bad_steps=args.max_bad_steps, num_classes=nb_classes, ema_source=model_without_ddp)
         if res.stopped and res.next_step:
             save(epoch, {'step': res.next_step, 'rng_state': gather_rng(res.rng_state),
                          'epoch_rng_state': gather_rng(res.epoch_rng_state), 'loss_meter': res.loss_meter},

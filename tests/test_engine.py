@@ -226,3 +226,20 @@ def test_eval_sh_prints_and_runs_an_exact_evaluation():
                        capture_output=True, text=True, check=True)
     ran = p.stdout.splitlines()[1]
     assert '--nproc_per_node=2' in ran and '--eval --resume /c.pth' in ran and '--dist-eval' in ran
+
+
+def test_distillation_loss_soft_and_hard():
+    from losses import DistillationLoss
+    torch.manual_seed(0)
+    teacher = torch.nn.Linear(4, 3)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    out = torch.randn(5, 3)
+    base = torch.nn.CrossEntropyLoss()
+    assert DistillationLoss(base, None, 'none', 0.5, 1.0)(x, out, y) == base(out, y)
+    hard = DistillationLoss(base, teacher, 'hard', 0.5, 1.0)(x, out, y)
+    want = 0.5 * base(out, y) + 0.5 * torch.nn.functional.cross_entropy(out, teacher(x).argmax(1))
+    assert torch.allclose(hard, want)
+    soft = DistillationLoss(base, teacher, 'soft', 1.0, 2.0)(x, (out, out), y)
+    p_t = torch.softmax(teacher(x) / 2, 1)
+    kl = (p_t * (p_t.log() - torch.log_softmax(out / 2, 1))).sum() * 4 / out.numel()
+    assert torch.allclose(soft, kl, atol=1e-6)

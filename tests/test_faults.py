@@ -17,7 +17,7 @@ import torch
 
 import main
 import utils
-from test_runs import (BASE, PY, REPO, TORCHRUN, accuracy_line, assert_same_weights, env, free_port, load,
+from test_runs import (BASE, LAUNCH, PY, REPO, TORCHRUN, accuracy_line, assert_same_weights, env, free_port, load,
                        make_imagefolder, run_main)
 
 
@@ -257,11 +257,15 @@ def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
     procs = []
     for rank in (0, 1):
         e = env()
-        e.update(RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK=str(rank), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        # launched the way SLURM's srun does it: SLURM_* variables only (MASTER_* as an sbatch script sets them)
+        e.update(SLURM_PROCID=str(rank), SLURM_NTASKS='2', SLURM_LOCALID=str(rank), SLURM_JOB_NODELIST='localhost',
+                 MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
         procs.append(subprocess.Popen(args, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
     try:
+        seen = []
         for line in procs[0].stdout:
+            seen.append(line)
             if re.search(r'Epoch: \[0\] \[ ?1/', line):
                 break
         procs[1].kill()  # kill -9 rank 1 in the middle of training
@@ -271,6 +275,7 @@ def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
     finally:
         for p in procs:
             _kill_group(p)
+    assert any('Launcher: slurm, 2 process(es), backend gloo' in line for line in seen), ''.join(seen)[-2000:]
     assert time.time() - t0 < 70
     assert procs[0].returncode != 0
     assert 'Traceback' not in err, err[-3000:]
@@ -284,6 +289,7 @@ def test_dist_eval_with_fewer_images_than_processes_is_exact(tmp_path):
     torch.save({'model': _xt(2).state_dict()}, ck)
     ev = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
           '--num_workers', '0', '--no-flops', '--eval', '--resume', str(ck), '--data-path', data, '--dist-eval']
-    single, multi = run_main(ev), run_main(ev, nproc=3)
+    single, multi = run_main(ev), run_main(ev, nproc=3, launcher=LAUNCH)
+    assert 'Launcher: torchrun, 3 process(es)' in multi.stdout  # env:// variables of launch --use_env
     assert accuracy_line(multi.stdout) == accuracy_line(single.stdout)
     assert 'on the 2 test images' in accuracy_line(multi.stdout)[0]

@@ -17,6 +17,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 TORCHRUN = [PY, '-m', 'torch.distributed.run']
+LAUNCH = [PY, '-W', 'ignore::FutureWarning', '-m', 'torch.distributed.launch', '--use_env']  # the reference's launcher
 
 # small and fast: 32 px NALAFORMER_XT, 3 classes x 8 train images, 15 val images (odd: not divisible by 2 ranks)
 BASE = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
@@ -53,9 +54,11 @@ def env():
     return e
 
 
-def run_main(args, nproc=1, timeout=240, check=True, **kw):
+def run_main(args, nproc=1, timeout=240, check=True, launcher=TORCHRUN, **kw):
+    """main.py as a plain process (nproc=1) or under `launcher` (torchrun, or the old
+    `torch.distributed.launch --use_env`) with nproc CPU processes."""
     cmd = ([PY, 'main.py'] if nproc == 1 else
-           TORCHRUN + [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'])
+           launcher + [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'])
     if nproc > 1 and '--dist-timeout' not in args:
         args = list(args) + ['--dist-timeout', '120']  # a test that hangs in a collective fails instead of waiting 30 min
     proc = subprocess.Popen(cmd + list(args), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -194,11 +197,26 @@ def test_finetune_from_a_checkpoint_with_another_head_and_size(one_epoch, tmp_pa
     data2 = make_imagefolder(tmp_path / 'two', classes=2, n_train=4, n_val=2, size=48, seed=1)
     p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '48', '--batch-size', '4', '--device', 'cpu',
                   '--num_workers', '0', '--no-flops', '--epochs', '1', '--finetune', os.path.join(out1, 'checkpoint.pth'),
+                  '--amp', 'bf16', '--channels-last',  # mixed precision and memory format on the CPU, too
                   '--data-path', data2, '--output_dir', str(tmp_path / 'ft')])
     assert 'classifier re-initialised' in p.stdout and 'head.weight' in p.stdout
-    assert 'Accuracy of the network on the 4 test images' in p.stdout
+    assert 'Accuracy of the network on the 4 test images' in p.stdout and 'precision bf16' in p.stdout
     ck = load(tmp_path / 'ft' / 'checkpoint.pth')
     src = load(os.path.join(out1, 'checkpoint.pth'))
     assert ck['model']['head.weight'].shape[0] == 2
     assert ck['epoch'] == 0 and 'step' not in ck
     assert src['model']['head.weight'].shape[0] == 3
+
+
+def test_evaluation_states_how_many_images_it_could_evaluate(one_epoch, data, tmp_path):
+    out, _ = one_epoch
+    bad = tmp_path / 'data'
+    shutil.copytree(data, bad)
+    victim = bad / 'val' / 'c1' / '0.png'
+    victim.write_bytes(victim.read_bytes()[:40])  # a truncated PNG
+    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+                  '--num_workers', '0', '--no-flops', '--eval', '--resume', os.path.join(out, 'checkpoint.pth'),
+                  '--data-path', str(bad)])
+    (line,) = accuracy_line(p.stdout)
+    assert line.startswith('Accuracy of the network on the 14 test images: ')
+    assert line.endswith('(evaluated 14 of 15 images; undecodable ones excluded)')
