@@ -142,16 +142,20 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
 
 @torch.no_grad()
 def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, print_freq=10, header='Test:',
-             sum_over_ranks=False):
+             sum_over_ranks=False, stop_flag=None):
     """Top-1/top-5 and loss from exact counts. With `sum_over_ranks` (dist-eval) the counts of every rank
-    are summed with all_reduce, so each image counts once whatever the number of processes."""
+    are summed with all_reduce, so each image counts once whatever the number of processes.
+    A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval)."""
     criterion = torch.nn.CrossEntropyLoss(reduction='sum')
     device = torch.device(device)
     metric_logger = utils.MetricLogger(delimiter='  ')
     model.eval()
-    loss_sum = correct1 = correct5 = n = seen = 0.0
+    loss_sum = correct1 = correct5 = n = seen = aborted = 0.0
     for images, target in metric_logger.log_every(data_loader, print_freq, header,
                                                    images_per_step=data_loader.batch_size):
+        if stop_flag is not None and stop_flag.requested:
+            aborted = 1.0
+            break
         images = images.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
         if channels_last:
@@ -171,7 +175,8 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
         seen += target.shape[0]
         metric_logger.update(loss=loss_sum / max(n, 1))
     if sum_over_ranks:
-        loss_sum, correct1, correct5, n, seen = utils.all_reduce_sum([loss_sum, correct1, correct5, n, seen], device)
+        loss_sum, correct1, correct5, n, seen, aborted = utils.all_reduce_sum(
+            [loss_sum, correct1, correct5, n, seen, aborted], device)
     n, seen = int(round(n)), int(round(seen))
     stats = {
         'loss': loss_sum / n if n else float('nan'),
@@ -179,6 +184,10 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
         'acc5': 100.0 * correct5 / n if n else float('nan'),
         'n': n,
         'seen': seen,
+        'aborted': aborted > 0,
     }
+    if stats['aborted']:
+        print(f'{header} interrupted by a stop signal after {n} images')
+        return stats
     print(f"* Acc@1 {stats['acc1']:.3f} Acc@5 {stats['acc5']:.3f} loss {stats['loss']:.3f}  ({n} images)")
     return stats

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import random
+import signal
 import sys
 import time
 import warnings
@@ -547,24 +548,44 @@ def main(args, parser):
                          'epoch_rng_state': gather_rng(res.epoch_rng_state), 'loss_meter': res.loss_meter},
                  ['checkpoint.pth'])
             where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
-            print(f'Stopped by {stop_flag.name()} at epoch {epoch} step {res.next_step}; checkpoint {where}; '
-                  f'run the same command again to resume')
-            return 128 + int(stop_flag.signum)
+            print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
+                  f'{res.next_step}; checkpoint {where}; run the same command again to resume')
+            return 128 + int(stop_flag.signum or signal.SIGTERM)
+        if args.distributed:
+            # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
+            # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
+            utils.broadcast_tensors_(list(model_without_ddp.buffers()))
+            if model_ema is not None:
+                utils.broadcast_tensors_(list(model_ema.module.state_dict().values()))
         bad = datasets.bad_sample_count(dataset_train)
         if args.distributed:
             bad = int(utils.all_reduce_sum([bad], device)[0])
 
-        test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
-                                     sum_over_ranks=sum_over_ranks)
-        print(accuracy_line(test_stats))
-        ema_stats = None
-        if model_ema is not None:
-            ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
-                                        args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks)
-            print(accuracy_line(ema_stats, 'EMA '))
-        best_now = max(test_stats['acc1'], ema_stats['acc1'] if ema_stats else float('-inf'))
-        improved = best_now > max_accuracy
-        max_accuracy = max(max_accuracy, best_now)
+        with utils.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
+            test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last,
+                                         args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
+            ema_stats = None
+            if model_ema is not None and not test_stats['aborted']:
+                ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
+                                            args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks,
+                                            stop_flag=stop_flag)
+        # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
+        flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
+                 float(stop_flag.requested or res.stopped)]
+        if args.distributed:
+            flags = utils.all_reduce_max(flags, device)
+        eval_aborted, stop_now = flags[0] > 0, flags[1] > 0
+        improved = False
+        if eval_aborted:
+            print(f'Evaluation of epoch {epoch} interrupted by {stop_flag.name() or "a stop signal"}: '
+                  f'the epoch is saved without its accuracy')
+        else:
+            print(accuracy_line(test_stats))
+            if ema_stats:
+                print(accuracy_line(ema_stats, 'EMA '))
+            best_now = max(test_stats['acc1'], ema_stats['acc1'] if ema_stats else float('-inf'))
+            improved = best_now > max_accuracy
+            max_accuracy = max(max_accuracy, best_now)
         print(f'Max accuracy: {max_accuracy:.2f}%' + (f'  (undecodable training images so far: {bad})' if bad else ''))
 
         names = ['checkpoint.pth']
@@ -575,15 +596,17 @@ def main(args, parser):
         save(epoch, {'rng_state': gather_rng(utils.get_rng_state())}, names)
 
         log_stats = {**{f'train_{k}': v for k, v in res.stats.items()},
-                     **{f'test_{k}': v for k, v in test_stats.items()},
-                     **({f'test_ema_{k}': v for k, v in ema_stats.items()} if ema_stats else {}),
+                     **({f'test_{k}': v for k, v in test_stats.items() if k != 'aborted'} if not eval_aborted else {}),
+                     **({f'test_ema_{k}': v for k, v in ema_stats.items() if k != 'aborted'}
+                        if ema_stats and not eval_aborted else {}),
                      'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
                      'bad_train_images': bad}
         if output_dir and utils.is_main_process():
             utils.write_json_line(os.path.join(output_dir, 'log.txt'), log_stats)
-        if res.stopped:
-            print(f'Stopped by {stop_flag.name()} after epoch {epoch}; checkpoint saved; run the same command again to resume')
-            return 128 + int(stop_flag.signum)
+        if stop_now:
+            print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
+                  f'checkpoint saved; run the same command again to resume')
+            return 128 + int(stop_flag.signum or signal.SIGTERM)
 
     if args.distributed:  # every rank reports a digest of its weights: DDP keeps them identical
         print(f'[rank {rank}] final weights sha256: {utils.state_digest(model_without_ddp.state_dict())}', force=True)

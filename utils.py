@@ -151,6 +151,13 @@ def setup_for_distributed(is_master):
     __builtin__.print = print
 
 
+def broadcast_tensors_(tensors, src=0):
+    """Overwrite the tensors of every rank with rank `src`'s (in place)."""
+    if is_dist_avail_and_initialized():
+        for t in tensors:
+            dist.broadcast(t.data, src)
+
+
 def all_reduce_sum(values, device):
     """Sum a list of numbers over all processes (float64 so counts stay exact)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -290,6 +297,17 @@ def set_rng_state(state):
     random.setstate((py[0], tuple(py[1]), py[2]))
     if 'cuda' in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state['cuda'])
+
+
+class preserved_rng:
+    """Context manager: the torch/numpy/python RNG state is the same after the block as before."""
+
+    def __enter__(self):
+        self.state = get_rng_state()
+
+    def __exit__(self, *exc):
+        set_rng_state(self.state)
+        return False
 
 
 def _to_plain(obj):

@@ -243,3 +243,30 @@ def test_distillation_loss_soft_and_hard():
     p_t = torch.softmax(teacher(x) / 2, 1)
     kl = (p_t * (p_t.log() - torch.log_softmax(out / 2, 1))).sum() * 4 / out.numel()
     assert torch.allclose(soft, kl, atol=1e-6)
+
+
+def test_a_stop_signal_cuts_evaluation_short():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2))
+    loader = _Loader([(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))] * 3)
+    flag = utils.StopFlag()
+    assert not engine.evaluate(loader, model, 'cpu', stop_flag=flag)['aborted']
+    flag.signum = 15
+    st = engine.evaluate(loader, model, 'cpu', stop_flag=flag)
+    assert st['aborted'] and st['n'] == 0
+
+
+def test_preserved_rng_restores_every_generator():
+    def seed():
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+
+    def draw():
+        return torch.rand(1).item(), float(np.random.rand()), random.random()
+
+    seed()
+    want = draw()
+    seed()
+    with utils.preserved_rng():
+        draw()
+    assert draw() == want
