@@ -180,7 +180,7 @@ class NaLaFastFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         n_tokens, d = q.shape[-2], q.shape[-1]
         # keys: K = [ReLU(k^3) ; ReLU(-k^3)], R(K)^T V / N as one product, mean for the normaliser
-        k_feat = _split_relu(k * k * k)                                          # (B, h, N, 2d)
+        k_feat = _split_relu(k ** 3)                                             # (B, h, N, 2d)
         k_mean = k_feat.mean(dim=-2, keepdim=True)                               # (B, h, 1, 2d)
         kv = _with_tables(k_feat, table).transpose(-2, -1) @ v                   # (B, h, 4d, d)
         kv = (kv[..., :2 * d, :] - swap_pairs(kv[..., 2 * d:, :], -2)) / n_tokens
@@ -226,8 +226,8 @@ class NaLaFastFunction(torch.autograd.Function):
         grad_v = _with_tables(k_feat, table) @ grad_kv
         grad_k_feat = _unrotate(v @ grad_kv.transpose(-2, -1), table)
         grad_k_feat = grad_k_feat.add_(grad_k_mean / n_tokens).unflatten(-1, (2, d))
-        k_cube = k * k * k
-        grad_k = (grad_k_feat[..., 0, :] * (k_cube > 0) - grad_k_feat[..., 1, :] * (k_cube < 0)) * (3 * k * k)
+        # sign(k^3) = sign(k); where k^3 underflows to 0 the factor 3 k^2 is below 1e-25
+        grad_k = torch.where(k > 0, grad_k_feat[..., 0, :], -grad_k_feat[..., 1, :]).mul_(k.square()).mul_(3)
         return grad_q, grad_k, grad_v, None
 
 

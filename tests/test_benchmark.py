@@ -1,0 +1,50 @@
+"""Smoke test of tools/benchmark.py at tiny sizes: both modes, the JSON line, and the sweep's files."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import benchmark  # noqa: E402
+
+TINY = ['--model', 'NALAFORMER_XT', '--batch-size', '2', '--input-size', '32', '48', '--steps', '2',
+        '--warmup', '1', '--gemm-size', '256', '--device', 'cpu']
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    """One intra-op thread: these tests are small, and on a shared 2-core machine a second spinning
+    OpenMP thread costs more than it brings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_train_and_inference_report_throughput_memory_and_efficiency(tmp_path, capsys):
+    log = tmp_path / 'bench.jsonl'
+    for mode, extra in (('train', ['--attn-impl', 'fast']),
+                        ('inference', ['--attn-impl', 'plain', '--dtype', 'bf16', '--channels-last'])):
+        result = benchmark.main(TINY + ['--mode', mode, '--json', str(log)] + extra)
+        assert result['mode'] == mode and result['input_size'] == [32, 48]
+        assert result['img_s'] > 0 and result['achieved_gmac_s'] > 0 and result['gemm_gmac_s'] > 0
+        assert 0 < result['efficiency'] < 10 and result['peak_step_mib'] > 0 and result['static_mib'] > 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r['mode'], r['attn_impl'], r['dtype'], r['channels_last']) for r in lines] == [
+        ('train', 'fast', 'fp32', False), ('inference', 'plain', 'bf16', True)]
+    assert lines[0]['gmacs_per_image'] == 3 * lines[1]['gmacs_per_image']   # fwd + 2 x bwd
+    out = capsys.readouterr().out
+    assert 'img/s' in out and 'efficiency' in out and 'peak memory' in out
+
+
+def test_sweep_writes_json_and_png(tmp_path):
+    out = tmp_path / 'sweep'
+    results = benchmark.main(['--sweep', '--model', 'NALAFORMER_XT', '--sweep-sizes', '64', '96', '--steps', '1',
+                              '--warmup', '0', '--out', str(out), '--device', 'cpu'])
+    assert (tmp_path / 'sweep.png').stat().st_size > 0
+    saved = json.loads((tmp_path / 'sweep.json').read_text())
+    assert saved['sizes'] == [64, 96] == results['sizes'] and saved['batch_size'] == 1
+    for kind in ('nala', 'softmax'):
+        assert [r['tokens'] for r in saved[kind]] == [8 * 8, 12 * 12]   # stage 2: stride 8
+        assert all(r['us_per_token'] > 0 and r['kib_per_token'] > 0 for r in saved[kind])

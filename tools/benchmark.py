@@ -1,0 +1,343 @@
+"""Throughput, peak memory and efficiency of a NaLaFormer variant against the machine's own GEMM.
+
+    python tools/benchmark.py --model NALAFORMER_T                      # fp32 train, batch 32, 224^2
+    python tools/benchmark.py --model NALAFORMER_T --mode inference --dtype bf16
+    python tools/benchmark.py --model NALAFORMER_XT --attn-impl plain --compile --channels-last
+    python tools/benchmark.py --sweep --out docs/sweep     # NaLa vs softmax block, 224..1024
+
+A measurement: warm-up steps, then timed steps (median step time). ``train`` times forward + backward +
+AdamW step (SGD-style zero_grad(set_to_none) included); ``inference`` times a no-grad forward in eval
+mode. MACs are fvcore's count of the model at batch 1 (the figure ``tools/flops.py`` prints) times the
+batch, times 3 for a training step (forward, input gradient, weight gradient). The efficiency divides
+the achieved MAC/s by the MAC/s of a large square matrix product of the same dtype, timed in this
+process right before every timed step (median over steps of the per-step ratio), so figures compare
+across noisy runs and machines. Peak memory is the peak of tensor memory during one step above what was live before it
+(params, buffers and optimizer state are listed separately): CUDA's allocator statistics on a GPU,
+the profiler's allocation trace on a CPU.
+
+``--sweep`` times one NaLa block and one softmax block of the same width (the chosen stage of the
+chosen variant, default stage 2) at input sizes 224..1024 and writes time and memory per token to
+``OUT.json`` and ``OUT.png``.
+"""
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import timm  # noqa: E402
+import models  # noqa: E402,F401  (registers the variants)
+from models import NALA_IMPLS, VARIANTS  # noqa: E402
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], None], device: torch.device, steps: int, warmup: int) -> List[float]:
+    """Seconds per call, ``steps`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def gemm_macs_per_s(dtype: torch.dtype, device: torch.device, size: Optional[int] = None,
+                    repeats: int = 5) -> float:
+    """Multiply-adds per second of a large square matmul of ``dtype`` (best of ``repeats``)."""
+    size = size or (8192 if device.type == 'cuda' else 2048)
+    key = (dtype, str(device), size)
+    if key not in _GEMM_OPERANDS:
+        _GEMM_OPERANDS[key] = [torch.randn(size, size, device=device).to(dtype) for _ in range(2)]
+    a, b = _GEMM_OPERANDS[key]
+    times = time_call(lambda: torch.mm(a, b), device, repeats, warmup=1)
+    return size ** 3 / min(times)
+
+
+_GEMM_OPERANDS: Dict = {}
+
+
+def model_macs(name: str, input_size: Sequence[int]) -> int:
+    """fvcore multiply-adds of one image through the model (eval mode, as tools/flops.py counts)."""
+    from tools.flops import count_flops
+    model = timm.create_model(name)
+    return count_flops(model, (3, *input_size))
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cpu_peak_bytes(fn: Callable[[], None]) -> int:
+    """Peak tensor memory allocated on the CPU while ``fn`` runs, above the level before it."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = []
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == '[memory]' and event.device_type() == torch.autograd.DeviceType.CPU:
+            deltas.append((event.start_ns(), event.nbytes()))
+    deltas.sort(key=lambda x: x[0])
+    level = peak = 0
+    for _, nbytes in deltas:
+        level += nbytes
+        peak = max(peak, level)
+    return peak
+
+
+def peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
+    if device.type == 'cuda':
+        synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return cpu_peak_bytes(fn)
+
+
+def autocast_ctx(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str, dtype: torch.dtype,
+              device: torch.device, compile_model: bool):
+    """The function one benchmark step calls, and the optimizer (None for inference)."""
+    fwd = torch.compile(model) if compile_model else model
+    scaler = torch.amp.GradScaler(device.type) if (dtype == torch.float16 and mode == 'train') else None
+    if mode == 'inference':
+        model.eval()
+
+        def step() -> None:
+            with torch.no_grad(), autocast_ctx(device, dtype):
+                fwd(x)
+        return step, None
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    criterion = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast_ctx(device, dtype):
+            loss = criterion(fwd(x), target)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+    return step, optimizer
+
+
+def benchmark_model(args: argparse.Namespace) -> Dict:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    height, width = (list(args.input_size) * 2)[:2]
+    model = timm.create_model(args.model, num_classes=1000, attn_impl=args.attn_impl).to(device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    torch.manual_seed(0)
+    x = torch.randn(args.batch_size, 3, height, width, device=device).to(memory_format=memory_format)
+    target = torch.randint(0, 1000, (args.batch_size,), device=device)
+    step, optimizer = make_step(model, x, target, args.mode, dtype, device, args.compile)
+
+    # Each timed step is paired with a GEMM timed right before it, so that a machine whose load
+    # changes during the run (other processes, clocks) affects both sides of the ratio alike.
+    for _ in range(args.warmup):
+        step()
+    times, gemms = [], []
+    for _ in range(args.steps):
+        gemms.append(gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2))
+        times.extend(time_call(step, device, 1, warmup=0))
+    peak = peak_bytes(step, device)
+
+    macs_per_image = model_macs(args.model, (height, width)) * (3 if args.mode == 'train' else 1)
+    step_time = statistics.median(times)
+    img_s = args.batch_size / step_time
+    achieved = macs_per_image * img_s
+    efficiency = statistics.median(macs_per_image * args.batch_size / t / g for t, g in zip(times, gemms))
+    static = tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    if optimizer is not None:
+        static += tensor_bytes(t for s in optimizer.state.values() for t in s.values()
+                               if torch.is_tensor(t))
+    return dict(
+        model=args.model, mode=args.mode, dtype=args.dtype, batch_size=args.batch_size,
+        input_size=[height, width], attn_impl=args.attn_impl, channels_last=args.channels_last,
+        compile=args.compile, device=str(device), threads=torch.get_num_threads(),
+        step_s_median=step_time, step_s_all=times, img_s=img_s,
+        gmacs_per_image=macs_per_image / 1e9, achieved_gmac_s=achieved / 1e9,
+        gemm_gmac_s=statistics.median(gemms) / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
+        efficiency=efficiency,
+        peak_step_mib=peak / 2 ** 20, peak_step_mib_per_image=peak / 2 ** 20 / args.batch_size,
+        static_mib=static / 2 ** 20,
+    )
+
+
+def print_result(r: Dict) -> None:
+    print(f"{r['model']} {r['mode']} {r['dtype']} batch {r['batch_size']} {r['input_size'][0]}x{r['input_size'][1]} "
+          f"attn_impl={r['attn_impl']} channels_last={r['channels_last']} compile={r['compile']} "
+          f"device={r['device']} threads={r['threads']}")
+    print(f"  {r['img_s']:.2f} img/s  (median step {r['step_s_median'] * 1e3:.1f} ms of "
+          f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_s_all'])})")
+    print(f"  {r['achieved_gmac_s']:.1f} GMAC/s achieved ({r['gmacs_per_image']:.3f} GMAC/image) vs "
+          f"{r['gemm_gmac_s']:.1f} GMAC/s {r['dtype']} GEMM -> efficiency {100 * r['efficiency']:.1f}% "
+          f"(median over steps, each against the GEMM timed right before it)")
+    print(f"  peak memory {r['peak_step_mib']:.0f} MiB during a step ({r['peak_step_mib_per_image']:.1f} MiB/image) "
+          f"+ {r['static_mib']:.0f} MiB params/buffers/optimizer state")
+
+
+# ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
+def sweep(args: argparse.Namespace) -> Dict:
+    from models.nalaformer import NaLaBlock
+    from models.nala import RoPE
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    arch = VARIANTS[args.model.upper()]
+    stage = args.sweep_stage
+    dim, heads = arch['embed_dims'][stage], arch['num_heads'][stage]
+    stride = 4 * 2 ** stage
+    blocks = {
+        'nala': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=True, attn_impl=args.attn_impl),
+        'softmax': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=False, attn_impl=args.attn_impl),
+    }
+    rope = RoPE(dim, heads).to(device)
+    results = dict(model=args.model, stage=stage, dim=dim, heads=heads, stride=stride, dtype=args.dtype,
+                   mode=args.mode, batch_size=args.batch_size, attn_impl=args.attn_impl,
+                   device=str(device), sizes=list(args.sweep_sizes), nala=[], softmax=[])
+    for size in args.sweep_sizes:
+        side = size // stride
+        tokens = side * side
+        for kind, block in blocks.items():
+            block = block.to(device)
+            x = torch.randn(args.batch_size, dim, side, side, device=device, requires_grad=args.mode == 'train')
+
+            def step(block=block, x=x) -> None:
+                sin, cos = rope((side, side))
+                if args.mode == 'train':
+                    block.train()
+                    with autocast_ctx(device, dtype):
+                        out = block(x, sin, cos)
+                    out.float().sum().backward()
+                else:
+                    block.eval()
+                    with torch.no_grad(), autocast_ctx(device, dtype):
+                        block(x, sin, cos)
+            times = time_call(step, device, args.steps, args.warmup)
+            peak = peak_bytes(step, device)
+            t = statistics.median(times)
+            row = dict(size=size, tokens=tokens, step_s=t,
+                       us_per_token=1e6 * t / (tokens * args.batch_size),
+                       peak_mib=peak / 2 ** 20, kib_per_token=peak / 1024 / (tokens * args.batch_size))
+            results[kind].append(row)
+            print(f"{kind:>8} {size:>5}px  {tokens:>6} tokens  {row['us_per_token']:8.3f} us/token  "
+                  f"{row['kib_per_token']:8.2f} KiB/token", flush=True)
+    return results
+
+
+def plot_sweep(results: Dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, style in (('nala', 'o-'), ('softmax', 's--')):
+        rows = results[kind]
+        sizes = [r['size'] for r in rows]
+        axes[0].plot(sizes, [r['us_per_token'] for r in rows], style, label=f'{kind} block')
+        axes[1].plot(sizes, [r['kib_per_token'] for r in rows], style, label=f'{kind} block')
+    title = (f"{results['model']} stage {results['stage'] + 1} block (C={results['dim']}, "
+             f"{results['heads']} heads), {results['mode']}, {results['dtype']}, batch {results['batch_size']}")
+    axes[0].set_ylabel('time per token (µs)')
+    axes[1].set_ylabel('peak memory per token (KiB)')
+    for ax in axes:
+        ax.set_xlabel('input size (px, square)')
+        ax.set_xticks(results['sizes'])
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_ylim(bottom=0)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--model', default='NALAFORMER_T')
+    parser.add_argument('--batch-size', '-b', type=int, default=None, help='default 32, or 1 with --sweep')
+    parser.add_argument('--input-size', type=int, nargs='+', default=[224], help='side, or height width')
+    parser.add_argument('--mode', choices=['train', 'inference'], default='train')
+    parser.add_argument('--dtype', choices=list(DTYPES), default='fp32',
+                        help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only)')
+    parser.add_argument('--attn-impl', choices=sorted(NALA_IMPLS), default='fast')
+    parser.add_argument('--channels-last', action='store_true')
+    parser.add_argument('--compile', action='store_true', help='torch.compile the model')
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
+    parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--steps', type=int, default=5)
+    parser.add_argument('--gemm-size', type=int, default=None,
+                        help='side of the reference GEMM (default 2048 on CPU, 8192 on GPU)')
+    parser.add_argument('--json', default=None, help='append the result as one JSON line to this file')
+    parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
+    parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
+    parser.add_argument('--sweep-stage', type=int, default=1, help='stage (0-based) whose width the blocks use')
+    parser.add_argument('--out', default='sweep', help='--sweep writes OUT.json and OUT.png')
+    args = parser.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 1 if args.sweep else 32
+    if args.model.upper() not in VARIANTS:
+        parser.error(f'unknown model {args.model}; choose from {list(VARIANTS)}')
+    if len(args.input_size) not in (1, 2):
+        parser.error('--input-size takes one side or height and width')
+    if args.dtype == 'fp16' and not args.device.startswith('cuda'):
+        parser.error('fp16 needs a GPU (--device cuda)')
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict:
+    args = parse_args(argv)
+    logging.getLogger('fvcore').setLevel(logging.ERROR)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.sweep:
+        results = sweep(args)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + '.json', 'w') as f:
+            json.dump(results, f, indent=1)
+        plot_sweep(results, args.out + '.png')
+        print(f'wrote {args.out}.json and {args.out}.png')
+        return results
+    result = benchmark_model(args)
+    print_result(result)
+    if args.json:
+        with open(args.json, 'a') as f:
+            f.write(json.dumps(result) + '\n')
+    return result
+
+
+if __name__ == '__main__':
+    main()
