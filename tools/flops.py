@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from math import prod
 from typing import List, Sequence, Tuple
 
@@ -55,7 +56,9 @@ FAST_PATH_HANDLES = {
 
 def count_flops(model: nn.Module, input_size: Tuple[int, int, int] = (3, 224, 224)) -> int:
     """fvcore FLOPs (multiply-adds) of one forward pass at batch 1, with the model in eval mode."""
-    from fvcore.nn import FlopCountAnalysis
+    with warnings.catch_warnings():  # fvcore's own import scripts a loss with the deprecated torch.jit
+        warnings.simplefilter('ignore', FutureWarning)
+        from fvcore.nn import FlopCountAnalysis
     was_training = model.training
     model.eval()
     param = next(model.parameters())
