@@ -422,8 +422,7 @@ def main(args, parser):
         criterion = torch.nn.BCEWithLogitsLoss()
     teacher_model = None
     if args.distillation_type != 'none':
-        teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes,
-                                          global_pool='avg')
+        teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)
         load_model_weights(teacher_model, args.teacher_path, args.teacher_model)
         teacher_model.to(device).eval()
     criterion = DistillationLoss(criterion, teacher_model, args.distillation_type, args.distillation_alpha,
@@ -440,7 +439,11 @@ def main(args, parser):
         ckpt = load_model_weights(model_without_ddp, resume_path, args.model)
         print(f'Loaded weights from {resume_path}')
         if not args.eval and isinstance(ckpt, dict) and all(k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch')):
-            optimizer.load_state_dict(ckpt['optimizer'])
+            try:
+                optimizer.load_state_dict(ckpt['optimizer'])
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f'the optimizer state in {resume_path} does not fit this run ({utils.first_line(e)}); '
+                                      f'were --opt/--attn-only different? use --finetune to start from its weights') from e
             saved, fresh = ckpt['lr_scheduler'], lr_scheduler.state_dict()
             changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
             if changed:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
