@@ -237,6 +237,16 @@ def seed_everything(seed):
     random.seed(seed)
 
 
+def flop_handles():
+    """fvcore handles for fused ops it cannot see into (the fast NaLa path, SDPA), from tools/flops.py when
+    present; without them fvcore would count fewer FLOPs than the reference model has."""
+    try:
+        from tools.flops import FAST_PATH_HANDLES
+        return dict(FAST_PATH_HANDLES)
+    except Exception:  # noqa: BLE001 - an optional refinement
+        return {}
+
+
 def count_flops(model, input_size, device):
     """fvcore FLOPs (multiply-adds) of one image, model in eval mode, warnings silenced."""
     import logging
@@ -249,6 +259,7 @@ def count_flops(model, input_size, device):
             from fvcore.nn import FlopCountAnalysis
             x = torch.zeros(1, 3, input_size, input_size, device=device)
             fca = FlopCountAnalysis(model, x).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+            fca.set_op_handle(**flop_handles())
             return fca.total()
     except Exception as e:  # noqa: BLE001 - FLOPs are information only
         print(f'(fvcore FLOP count failed: {utils.first_line(e)})')
