@@ -400,7 +400,7 @@ def main(args, parser):
     if args.model_ema:
         decay = args.model_ema_decay ** (global_batch / 512.0)
         model_ema = ModelEmaV3(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
-        print(f'Model EMA: decay {decay:.6f} (= {args.model_ema_decay} ** ({global_batch} / 512))')
+        print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
 
     model_without_ddp = model
     if args.distributed:
