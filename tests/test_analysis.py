@@ -93,7 +93,8 @@ def test_rank_and_correlations():
 def test_constructed_case_signs():
     """One query direction u = (0.8, 0.6) at growing norms; key 0 on channel 0, keys 1-3 on channel 1.
     NaLa's power 3(0.5 + tanh n) and softmax's temperature both favour key 0 more as n grows, so the
-    entropy falls strictly (Spearman -1); ReLU linear attention is scale invariant: constant entropy."""
+    entropy falls strictly (Spearman -1); ReLU linear attention and NaLa with p fixed are scale
+    invariant: constant entropy."""
     norms = torch.tensor([0.1, 0.3, 0.6, 1.0, 1.5, 2.0])
     q = (norms[:, None] * torch.tensor([0.8, 0.6]))[None, None]           # (1, 1, 6, 2)
     k = torch.tensor([[1.0, 0.0]] + [[0.0, 1.0]] * 5)[None, None]
@@ -104,6 +105,9 @@ def test_constructed_case_signs():
         assert res['methods'][m]['spearman'] == pytest.approx(-1.0)
         assert res['methods'][m]['pearson'] < -0.8
         assert res['methods'][m]['within_layer_spearman'] == pytest.approx(-1.0)
+    ent = res['_arrays']['nala_p45']                    # NaLa without its norm: same direction, same row
+    np.testing.assert_allclose(ent, ent[0], rtol=0, atol=1e-5)
+    assert ent[0] < res['_arrays']['nala'][-1]           # and sharper than at any norm below 10
     ent = res['_arrays']['relu']
     np.testing.assert_allclose(ent, ent[0], rtol=0, atol=1e-6)
     # relu rows: 0.8 : 0.6 x5, by hand

@@ -8,12 +8,15 @@
 The images run through the model in eval mode; forward hooks on every attention layer record its
 raw q and k (the output of ``attn.qkvg``, split into heads; either model frame). For every query of the chosen stage
 (``--stage``, 0-based as in ``layers.S``; all blocks, heads and images pooled) the tool computes the
-attention row that three attention rules give on the same q, k, with RoPE off:
+attention row that these attention rules give on the same q, k, with RoPE off:
 
 * ``nala``: NaLa as implemented, row_i(j) = Q_i.K_j / sum_j' Q_i.K_j' with Q, K from
   ``models.nala.nala_kernel_terms`` (the model's own kernel: cubed keys, norm-dependent power);
 * ``softmax``: softmax(q.k / sqrt(d));
-* ``relu``: plain ReLU linear attention, relu(q).relu(k) / sum_j' relu(q).relu(k_j').
+* ``relu``: plain ReLU linear attention, relu(q).relu(k) / sum_j' relu(q).relu(k_j');
+* ``nala_p45``: NaLa with the norm taken out (each query rescaled to ||q|| = 10, so p = 4.5 for all):
+  what remains of NaLa's correlation there comes from the query directions, the difference to
+  ``nala`` is what the norm-dependent power contributes.
 
 It writes ``entropy_stage<S>.png`` (entropy against the query norm ||q|| of the raw head query, one
 panel per rule, Pearson r and Spearman rho in the legend), ``entropy_stage<S>.json`` (all numbers)
@@ -55,10 +58,11 @@ from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms  
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.ppm', '.bmp', '.pgm', '.tif', '.tiff', '.webp')
-METHODS = ('nala', 'softmax', 'relu')
+METHODS = ('nala', 'softmax', 'relu', 'nala_p45')
 METHOD_LABELS = {'nala': 'NaLa (as implemented)', 'softmax': 'softmax(q·k/√d)',
-                 'relu': 'ReLU linear attention'}
-MAX_SCATTER_POINTS = 20000
+                 'relu': 'ReLU linear attention', 'nala_p45': 'NaLa with p fixed at 4.5 (direction only)'}
+FIXED_POWER_NORM = 10.0  # tanh(10) = 1 in float32: p = 4.5 exactly
+MAX_SCATTER_POINTS = 8000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +92,15 @@ def nala_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return normalise_rows(q_feat @ k_feat.transpose(-2, -1))
 
 
+def nala_fixed_power_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """NaLa rows with the norm taken out: every query rescaled to ||q|| = 10 (same direction), so the
+    model's kernel uses p = 3 (0.5 + tanh 10) = 4.5 for all. A norm-entropy correlation that survives
+    here comes from query directions, not from NaLa's norm-dependent power."""
+    q = q.float()
+    norm = q.norm(dim=-1, keepdim=True)
+    return nala_rows(q * torch.where(norm > 0, FIXED_POWER_NORM / norm, torch.ones_like(norm)), k)
+
+
 def softmax_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(d)) without RoPE; every row is valid."""
     q, k = q.float(), k.float()
@@ -101,7 +114,7 @@ def relu_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
 
 
 ROW_FNS: Dict[str, Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]] = {
-    'nala': nala_rows, 'softmax': softmax_rows, 'relu': relu_rows}
+    'nala': nala_rows, 'softmax': softmax_rows, 'relu': relu_rows, 'nala_p45': nala_fixed_power_rows}
 
 
 def nala_model_weights(q: torch.Tensor, k: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
@@ -361,7 +374,7 @@ def plot_entropy(result: Dict[str, Any], path: str, title: str, seed: int = 0) -
         ax.set_ylim(lo - pad, result['log_n'] + pad)
         ax.legend(loc='lower left', fontsize=7, markerscale=3)
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -585,7 +598,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                if args.checkpoint else f'untrained (seed {args.seed})')
     title = (f"{args.model}, {weights}, stage {args.stage} ({'NaLa' if kinds[args.stage] == 'nala' else 'softmax'} "
              f"layer), {result['n_tokens']} tokens, {len(images)} images at {input_size}px - RoPE off "
-             f"for all three distributions; NaLa power p in [{result['nala_power']['min']:.2f}, "
+             f"for every distribution; NaLa power p in [{result['nala_power']['min']:.2f}, "
              f"{result['nala_power']['max']:.2f}]")
     png = os.path.join(args.output_dir, f'entropy_stage{args.stage}.png')
     plot_entropy(result, png, title)
