@@ -446,7 +446,9 @@ def plot_attention_maps(image: np.ndarray, maps: List[Dict[str, Any]], query: Tu
         ax.plot([qx], [qy], 'x', color='black', ms=7, mew=1.2)
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.suptitle(title + '\ncolour scale per panel from min to max weight; max×N = 1 is uniform', fontsize=9)
+    scale = ('colour scale per panel from min to max weight' if not any(float(m['weights'].min()) < 0 for m in maps)
+             else 'colour scale per panel from min to max weight, signed panels (coolwarm) centred at 0')
+    fig.suptitle(f'{title}\n{scale}; max×N = 1 is uniform', fontsize=9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
