@@ -41,10 +41,11 @@ def test_train_and_inference_report_throughput_memory_and_efficiency(tmp_path, c
 def test_sweep_writes_json_and_png(tmp_path):
     out = tmp_path / 'sweep'
     results = benchmark.main(['--sweep', '--model', 'NALAFORMER_XT', '--sweep-sizes', '64', '96', '--steps', '1',
-                              '--warmup', '0', '--out', str(out), '--device', 'cpu'])
+                              '--warmup', '0', '--out', str(out), '--device', 'cpu',
+                              '--sweep-min-seconds', '0'])
     assert (tmp_path / 'sweep.png').stat().st_size > 0
     saved = json.loads((tmp_path / 'sweep.json').read_text())
     assert saved['sizes'] == [64, 96] == results['sizes'] and saved['batch_size'] == 1
-    for kind in ('nala', 'softmax'):
+    for kind in ('nala', 'softmax', 'softmax_plain'):
         assert [r['tokens'] for r in saved[kind]] == [8 * 8, 12 * 12]   # stage 2: stride 8
         assert all(r['us_per_token'] > 0 and r['kib_per_token'] > 0 for r in saved[kind])

@@ -16,8 +16,9 @@ across noisy runs and machines. Peak memory is the peak of tensor memory during 
 the profiler's allocation trace on a CPU.
 
 ``--sweep`` times one NaLa block and one softmax block of the same width (the chosen stage of the
-chosen variant, default stage 2) at input sizes 224..1024 and writes time and memory per token to
-``OUT.json`` and ``OUT.png``.
+chosen variant, default stage 2; batch 1) at input sizes 224..1024 and writes time (fastest step)
+and peak memory per token to ``OUT.json`` and ``OUT.png``; with a fast ``--attn-impl`` it adds the
+plain softmax block, which forms the N x N matrix (up to ``--sweep-plain-max`` px).
 """
 import argparse
 import contextlib
@@ -224,14 +225,18 @@ def sweep(args: argparse.Namespace) -> Dict:
         'nala': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=True, attn_impl=args.attn_impl),
         'softmax': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=False, attn_impl=args.attn_impl),
     }
+    if args.attn_impl != 'plain':   # the reference's softmax, which forms the N x N matrix
+        blocks['softmax_plain'] = NaLaBlock(dim, heads, arch['mlp_ratio'], linear=False, attn_impl='plain')
     rope = RoPE(dim, heads).to(device)
     results = dict(model=args.model, stage=stage, dim=dim, heads=heads, stride=stride, dtype=args.dtype,
                    mode=args.mode, batch_size=args.batch_size, attn_impl=args.attn_impl,
-                   device=str(device), sizes=list(args.sweep_sizes), nala=[], softmax=[])
+                   device=str(device), sizes=list(args.sweep_sizes), **{kind: [] for kind in blocks})
     for size in args.sweep_sizes:
         side = size // stride
         tokens = side * side
         for kind, block in blocks.items():
+            if kind == 'softmax_plain' and size > args.sweep_plain_max:
+                continue
             block = block.to(device)
             x = torch.randn(args.batch_size, dim, side, side, device=device, requires_grad=args.mode == 'train')
 
@@ -246,14 +251,18 @@ def sweep(args: argparse.Namespace) -> Dict:
                     block.eval()
                     with torch.no_grad(), autocast_ctx(device, dtype):
                         block(x, sin, cos)
+            # small sizes take milliseconds: repeat them for >= 1 s and keep the fastest step, the
+            # best estimate of the block's own cost on a machine shared with other processes
             times = time_call(step, device, args.steps, args.warmup)
+            while sum(times) < args.sweep_min_seconds and len(times) < 200:
+                times += time_call(step, device, args.steps, 0)
             peak = peak_bytes(step, device)
-            t = statistics.median(times)
-            row = dict(size=size, tokens=tokens, step_s=t,
+            t = min(times)
+            row = dict(size=size, tokens=tokens, step_s=t, steps=len(times),
                        us_per_token=1e6 * t / (tokens * args.batch_size),
                        peak_mib=peak / 2 ** 20, kib_per_token=peak / 1024 / (tokens * args.batch_size))
             results[kind].append(row)
-            print(f"{kind:>8} {size:>5}px  {tokens:>6} tokens  {row['us_per_token']:8.3f} us/token  "
+            print(f"{kind:>13} {size:>5}px  {tokens:>6} tokens  {row['us_per_token']:8.3f} us/token  "
                   f"{row['kib_per_token']:8.2f} KiB/token", flush=True)
     return results
 
@@ -263,21 +272,26 @@ def plot_sweep(results: Dict, path: str) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for kind, style in (('nala', 'o-'), ('softmax', 's--')):
-        rows = results[kind]
+    labels = {'nala': 'NaLa block', 'softmax': f"softmax block ({results['attn_impl']})",
+              'softmax_plain': 'softmax block (plain: N x N matrix)'}
+    for kind, style in (('nala', 'o-'), ('softmax', 's--'), ('softmax_plain', 'x:')):
+        rows = results.get(kind)
+        if not rows:
+            continue
         sizes = [r['size'] for r in rows]
-        axes[0].plot(sizes, [r['us_per_token'] for r in rows], style, label=f'{kind} block')
-        axes[1].plot(sizes, [r['kib_per_token'] for r in rows], style, label=f'{kind} block')
+        axes[0].plot(sizes, [r['us_per_token'] for r in rows], style, label=labels[kind])
+        axes[1].plot(sizes, [r['kib_per_token'] for r in rows], style, label=labels[kind])
     title = (f"{results['model']} stage {results['stage'] + 1} block (C={results['dim']}, "
              f"{results['heads']} heads), {results['mode']}, {results['dtype']}, batch {results['batch_size']}")
-    axes[0].set_ylabel('time per token (µs)')
+    axes[0].set_ylabel('time per token (µs, fastest step)')
     axes[1].set_ylabel('peak memory per token (KiB)')
     for ax in axes:
         ax.set_xlabel('input size (px, square)')
         ax.set_xticks(results['sizes'])
         ax.grid(alpha=0.3)
-        ax.legend()
         ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=8, loc='best')
+    axes[1].legend(fontsize=8, loc='upper left')
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -305,6 +319,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
     parser.add_argument('--sweep-stage', type=int, default=1, help='stage (0-based) whose width the blocks use')
+    parser.add_argument('--sweep-min-seconds', type=float, default=1.0,
+                        help='repeat each sweep point until its steps took this long')
+    parser.add_argument('--sweep-plain-max', type=int, default=768,
+                        help='largest size for the plain softmax curve (its N x N matrix grows fast)')
     parser.add_argument('--out', default='sweep', help='--sweep writes OUT.json and OUT.png')
     args = parser.parse_args(argv)
     if args.batch_size is None:
