@@ -571,9 +571,8 @@ def main(args, parser):
             utils.broadcast_tensors_(list(model_without_ddp.buffers()))
             if model_ema is not None:
                 utils.broadcast_tensors_(list(model_ema.module.state_dict().values()))
-        bad = datasets.bad_sample_count(dataset_train)
-        if args.distributed:
-            bad = int(utils.all_reduce_sum([bad], device)[0])
+        # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
+        bad = datasets.bad_sample_count_all_ranks(dataset_train, device)
 
         with utils.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
             test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last,
@@ -647,6 +646,7 @@ def run(argv=None):
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
+    from datasets import BadSampleError
     code = 0
     try:
         code = main(args, parser)
@@ -654,6 +654,10 @@ def run(argv=None):
         prefix = f'[rank {utils.get_rank()}] ' if utils.get_world_size() > 1 else ''
         utils.eprint(f'{prefix}error: {e}')
         code = e.exit_code
+    except BadSampleError as e:  # --strict-data: raised in a loader worker, re-raised here
+        # from a worker, the message is the last line of the worker's traceback
+        utils.eprint(f"error: {str(e).strip().splitlines()[-1].split('BadSampleError: ', 1)[-1]}")
+        code = 1
     except KeyboardInterrupt:
         utils.eprint('interrupted')
         code = 130

@@ -220,3 +220,27 @@ def test_evaluation_states_how_many_images_it_could_evaluate(one_epoch, data, tm
     (line,) = accuracy_line(p.stdout)
     assert line.startswith('Accuracy of the network on the 14 test images: ')
     assert line.endswith('(evaluated 14 of 15 images; undecodable ones excluded)')
+
+
+def test_a_corrupt_training_image_is_counted_once_across_ranks(data, tmp_path):
+    """Repeated augmentation reads one file on several ranks: the epoch summary counts files, not reads.
+    With --strict-data the same file stops the run with its path instead."""
+    import samplers
+    from torchvision.datasets import ImageFolder
+    bad = tmp_path / 'data'
+    shutil.copytree(data, bad)
+    train = ImageFolder(str(bad / 'train'))
+    sampler = samplers.RASampler(train, num_replicas=2, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    first = next(iter(sampler))               # its 3 repeats go to rank 0, rank 1, rank 0
+    victim = train.samples[first][0]
+    with open(victim, 'r+b') as f:
+        f.truncate(40)
+    out = tmp_path / 'out'
+    args = BASE[:-1] + ['1', '--data-path', str(bad), '--output_dir', str(out), '--repeated-aug', '--seed', '0']
+    run_main(args, nproc=2)
+    with open(out / 'log.txt') as f:
+        (entry,) = [json.loads(line) for line in f]
+    assert entry['bad_train_images'] == 1
+    p = run_main(args + ['--strict-data', '--no-auto-resume'], check=False)
+    assert p.returncode != 0 and victim in p.stdout + p.stderr
