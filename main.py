@@ -15,6 +15,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 import warnings
 
 import numpy as np
@@ -667,7 +668,13 @@ def run(argv=None):
                          f'({utils.first_line(e)}); another rank probably died or stopped - see its log')
             sys.stdout.flush()
             os._exit(1)  # do not wait in process-group shutdown for a dead peer
-        raise
+        # An unexpected error: show it, then leave at once. Its traceback keeps the data loaders alive,
+        # and their workers ignore SIGTERM (so a stop signal reaches only this process), so a normal
+        # interpreter exit would wait for them forever. Checkpoints are written atomically: nothing is lost.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if utils.is_dist_avail_and_initialized():
         if code == 0:
             torch.distributed.destroy_process_group()

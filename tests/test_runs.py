@@ -244,3 +244,29 @@ def test_a_corrupt_training_image_is_counted_once_across_ranks(data, tmp_path):
     assert entry['bad_train_images'] == 1
     p = run_main(args + ['--strict-data', '--no-auto-resume'], check=False)
     assert p.returncode != 0 and victim in p.stdout + p.stderr
+
+
+def test_an_unexpected_error_with_loader_workers_exits_instead_of_hanging(data, tmp_path):
+    """Workers ignore SIGTERM, so an exit that waited for them would hang: the run must end, code 1."""
+    script = tmp_path / 'inject.py'
+    script.write_text(  # the second batch fails inside the loader worker, as a broken transform would
+        'import sys, main\n'
+        'from torch.utils.data._utils import fetch\n'
+        'real, calls = fetch._MapDatasetFetcher.fetch, []\n'
+        'def failing(self, index):\n'
+        '    calls.append(index)\n'
+        '    if len(calls) == 2:\n'
+        '        raise RuntimeError("injected failure")\n'
+        '    return real(self, index)\n'
+        'fetch._MapDatasetFetcher.fetch = failing\n'
+        'sys.exit(main.run(sys.argv[1:]))\n')
+    cmd = [PY, str(script)] + BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(tmp_path / 'out')]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)       # the main process and its loader worker
+        proc.communicate()
+        raise AssertionError('main.py hung after an unexpected error instead of exiting')
+    assert proc.returncode == 1 and 'RuntimeError: injected failure' in err
