@@ -12,14 +12,7 @@ TINY = ['--model', 'NALAFORMER_XT', '--batch-size', '2', '--input-size', '32', '
         '--warmup', '1', '--gemm-size', '256', '--device', 'cpu']
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """One intra-op thread: these tests are small, and on a shared 2-core machine a second spinning
-    OpenMP thread costs more than it brings."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 
 def test_train_and_inference_report_throughput_memory_and_efficiency(tmp_path, capsys):

@@ -16,14 +16,7 @@ from models.nala import (NALA_IMPLS, NaLaAttention, RoPE, nala_attention_fast, n
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """One intra-op thread: these tests are small, and on a shared 2-core machine a second spinning
-    OpenMP thread costs more than it brings."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
