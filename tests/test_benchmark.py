@@ -4,7 +4,6 @@ import os
 import sys
 
 import pytest
-import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools import benchmark  # noqa: E402
 
