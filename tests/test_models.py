@@ -358,6 +358,13 @@ def test_checkpoint_path_and_pretrained_file_load_training_checkpoints(xt_seeded
                                         pretrained_cfg_overlay=dict(file=str(path)))):
             with torch.no_grad():
                 assert rel_err(model.eval()(x), expected) <= 1e-4
+    head10 = timm.create_model('NALAFORMER_XT', num_classes=10)
+    ckpt10 = tmp_path / 'ten_classes.pth'
+    torch.save({'model': head10.state_dict(), 'model_ema': None, 'args': {'nb_classes': 10}}, ckpt10)
+    for kwargs in (dict(checkpoint_path=str(ckpt10)),
+                   dict(pretrained=True, pretrained_cfg_overlay=dict(file=str(ckpt10), num_classes=10))):
+        loaded = timm.create_model('NALAFORMER_XT', num_classes=10, **kwargs)
+        assert torch.equal(loaded.head.weight, head10.head.weight)
     new_head = timm.create_model('NALAFORMER_XT', pretrained=True, num_classes=10,
                                  pretrained_cfg_overlay=dict(file=bare_path))
     assert new_head.get_classifier().out_channels == 10
