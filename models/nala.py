@@ -179,6 +179,9 @@ class NaLaFastFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         n_tokens, d = q.shape[-2], q.shape[-1]
+        # head-major copies: every elementwise result below inherits this layout, so the batched
+        # products see (B*h)-collapsible operands and copy nothing 4d wide
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # keys: K = [ReLU(k^3) ; ReLU(-k^3)], R(K)^T V / N as one product, mean for the normaliser
         k_feat = _split_relu(k ** 3)                                             # (B, h, N, 2d)
         k_mean = k_feat.mean(dim=-2, keepdim=True)                               # (B, h, 1, 2d)

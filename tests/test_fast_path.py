@@ -1,5 +1,6 @@
 """The fast path computes the plain path's numbers: NaLa core, softmax core, block and whole model,
 outputs and gradients (fp32, <= 1e-4 relative), zero handling, autocast, fvcore counts, compile."""
+import math
 import os
 import sys
 import warnings
@@ -67,6 +68,32 @@ def test_nala_fast_zero_query_row_is_finite_and_matches():
     assert torch.isfinite(out_f).all() and torch.isfinite(grad_f).all()
     assert torch.equal(grad_f[..., 0, :], torch.zeros_like(grad_f[..., 0, :]))
     assert rel_err(grad_f, grad_p) <= TOL and rel_err(out_f, out_p) <= TOL
+
+
+def test_nala_fast_core_copies_no_feature_map():
+    """The model passes q, k, v as head views of token-major activations (B, N, h, d strides). The
+    core may copy these three inputs head-major once; everything wider must be made in a layout the
+    batched products take as is (a regression here once cost a 4d-wide transposing copy per product)."""
+    batch, heads, height, width, dim = 2, 2, 8, 8, 16
+    tokens = height * width
+    base = torch.randn(batch, tokens, 3, heads, dim)
+    q, k, v = (base[:, :, i].transpose(1, 2).detach().requires_grad_() for i in range(3))
+    assert not q.is_contiguous()
+    sin, cos = RoPE(heads * dim, heads)((height, width))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = nala_attention_fast(q, k, v, sin, cos)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+    def inside_core(event):
+        while event is not None:
+            if event.name.startswith('NaLaFastFunction'):
+                return True
+            event = event.cpu_parent
+        return False
+
+    copied = sum(math.prod(e.input_shapes[0]) for e in prof.events()
+                 if e.name == 'aten::copy_' and e.input_shapes and e.input_shapes[0] and inside_core(e))
+    assert 0 < copied <= 3 * batch * tokens * heads * dim, copied
 
 
 @pytest.mark.parametrize('heads,height,width,dim', [(1, 5, 7, 16), (3, 6, 4, 32)])
