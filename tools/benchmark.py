@@ -11,9 +11,14 @@ mode. MACs are fvcore's count of the model at batch 1 (the figure ``tools/flops.
 batch, times 3 for a training step (forward, input gradient, weight gradient). The efficiency divides
 the achieved MAC/s by the MAC/s of a large square matrix product of the same dtype, timed in this
 process right before every timed step (median over steps of the per-step ratio), so figures compare
-across noisy runs and machines. Peak memory is the peak of tensor memory during one step above what was live before it
-(params, buffers and optimizer state are listed separately): CUDA's allocator statistics on a GPU,
-the profiler's allocation trace on a CPU.
+across noisy runs and machines. Peak memory is the peak of tensor memory during one step above what
+was live before it (params, buffers and optimizer state are listed separately): CUDA's allocator
+statistics on a GPU, the profiler's allocation trace on a CPU.
+
+On a CPU the first steps are slow for a reason that has nothing to do with the model: glibc gives
+large freed blocks back to the OS until its adaptive mmap threshold has grown, so every activation
+page-faults again (measured for T, batch 32, 2 cores: 16.9, 9.6, 8.0, 6.8, then 6.0 s per step,
+16 s of system time in the first). Hence 4 warm-up steps by default on a CPU.
 
 ``--sweep`` times one NaLa block and one softmax block of the same width (the chosen stage of the
 chosen variant, default stage 2; batch 1) at input sizes 224..1024 and writes time (fastest step)
@@ -311,7 +316,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
-    parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--warmup', type=int, default=None,
+                        help='untimed steps first (default 4 on a CPU, 2 on a GPU; see above)')
     parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--gemm-size', type=int, default=None,
                         help='side of the reference GEMM (default 2048 on CPU, 8192 on GPU)')
@@ -327,6 +333,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 1 if args.sweep else 32
+    if args.warmup is None:
+        args.warmup = 2 if args.device.startswith('cuda') else 4
     if args.model.upper() not in VARIANTS:
         parser.error(f'unknown model {args.model}; choose from {list(VARIANTS)}')
     if len(args.input_size) not in (1, 2):
