@@ -118,6 +118,9 @@ def get_args_parser():
     p.add_argument('--output_dir', '--output-dir', dest='output_dir', default='',
                    help='where checkpoints and log.txt go (empty: save nothing)')
     p.add_argument('--device', default='cuda', help='cuda or cpu (falls back to cpu without a GPU)')
+    p.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain',
+                   help='on the CPU, keep freed memory for reuse (retain: much faster steps, the process '
+                        'keeps its peak memory) or use glibc as configured (system)')
     p.add_argument('--seed', default=0, type=int)
     p.add_argument('--resume', default='', help='resume from this checkpoint (default: output_dir/checkpoint.pth if present)')
     str2bool_flag(p, 'auto-resume', True, 'resume from output_dir/checkpoint.pth when it exists (default on)')
@@ -333,6 +336,8 @@ def main(args, parser):
     if want_cuda and args.device == 'cpu':
         print('No GPU available: running on the CPU')
     device = torch.device(args.device)
+    if device.type == 'cpu' and args.cpu_malloc == 'retain' and not utils.retain_freed_cpu_memory():
+        print('--cpu-malloc retain: this C library has no mallopt; using its defaults')
     world, rank = utils.get_world_size(), utils.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), backend {args.dist_backend or "none"}, device {device}')
     print(json.dumps({k: v for k, v in utils.args_to_dict(args).items()}, default=str))

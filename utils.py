@@ -22,6 +22,35 @@ import torch.distributed as dist
 
 
 # --------------------------------------------------------------------------------------------------
+# CPU memory allocator
+# --------------------------------------------------------------------------------------------------
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameter numbers (malloc.h)
+
+
+def retain_freed_cpu_memory() -> bool:
+    """Keep freed CPU memory in the process for reuse instead of handing it back to the OS.
+
+    glibc serves blocks above its mmap threshold (adaptive, at most 32 MiB) with a fresh ``mmap`` and
+    unmaps them on free, so every large activation of every step page-faults and is zeroed again by
+    the kernel. With mmap and heap trimming off, freed blocks are reused as they are: NaLaFormer-T
+    inference on 2 cores (batch 32) went from 3.3 to 1.85 s per batch. The cost: the process keeps
+    its peak heap, and glibc's aligned allocations leave gaps that grow it for the first steps
+    (resident memory of that inference run: 1.7 GiB against 1.0 GiB, +24 MiB more over the next 40
+    batches; T training: 6.7 against 6.3 GiB). Returns False, changing nothing, where glibc's
+    ``mallopt`` is not available.
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6').mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
+# --------------------------------------------------------------------------------------------------
 # Errors that end the run with one line and a non-zero exit status (no stack trace).
 # --------------------------------------------------------------------------------------------------
 class UserError(Exception):

@@ -15,10 +15,11 @@ across noisy runs and machines. Peak memory is the peak of tensor memory during 
 was live before it (params, buffers and optimizer state are listed separately): CUDA's allocator
 statistics on a GPU, the profiler's allocation trace on a CPU.
 
-On a CPU the first steps are slow for a reason that has nothing to do with the model: glibc gives
-large freed blocks back to the OS until its adaptive mmap threshold has grown, so every activation
-page-faults again (measured for T, batch 32, 2 cores: 16.9, 9.6, 8.0, 6.8, then 6.0 s per step,
-16 s of system time in the first). Hence 4 warm-up steps by default on a CPU.
+On a CPU, glibc gives large freed blocks back to the OS, so activations page-fault again step after
+step; ``--cpu-malloc retain`` (the default, as in main.py) keeps them in the process instead. With
+``--cpu-malloc system`` the first steps are slow until glibc's adaptive mmap threshold has grown
+(measured for T, batch 32, 2 cores: 16.9, 9.6, 8.0, 6.8, then 6.0 s per step, 16 s of system time in
+the first), and blocks above 32 MiB fault on every step. Hence 4 warm-up steps by default on a CPU.
 
 ``--sweep`` times one NaLa block and one softmax block of the same width (the chosen stage of the
 chosen variant, default stage 2; batch 1) at input sizes 224..1024 and writes time (fastest step)
@@ -43,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
 import models  # noqa: E402,F401  (registers the variants)
+import utils  # noqa: E402
 from models import NALA_IMPLS, VARIANTS  # noqa: E402
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -194,6 +196,7 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
         model=args.model, mode=args.mode, dtype=args.dtype, batch_size=args.batch_size,
         input_size=[height, width], attn_impl=args.attn_impl, channels_last=args.channels_last,
         compile=args.compile, device=str(device), threads=torch.get_num_threads(),
+        cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
         step_s_median=step_time, step_s_all=times, img_s=img_s,
         gmacs_per_image=macs_per_image / 1e9, achieved_gmac_s=achieved / 1e9,
         gemm_gmac_s=statistics.median(gemms) / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
@@ -206,7 +209,7 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
 def print_result(r: Dict) -> None:
     print(f"{r['model']} {r['mode']} {r['dtype']} batch {r['batch_size']} {r['input_size'][0]}x{r['input_size'][1]} "
           f"attn_impl={r['attn_impl']} channels_last={r['channels_last']} compile={r['compile']} "
-          f"device={r['device']} threads={r['threads']}")
+          f"device={r['device']} threads={r['threads']}" + (f" cpu_malloc={r['cpu_malloc']}" if r.get('cpu_malloc') else ''))
     print(f"  {r['img_s']:.2f} img/s  (median step {r['step_s_median'] * 1e3:.1f} ms of "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_s_all'])})")
     print(f"  {r['achieved_gmac_s']:.1f} GMAC/s achieved ({r['gmacs_per_image']:.3f} GMAC/image) vs "
@@ -316,6 +319,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
+    parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain',
+                        help="CPU allocator setting, as main.py's flag (utils.retain_freed_cpu_memory)")
     parser.add_argument('--warmup', type=int, default=None,
                         help='untimed steps first (default 4 on a CPU, 2 on a GPU; see above)')
     parser.add_argument('--steps', type=int, default=5)
@@ -349,6 +354,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     logging.getLogger('fvcore').setLevel(logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.device.startswith('cuda') and args.cpu_malloc == 'retain':
+        args.cpu_malloc = 'retain' if utils.retain_freed_cpu_memory() else 'system'
     if args.sweep:
         results = sweep(args)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
