@@ -16,7 +16,8 @@ import torch.nn.functional as F
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'NALA_IMPLS', 'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
-    'nala_attention_fast', 'softmax_attention_fast', 'rope_pair_tables', 'swap_pairs', 'NaLaFastFunction',
+    'nala_attention_fast', 'softmax_attention_fast', 'rope_pair_tables', 'swap_pairs', 'rotate',
+    'rotate_adjoint', 'NaLaFastFunction',
 ]
 
 NALA_EPS = 1e-6  # added to the normaliser, as in the reference
@@ -114,21 +115,22 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # ---- fast path ----------------------------------------------------------------------------------
-# The same math as ``nala_attention_plain`` with fewer passes over memory. Three identities:
+# The same math as ``nala_attention_plain`` with fewer passes over memory. Two identities:
 #
 # 1. RoPE as a pair swap. sin and cos are equal within each channel pair (the angle vector repeats
 #    every frequency twice), so with s' = sin * (-1, +1, -1, +1, ...) and swap(x) = (x1, x0, x3, x2, ...):
-#        R(x) = x * cos + swap(x) * s' = x * cos - swap(x * s').
-# 2. RoPE folded into the products. swap is a symmetric permutation, swap(Y) M = Y swap_rows(M), so
-#        R(Q) S     = [Q*cos | Q*s'] @ [S ; -swap_rows(S)]
-#        R(K)^T V   = top - swap_rows(bottom)   with [top ; bottom] = [K*cos | K*s']^T @ V.
-#    One broadcast multiply with a (N, 2, 2d) table replaces the four rotary passes (slice, stack, two
-#    multiplies, add, cat) over each half of each feature map; the products get a 4d inner size.
-# 3. One power instead of two. With u = q / n and p the per-token exponent,
+#        R(x) = x * cos + swap(x) * s'   and its adjoint   R^T(g) = g * cos + swap(g * s').
+#    One pass over each 2d-wide feature map (the two d-wide halves share the tables, so the tables
+#    are repeated twice along channels) replaces the slicing, stacking and concatenation of the plain
+#    path's four rotary calls.
+# 2. One power instead of two. With u = q / n and p the per-token exponent,
 #        [ReLU(u)^p ; ReLU(-u)^p] = ReLU([b ; -b]),  b = sign(u) |u|^p = u * |u|^(p-1),
-#    and the backward reuses |u|^(p-1) for dp/du. The backward is written out (NaLaFastFunction) and
-#    saves only Q, K (2d wide), b, |u|^(p-1) and the un-normalised output: fewer tensors than autograd
-#    keeps for the plain graph, and none of the rotated copies.
+#    and the backward reuses |u|^(p-1) for dp/du.
+# The backward is written out (NaLaFastFunction) and saves Q, K (2d wide), b, |u|^(p-1) and the
+# un-normalised output: fewer tensors than autograd keeps for the plain graph, and no rotated copy
+# (R(Q) and R(K) are recomputed, one pass each). q, k and v are made head-major first: every
+# elementwise result inherits its input's layout, and the batched products need (B*h)-collapsible
+# operands, or each of them copies its 2d-wide operand.
 # Exact zeros: a zero query has n = 0, the divisor is guarded as in the plain path, b = 0 and every
 # gradient term carries the factor |u|^(p-1) = 0 (p - 1 >= 0.5) or b = 0; log|u| is clamped to a
 # finite value where b = 0, so 0 * log 0 never appears.
@@ -136,11 +138,9 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def swap_pairs(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) along ``dim`` (-1 or -2)."""
-    if dim == -1:
-        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return x.unflatten(-2, (-1, 2)).flip(-2).flatten(-3, -2)
+def swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) along the last dim."""
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
 def rope_pair_tables(sin: torch.Tensor, cos: torch.Tensor, repeat: int = 1) -> torch.Tensor:
@@ -148,6 +148,16 @@ def rope_pair_tables(sin: torch.Tensor, cos: torch.Tensor, repeat: int = 1) -> t
     times along channels (``repeat=2`` for the 2d-wide NaLa features)."""
     sign = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device).repeat(sin.shape[-1] // 2)
     return torch.stack([cos, sin * sign], dim=-2).repeat(1, 1, repeat)
+
+
+def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """R(x) = x * cos + swap(x) * s' with a ``rope_pair_tables`` table; equals ``apply_rope``."""
+    return torch.addcmul(x * table[:, 0], swap_pairs(x), table[:, 1])
+
+
+def rotate_adjoint(grad: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """R^T(g) = g * cos + swap(g * s'): the gradient of ``rotate`` w.r.t. its input."""
+    return (grad * table[:, 0]).add_(swap_pairs(grad * table[:, 1]))
 
 
 def _signs(x: torch.Tensor) -> torch.Tensor:
@@ -159,17 +169,6 @@ def _split_relu(x: torch.Tensor) -> torch.Tensor:
     return (x.unsqueeze(-2) * _signs(x)).clamp_min_(0).flatten(-2)
 
 
-def _with_tables(feat: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[feat * cos | feat * s'] (..., N, 4d) from feat (..., N, 2d) and the (N, 2, 2d) table."""
-    return (feat.unsqueeze(-2) * table).flatten(-2)
-
-
-def _unrotate(grad: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``_with_tables`` w.r.t. its features: g[:, :2d] * cos + g[:, 2d:] * s'."""
-    g = grad.unflatten(-1, (2, -1))
-    return torch.addcmul(g[..., 0, :] * table[:, 0], g[..., 1, :], table[:, 1])
-
-
 class NaLaFastFunction(torch.autograd.Function):
     """NaLa core (SPEC section 2, steps 4-9) with a hand-written backward; see the notes above.
 
@@ -178,16 +177,12 @@ class NaLaFastFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        n_tokens, d = q.shape[-2], q.shape[-1]
-        # head-major copies: every elementwise result below inherits this layout, so the batched
-        # products see (B*h)-collapsible operands and copy nothing 4d wide
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        # keys: K = [ReLU(k^3) ; ReLU(-k^3)], R(K)^T V / N as one product, mean for the normaliser
+        n_tokens = q.shape[-2]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()                 # head-major
+        # keys: K = [ReLU(k^3) ; ReLU(-k^3)], R(K)^T V / N, and mean K for the normaliser
         k_feat = _split_relu(k ** 3)                                             # (B, h, N, 2d)
         k_mean = k_feat.mean(dim=-2, keepdim=True)                               # (B, h, 1, 2d)
-        kv = _with_tables(k_feat, table).transpose(-2, -1) @ v                   # (B, h, 4d, d)
-        kv = (kv[..., :2 * d, :] - swap_pairs(kv[..., 2 * d:, :], -2)) / n_tokens
-        kv = torch.cat([kv, -swap_pairs(kv, -2)], dim=-2)                        # (B, h, 4d, d)
+        kv = (rotate(k_feat, table).transpose(-2, -1) @ v).div_(n_tokens)        # (B, h, 2d, d)
         # queries: n, p, b = sign(u)|u|^p, Q = [ReLU(b) ; ReLU(-b)]
         q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
         divisor = torch.where(q_norm > 0, q_norm, torch.ones_like(q_norm))
@@ -198,7 +193,7 @@ class NaLaFastFunction(torch.autograd.Function):
         b = pow_m1 * u
         q_feat = _split_relu(b)                                                  # (B, h, N, 2d)
         z = 1 / (q_feat @ k_mean.transpose(-2, -1) + NALA_EPS)                   # (B, h, N, 1)
-        num = _with_tables(q_feat, table) @ kv                                   # (B, h, N, d)
+        num = rotate(q_feat, table) @ kv                                         # (B, h, N, d)
         ctx.save_for_backward(q, k, v, table, kv, k_mean, z, divisor, tanh_n, power, pow_m1, b,
                               q_feat, k_feat, num)
         return num * z
@@ -211,9 +206,8 @@ class NaLaFastFunction(torch.autograd.Function):
         grad_num = grad * z
         grad_den = (grad * num).sum(dim=-1, keepdim=True).mul_(-z * z)           # d/d(Q . mean K)
         # numerator product and normaliser -> Q
-        grad_kv = _with_tables(q_feat, table).transpose(-2, -1) @ grad_num       # (B, h, 4d, d)
-        grad_kv = grad_kv[..., :2 * d, :] - swap_pairs(grad_kv[..., 2 * d:, :], -2)
-        grad_q_feat = _unrotate(grad_num @ kv.transpose(-2, -1), table)
+        grad_kv = (rotate(q_feat, table).transpose(-2, -1) @ grad_num).div_(n_tokens)  # (B, h, 2d, d)
+        grad_q_feat = rotate_adjoint(grad_num @ kv.transpose(-2, -1), table)
         grad_q_feat = grad_q_feat.addcmul_(grad_den, k_mean).unflatten(-1, (2, d))
         # Q = [ReLU(b) ; ReLU(-b)] -> b -> (u, p) -> q
         grad_b = torch.where(q > 0, grad_q_feat[..., 0, :], -grad_q_feat[..., 1, :])
@@ -225,9 +219,8 @@ class NaLaFastFunction(torch.autograd.Function):
         grad_q = (grad_u - u * radial) / divisor + grad_n * u
         # keys and values
         grad_k_mean = grad_den.transpose(-2, -1) @ q_feat                        # (B, h, 1, 2d)
-        grad_kv = torch.cat([grad_kv, -swap_pairs(grad_kv, -2)], dim=-2) / n_tokens
-        grad_v = _with_tables(k_feat, table) @ grad_kv
-        grad_k_feat = _unrotate(v @ grad_kv.transpose(-2, -1), table)
+        grad_v = rotate(k_feat, table) @ grad_kv
+        grad_k_feat = rotate_adjoint(v @ grad_kv.transpose(-2, -1), table)
         grad_k_feat = grad_k_feat.add_(grad_k_mean / n_tokens).unflatten(-1, (2, d))
         # sign(k^3) = sign(k); where k^3 underflows to 0 the factor 3 k^2 is below 1e-25
         grad_k = torch.where(k > 0, grad_k_feat[..., 0, :], -grad_k_feat[..., 1, :]).mul_(k.square()).mul_(3)
@@ -243,9 +236,7 @@ def nala_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """``softmax_attention_plain`` with one rotary pass over q and k together and fused SDPA."""
-    table = rope_pair_tables(sin, cos)
-    qk = torch.stack([q, k])
-    qk = torch.addcmul(qk * table[:, 0], swap_pairs(qk), table[:, 1])
+    qk = rotate(torch.stack([q, k]), rope_pair_tables(sin, cos))
     return F.scaled_dot_product_attention(qk[0], qk[1], v)
 
 

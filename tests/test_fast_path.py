@@ -11,7 +11,8 @@ import timm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401
-from models.nala import (NALA_IMPLS, NaLaAttention, RoPE, nala_attention_fast, nala_attention_plain,  # noqa: E402
+from models.nala import (NALA_IMPLS, NaLaAttention, RoPE, apply_rope, nala_attention_fast,  # noqa: E402
+                         nala_attention_plain, rope_pair_tables, rotate, rotate_adjoint,
                          softmax_attention_fast, softmax_attention_plain)
 
 TOL = 1e-4
@@ -68,6 +69,18 @@ def test_nala_fast_zero_query_row_is_finite_and_matches():
     assert torch.isfinite(out_f).all() and torch.isfinite(grad_f).all()
     assert torch.equal(grad_f[..., 0, :], torch.zeros_like(grad_f[..., 0, :]))
     assert rel_err(grad_f, grad_p) <= TOL and rel_err(out_f, out_p) <= TOL
+
+
+def test_rotate_is_rope_and_rotate_adjoint_is_its_gradient():
+    sin, cos = RoPE(32, 2)((3, 5))
+    table = rope_pair_tables(sin, cos)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 2, 15, 16, generator=gen, requires_grad=True)
+    g = torch.randn(2, 2, 15, 16, generator=gen)
+    assert rel_err(rotate(x, table), apply_rope(x, sin, cos)) <= 1e-6
+    rotate(x, table).backward(g)
+    assert rel_err(rotate_adjoint(g, table), x.grad) <= 1e-6
+    assert not torch.allclose(rotate_adjoint(g, table), rotate(g, table))  # the adjoint is not R itself
 
 
 def test_nala_fast_core_copies_no_feature_map():
