@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 import timm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,6 +82,36 @@ def test_rotate_is_rope_and_rotate_adjoint_is_its_gradient():
     rotate(x, table).backward(g)
     assert rel_err(rotate_adjoint(g, table), x.grad) <= 1e-6
     assert not torch.allclose(rotate_adjoint(g, table), rotate(g, table))  # the adjoint is not R itself
+
+
+@pytest.mark.parametrize('channels_last', [True, False])
+def test_depthwise_conv_op_equals_conv2d_with_gradients(channels_last):
+    from models.nalaformer import depthwise_conv_same
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 6, 7, 5, generator=gen)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.randn(6, 1, 3, 3, generator=gen), torch.randn(6, generator=gen)
+    grad = torch.randn(2, 6, 7, 5, generator=gen)
+    outs = []
+    for fn in (depthwise_conv_same, lambda a, w, b: F.conv2d(a, w, b, 1, 1, 1, 6)):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        out = fn(*leaves)
+        out.backward(grad)
+        outs.append([out.detach()] + [t.grad for t in leaves])
+    for mine, ref in zip(*outs):
+        assert rel_err(mine, ref) <= 1e-6
+    torch.library.opcheck(depthwise_conv_same, (x, weight, bias))
+
+
+def test_conv_plus_identity_follows_autocast():
+    from models.nalaformer import conv_plus_identity
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+    x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out, ref = conv_plus_identity(x, conv), x + conv(x)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref.float()) <= 2e-2
 
 
 def test_nala_fast_core_copies_no_feature_map():

@@ -47,10 +47,16 @@ def sdpa_flop_jit(inputs, outputs) -> int:
     return int(prod(lead)) * tokens * keys * (head_dim + value_dim)
 
 
+def depthwise_conv_flop_jit(inputs, outputs) -> int:
+    """``nalaformer::depthwise_conv_same`` (x, weight (C, 1, kh, kw), bias): as fvcore counts a conv."""
+    return int(prod(_shape(outputs[0]))) * int(prod(_shape(inputs[1])[1:]))
+
+
 #: Handles for the fast path's ops that fvcore cannot see into, so that its totals equal the plain path's.
 FAST_PATH_HANDLES = {
     'prim::PythonOp.NaLaFastFunction': nala_fast_flop_jit,
     'aten::scaled_dot_product_attention': sdpa_flop_jit,
+    'nalaformer::depthwise_conv_same': depthwise_conv_flop_jit,
 }
 
 
