@@ -82,7 +82,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
-from timm.data import create_transform
+from timm.data import auto_augment, create_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 __all__ = [
@@ -463,6 +463,30 @@ def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
     raise _layout_error(str(data_set), "unknown data set", "one of IMNET, CIFAR, INAT, INAT19, DIGITS")
 
 
+def _posterize(img: Image.Image, bits_to_keep: int, **kwargs: Any) -> Image.Image:
+    """timm's posterize, also for 0 bits: nothing kept, a black image, as Pillow < 13 gave."""
+    if bits_to_keep <= 0:
+        return img.point(lambda _: 0)
+    return auto_augment.posterize(img, bits_to_keep, **kwargs)
+
+
+def allow_zero_bit_posterize(transform: Callable) -> Callable:
+    """Give the posterize ops of timm's Rand/Auto/AugMix augmentation in ``transform`` a 0-bit case.
+
+    The recipe's ``rand-m9-mstd0.5-inc1`` draws magnitudes up to 10, where PosterizeIncreasing keeps
+    0 bits; Pillow 13 raises ValueError for that (older Pillow returned a black image), which would
+    end a training run a few times per thousand images. Returns ``transform``, changed in place.
+    """
+    for step in getattr(transform, "transforms", []):
+        ops = list(getattr(step, "ops", []))
+        for sub_policy in getattr(step, "policy", []):
+            ops.extend(sub_policy)
+        for op in ops:
+            if getattr(op, "aug_fn", None) is auto_augment.posterize:
+                op.aug_fn = _posterize
+    return transform
+
+
 def build_transform(is_train: bool, args: Any) -> Callable:
     """DeiT transforms (timm ``create_transform`` for training); see the module docstring."""
     input_size = int(getattr(args, "input_size", 224))
@@ -485,7 +509,7 @@ def build_transform(is_train: bool, args: Any) -> Callable:
         if not resize_im:  # DeiT: random crop with padding; the resize is a no-op on CIFAR
             t.transforms[0:1] = [transforms.Resize((input_size, input_size), interpolation=bicubic),
                                  transforms.RandomCrop(input_size, padding=4)]
-        return t
+        return allow_zero_bit_posterize(t)
     steps: list[Callable] = []
     if not resize_im:  # DeiT: no resize for 32 px inputs; the resize is a no-op on CIFAR
         steps.append(transforms.Resize((input_size, input_size), interpolation=bicubic))

@@ -393,3 +393,19 @@ def test_digits_unwritable_path_is_layout_error(tmp_path):
     with pytest.raises(D.DataLayoutError) as e:
         D.prepare_digits(str(bad))
     assert_one_line_error(e, bad, "cannot write")
+
+
+def test_recipe_randaugment_survives_zero_bit_posterize():
+    """At magnitude 10 PosterizeIncreasing keeps 0 bits; Pillow 13 raises for that, older Pillow gave a
+    black image. The recipe's transform must give the black image, not end the run."""
+    transform = D.build_transform(True, make_args(input_size=64))
+    rand_augment = next(s for s in transform.transforms if hasattr(s, "ops"))
+    posterize_ops = [op for op in rand_augment.ops if op.name == "PosterizeIncreasing"]
+    assert posterize_ops
+    img = Image.new("RGB", (8, 8), (200, 120, 40))
+    for op in posterize_ops:
+        op.prob, op.magnitude, op.magnitude_std = 1.0, 10, 0
+        out = op(img)
+        assert out.size == img.size and out.getextrema() == ((0, 0), (0, 0), (0, 0))
+    op.magnitude = 0  # 4 bits kept: the image is changed only in its low bits
+    assert op(img).getpixel((0, 0)) == (192, 112, 32)
