@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .ops import depthwise_conv_same
+
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'NALA_IMPLS', 'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
@@ -297,8 +299,9 @@ class GatedAttention(nn.Module):
         qkvg = self.qkvg(x)                                                      # (B, H, W, 4C)
         with torch.autocast(device_type=x.device.type, enabled=False):
             q, k, v, g = qkvg.float().chunk(4, dim=-1)
-            lepe = F.conv2d(v.permute(0, 3, 1, 2), self.lepe.weight.float(), self.lepe.bias.float(),
-                            padding=2, groups=channels).permute(0, 2, 3, 1)        # (B, H, W, C)
+            v_map = v.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+            lepe = depthwise_conv_same(v_map, self.lepe.weight.float(),
+                                       self.lepe.bias.float()).permute(0, 2, 3, 1)  # (B, H, W, C)
             heads = [t.reshape(batch, height * width, self.num_heads, self.head_dim).transpose(1, 2)
                      for t in (q, k, v)]                                          # views, no copies
             o = self.core(*heads, sin, cos).transpose(1, 2).reshape(batch, height, width, channels)

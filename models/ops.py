@@ -1,0 +1,52 @@
+"""Custom ops of the fast path that torch.compile must not look into (see their docstrings)."""
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward']
+
+
+@torch.library.custom_op('nalaformer::depthwise_conv_same', mutates_args=())
+def depthwise_conv_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Depthwise conv, stride 1, 'same' padding: F.conv2d, as an op torch.compile does not look into.
+
+    Inductor lowered the depthwise convs' backward (CPE, FFN, LePE) with the input re-laid out as
+    (B, H, C, W), on which oneDNN's depthwise backward ran 4-7x slower than on the channels-last map
+    (compiled training was slower than eager). As an opaque op with an opaque backward, its tensors
+    keep the strides eager mode gives them. Same numbers as F.conv2d; pass channels-last maps.
+    """
+    return F.conv2d(x, weight, bias, 1, weight.shape[-1] // 2, 1, x.shape[1])
+
+
+@depthwise_conv_same.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op('nalaformer::depthwise_conv_same_backward', mutates_args=())
+def depthwise_conv_same_backward(grad: torch.Tensor, x: torch.Tensor,
+                                 weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``depthwise_conv_same`` w.r.t. x, weight and bias (oneDNN's backward)."""
+    pad = weight.shape[-1] // 2
+    grads = torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]], [1, 1], [pad, pad], [1, 1],
+                                                False, [0, 0], weight.shape[0], [True, True, True])
+    return grads[0], grads[1], grads[2]
+
+
+@depthwise_conv_same_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0])
+
+
+def _depthwise_setup_context(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _depthwise_backward(ctx, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    return depthwise_conv_same_backward(grad.contiguous(memory_format=torch.channels_last), x, weight)
+
+
+depthwise_conv_same.register_autograd(_depthwise_backward, setup_context=_depthwise_setup_context)
