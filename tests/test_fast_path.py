@@ -86,7 +86,7 @@ def test_rotate_is_rope_and_rotate_adjoint_is_its_gradient():
 
 @pytest.mark.parametrize('channels_last', [True, False])
 def test_depthwise_conv_op_equals_conv2d_with_gradients(channels_last):
-    from models.nalaformer import depthwise_conv_same
+    from models.ops import depthwise_conv_same
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 6, 7, 5, generator=gen)
     if channels_last:
