@@ -18,7 +18,7 @@ from .ops import depthwise_conv_same
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'NALA_IMPLS', 'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
-    'nala_attention_fast', 'softmax_attention_fast', 'rope_pair_tables', 'swap_pairs', 'rotate',
+    'nala_attention_fast', 'softmax_attention_fast', 'rope_phases', 'rotate',
     'rotate_adjoint', 'NaLaFastFunction',
 ]
 
@@ -119,12 +119,12 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ---- fast path ----------------------------------------------------------------------------------
 # The same math as ``nala_attention_plain`` with fewer passes over memory. Two identities:
 #
-# 1. RoPE as a pair swap. sin and cos are equal within each channel pair (the angle vector repeats
-#    every frequency twice), so with s' = sin * (-1, +1, -1, +1, ...) and swap(x) = (x1, x0, x3, x2, ...):
-#        R(x) = x * cos + swap(x) * s'   and its adjoint   R^T(g) = g * cos + swap(g * s').
-#    One pass over each 2d-wide feature map (the two d-wide halves share the tables, so the tables
-#    are repeated twice along channels) replaces the slicing, stacking and concatenation of the plain
-#    path's four rotary calls.
+# 1. RoPE as a complex product. sin and cos are equal within each channel pair (the angle vector
+#    repeats every frequency twice), so read as complex numbers x_2i + i x_2i+1, R multiplies every
+#    pair by the phase e^(i theta) = cos + i sin, and its adjoint R^T multiplies by the conjugate.
+#    One vectorised pass over each 2d-wide feature map (the two d-wide halves share the tables, so
+#    the phases are repeated twice along channels) replaces the slicing, stacking, pair swapping and
+#    concatenation of the plain path's four rotary calls.
 # 2. One power instead of two. With u = q / n and p the per-token exponent,
 #        [ReLU(u)^p ; ReLU(-u)^p] = ReLU([b ; -b]),  b = sign(u) |u|^p = u * |u|^(p-1),
 #    and the backward reuses |u|^(p-1) for dp/du.
@@ -140,26 +140,25 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def swap_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...) along the last dim."""
-    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+def rope_phases(sin: torch.Tensor, cos: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """(N, repeat*d/2) complex table e^(i theta) = cos + i sin, one entry per channel pair, repeated
+    ``repeat`` times along channels (``repeat=2`` for the 2d-wide NaLa features)."""
+    return torch.complex(cos[:, ::2], sin[:, ::2]).repeat(1, repeat)
 
 
-def rope_pair_tables(sin: torch.Tensor, cos: torch.Tensor, repeat: int = 1) -> torch.Tensor:
-    """(N, 2, repeat*d) table: row 0 is cos, row 1 is s' = sin * (-1, +1, ...), each repeated ``repeat``
-    times along channels (``repeat=2`` for the 2d-wide NaLa features)."""
-    sign = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device).repeat(sin.shape[-1] // 2)
-    return torch.stack([cos, sin * sign], dim=-2).repeat(1, 1, repeat)
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
 
 
-def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """R(x) = x * cos + swap(x) * s' with a ``rope_pair_tables`` table; equals ``apply_rope``."""
-    return torch.addcmul(x * table[:, 0], swap_pairs(x), table[:, 1])
+def rotate(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+    """R(x): each channel pair times its ``rope_phases`` entry; equals ``apply_rope``. x: float32,
+    unit stride along channels."""
+    return torch.view_as_real(_as_pairs(x) * phases).flatten(-2)
 
 
-def rotate_adjoint(grad: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """R^T(g) = g * cos + swap(g * s'): the gradient of ``rotate`` w.r.t. its input."""
-    return (grad * table[:, 0]).add_(swap_pairs(grad * table[:, 1]))
+def rotate_adjoint(grad: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+    """R^T(g) = g times the conjugate phases: the gradient of ``rotate`` w.r.t. its input."""
+    return torch.view_as_real(_as_pairs(grad) * phases.conj()).flatten(-2)
 
 
 def _signs(x: torch.Tensor) -> torch.Tensor:
@@ -174,17 +173,17 @@ def _split_relu(x: torch.Tensor) -> torch.Tensor:
 class NaLaFastFunction(torch.autograd.Function):
     """NaLa core (SPEC section 2, steps 4-9) with a hand-written backward; see the notes above.
 
-    q, k, v: (B, h, N, d) float32 (any strides); table: ``rope_pair_tables(sin, cos, 2)``.
+    q, k, v: (B, h, N, d) float32 (any strides); phases: ``rope_phases(sin, cos, 2)``.
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
         n_tokens = q.shape[-2]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()                 # head-major
         # keys: K = [ReLU(k^3) ; ReLU(-k^3)], R(K)^T V / N, and mean K for the normaliser
         k_feat = _split_relu(k ** 3)                                             # (B, h, N, 2d)
         k_mean = k_feat.mean(dim=-2, keepdim=True)                               # (B, h, 1, 2d)
-        kv = (rotate(k_feat, table).transpose(-2, -1) @ v).div_(n_tokens)        # (B, h, 2d, d)
+        kv = (rotate(k_feat, phases).transpose(-2, -1) @ v).div_(n_tokens)       # (B, h, 2d, d)
         # queries: n, p, b = sign(u)|u|^p, Q = [ReLU(b) ; ReLU(-b)]
         q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
         divisor = torch.where(q_norm > 0, q_norm, torch.ones_like(q_norm))
@@ -195,21 +194,21 @@ class NaLaFastFunction(torch.autograd.Function):
         b = pow_m1 * u
         q_feat = _split_relu(b)                                                  # (B, h, N, 2d)
         z = 1 / (q_feat @ k_mean.transpose(-2, -1) + NALA_EPS)                   # (B, h, N, 1)
-        num = rotate(q_feat, table) @ kv                                         # (B, h, N, d)
-        ctx.save_for_backward(q, k, v, table, kv, k_mean, z, divisor, tanh_n, power, pow_m1, b,
+        num = rotate(q_feat, phases) @ kv                                        # (B, h, N, d)
+        ctx.save_for_backward(q, k, v, phases, kv, k_mean, z, divisor, tanh_n, power, pow_m1, b,
                               q_feat, k_feat, num)
         return num * z
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (q, k, v, table, kv, k_mean, z, divisor, tanh_n, power, pow_m1, b,
+        (q, k, v, phases, kv, k_mean, z, divisor, tanh_n, power, pow_m1, b,
          q_feat, k_feat, num) = ctx.saved_tensors
         n_tokens, d = q.shape[-2], q.shape[-1]
         grad_num = grad * z
         grad_den = (grad * num).sum(dim=-1, keepdim=True).mul_(-z * z)           # d/d(Q . mean K)
         # numerator product and normaliser -> Q
-        grad_kv = (rotate(q_feat, table).transpose(-2, -1) @ grad_num).div_(n_tokens)  # (B, h, 2d, d)
-        grad_q_feat = rotate_adjoint(grad_num @ kv.transpose(-2, -1), table)
+        grad_kv = (rotate(q_feat, phases).transpose(-2, -1) @ grad_num).div_(n_tokens)  # (B, h, 2d, d)
+        grad_q_feat = rotate_adjoint(grad_num @ kv.transpose(-2, -1), phases)
         grad_q_feat = grad_q_feat.addcmul_(grad_den, k_mean).unflatten(-1, (2, d))
         # Q = [ReLU(b) ; ReLU(-b)] -> b -> (u, p) -> q
         grad_b = torch.where(q > 0, grad_q_feat[..., 0, :], -grad_q_feat[..., 1, :])
@@ -221,8 +220,8 @@ class NaLaFastFunction(torch.autograd.Function):
         grad_q = (grad_u - u * radial) / divisor + grad_n * u
         # keys and values
         grad_k_mean = grad_den.transpose(-2, -1) @ q_feat                        # (B, h, 1, 2d)
-        grad_v = rotate(k_feat, table) @ grad_kv
-        grad_k_feat = rotate_adjoint(v @ grad_kv.transpose(-2, -1), table)
+        grad_v = rotate(k_feat, phases) @ grad_kv
+        grad_k_feat = rotate_adjoint(v @ grad_kv.transpose(-2, -1), phases)
         grad_k_feat = grad_k_feat.add_(grad_k_mean / n_tokens).unflatten(-1, (2, d))
         # sign(k^3) = sign(k); where k^3 underflows to 0 the factor 3 k^2 is below 1e-25
         grad_k = torch.where(k > 0, grad_k_feat[..., 0, :], -grad_k_feat[..., 1, :]).mul_(k.square()).mul_(3)
@@ -232,13 +231,13 @@ class NaLaFastFunction(torch.autograd.Function):
 def nala_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """NaLa core with the same inputs and numbers as ``nala_attention_plain`` (fp32, ~1e-6 relative)."""
-    return NaLaFastFunction.apply(q, k, v, rope_pair_tables(sin, cos, 2))
+    return NaLaFastFunction.apply(q, k, v, rope_phases(sin, cos, 2))
 
 
 def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """``softmax_attention_plain`` with one rotary pass over q and k together and fused SDPA."""
-    qk = rotate(torch.stack([q, k]), rope_pair_tables(sin, cos))
+    qk = rotate(torch.stack([q, k]), rope_phases(sin, cos))
     return F.scaled_dot_product_attention(qk[0], qk[1], v)
 
 
