@@ -18,7 +18,7 @@ from .ops import depthwise_conv_same
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'NALA_IMPLS', 'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
-    'nala_attention_fast', 'softmax_attention_fast', 'rope_phases', 'rotate',
+    'nala_attention_fast', 'softmax_attention_fast', 'rope_phases', 'rotate', 'rotate_real',
     'rotate_adjoint', 'NaLaFastFunction',
 ]
 
@@ -121,7 +121,8 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 #
 # 1. RoPE as a complex product. sin and cos are equal within each channel pair (the angle vector
 #    repeats every frequency twice), so read as complex numbers x_2i + i x_2i+1, R multiplies every
-#    pair by the phase e^(i theta) = cos + i sin, and its adjoint R^T multiplies by the conjugate.
+#    pair by the phase e^(i theta) = cos + i sin, and its adjoint R^T multiplies by the conjugate
+#    (real arithmetic under torch.compile, which has no complex code generation).
 #    One vectorised pass over each 2d-wide feature map (the two d-wide halves share the tables, so
 #    the phases are repeated twice along channels) replaces the slicing, stacking, pair swapping and
 #    concatenation of the plain path's four rotary calls.
@@ -141,24 +142,36 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 def rope_phases(sin: torch.Tensor, cos: torch.Tensor, repeat: int = 1) -> torch.Tensor:
-    """(N, repeat*d/2) complex table e^(i theta) = cos + i sin, one entry per channel pair, repeated
-    ``repeat`` times along channels (``repeat=2`` for the 2d-wide NaLa features)."""
-    return torch.complex(cos[:, ::2], sin[:, ::2]).repeat(1, repeat)
+    """(N, repeat*d/2, 2) table of (cos, sin), one row per channel pair (the real and imaginary part of
+    its phase e^(i theta)), repeated ``repeat`` times along channels (2 for the 2d-wide NaLa features)."""
+    return torch.stack([cos[:, ::2], sin[:, ::2]], dim=-1).repeat(1, repeat, 1)
 
 
-def _as_pairs(x: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+def rotate_real(x: torch.Tensor, phases: torch.Tensor, conjugate: bool = False) -> torch.Tensor:
+    """``rotate`` in real arithmetic: (x0 c - x1 s, x0 s + x1 c) per pair, s negated for the adjoint.
+    Several passes in eager mode, one fused kernel under torch.compile, which cannot generate code for
+    complex tensors."""
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = phases.unbind(-1)
+    if conjugate:
+        sin = -sin
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
 
 
-def rotate(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
-    """R(x): each channel pair times its ``rope_phases`` entry; equals ``apply_rope``. x: float32,
-    unit stride along channels."""
-    return torch.view_as_real(_as_pairs(x) * phases).flatten(-2)
+def rotate(x: torch.Tensor, phases: torch.Tensor, conjugate: bool = False) -> torch.Tensor:
+    """R(x), each channel pair times its phase from ``rope_phases``; equals ``apply_rope``. With
+    ``conjugate`` it is R^T. Eager mode: one complex multiply (x float32 with unit stride along
+    channels); under torch.compile: ``rotate_real``."""
+    if torch.compiler.is_compiling():
+        return rotate_real(x, phases, conjugate)
+    phase = torch.view_as_complex(phases)
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * (phase.conj() if conjugate else phase)).flatten(-2)
 
 
 def rotate_adjoint(grad: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
     """R^T(g) = g times the conjugate phases: the gradient of ``rotate`` w.r.t. its input."""
-    return torch.view_as_real(_as_pairs(grad) * phases.conj()).flatten(-2)
+    return rotate(grad, phases, conjugate=True)
 
 
 def _signs(x: torch.Tensor) -> torch.Tensor:

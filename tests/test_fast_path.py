@@ -13,7 +13,7 @@ import timm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401
 from models.nala import (NALA_IMPLS, NaLaAttention, RoPE, apply_rope, nala_attention_fast,  # noqa: E402
-                         nala_attention_plain, rope_phases, rotate, rotate_adjoint,
+                         nala_attention_plain, rope_phases, rotate, rotate_adjoint, rotate_real,
                          softmax_attention_fast, softmax_attention_plain)
 
 TOL = 1e-4
@@ -73,18 +73,22 @@ def test_nala_fast_zero_query_row_is_finite_and_matches():
 
 
 @pytest.mark.parametrize('repeat', [1, 2])
-def test_rotate_is_rope_and_rotate_adjoint_is_its_gradient(repeat):
-    """Against the plain path's apply_rope on each d-wide part, and autograd through it."""
+@pytest.mark.parametrize('form', ['complex', 'real'])
+def test_rotate_is_rope_and_rotate_adjoint_is_its_gradient(repeat, form):
+    """Both forms (eager complex, compiled real) against the plain path's apply_rope on each d-wide
+    part, and against autograd through it."""
     sin, cos = RoPE(32, 2)((3, 5))
     phases = rope_phases(sin, cos, repeat)
+    forward, adjoint = {'complex': (rotate, rotate_adjoint),
+                        'real': (rotate_real, lambda g, p: rotate_real(g, p, conjugate=True))}[form]
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 2, 15, 16 * repeat, generator=gen, requires_grad=True)
     g = torch.randn(2, 2, 15, 16 * repeat, generator=gen)
     rope = torch.cat([apply_rope(part, sin, cos) for part in x.split(16, dim=-1)], dim=-1)
-    assert rel_err(rotate(x, phases), rope) <= 1e-6
+    assert rel_err(forward(x, phases), rope) <= 1e-6
     rope.backward(g)
-    assert rel_err(rotate_adjoint(g, phases), x.grad) <= 1e-6
-    assert not torch.allclose(rotate_adjoint(g, phases), rotate(g, phases))  # the adjoint is not R itself
+    assert rel_err(adjoint(g, phases), x.grad) <= 1e-6
+    assert not torch.allclose(adjoint(g, phases), forward(g, phases))  # the adjoint is not R itself
 
 
 @pytest.mark.parametrize('channels_last', [True, False])
@@ -277,3 +281,28 @@ def test_no_graph_breaks_under_torch_compile():
         explanation = dynamo.explain(model)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     dynamo.reset()
+
+
+def test_compiled_graphs_hold_no_complex_tensors():
+    """Inductor cannot generate code for complex tensors (it warns and falls back), so under
+    torch.compile the rotations must run in real arithmetic, in the forward and the backward graph."""
+    import torch._dynamo as dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    dtypes = set()
+
+    def record(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            value = node.meta.get('val')
+            if isinstance(value, torch.Tensor):
+                dtypes.add(value.dtype)
+        return make_boxed_func(graph_module.forward)
+
+    dynamo.reset()
+    model = timm.create_model('NALAFORMER_XT', num_classes=5)
+    x = torch.randn(2, 3, 32, 48)
+    out = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record))(x)
+    out.sum().backward()
+    dynamo.reset()
+    assert torch.float32 in dtypes and not any(dtype.is_complex for dtype in dtypes), dtypes
+    assert rel_err(out, model(x)) <= TOL
