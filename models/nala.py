@@ -148,14 +148,16 @@ def rope_phases(sin: torch.Tensor, cos: torch.Tensor, repeat: int = 1) -> torch.
 
 
 def rotate_real(x: torch.Tensor, phases: torch.Tensor, conjugate: bool = False) -> torch.Tensor:
-    """``rotate`` in real arithmetic: (x0 c - x1 s, x0 s + x1 c) per pair, s negated for the adjoint.
-    Several passes in eager mode, one fused kernel under torch.compile, which cannot generate code for
-    complex tensors."""
-    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    """``rotate`` in real arithmetic: x * cos + swap(x) * (-sin, +sin, ...) with swap exchanging the
+    two channels of each pair; sin negated for the adjoint. Several passes in eager mode, one fused
+    kernel under torch.compile, which cannot generate code for complex tensors."""
     cos, sin = phases.unbind(-1)
     if conjugate:
         sin = -sin
-    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    cos_full = torch.stack([cos, cos], dim=-1).flatten(-2)
+    sin_signed = torch.stack([-sin, sin], dim=-1).flatten(-2)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos_full + swapped * sin_signed
 
 
 def rotate(x: torch.Tensor, phases: torch.Tensor, conjugate: bool = False) -> torch.Tensor:
