@@ -91,17 +91,18 @@ def test_rotate_is_rope_and_rotate_adjoint_is_its_gradient(repeat, form):
     assert not torch.allclose(adjoint(g, phases), forward(g, phases))  # the adjoint is not R itself
 
 
+@pytest.mark.parametrize('kernel', [3, 5])  # CPE/FFN, LePE (whose bias gradient is taken apart)
 @pytest.mark.parametrize('channels_last', [True, False])
-def test_depthwise_conv_op_equals_conv2d_with_gradients(channels_last):
+def test_depthwise_conv_op_equals_conv2d_with_gradients(channels_last, kernel):
     from models.ops import depthwise_conv_same
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 6, 7, 5, generator=gen)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    weight, bias = torch.randn(6, 1, 3, 3, generator=gen), torch.randn(6, generator=gen)
+    weight, bias = torch.randn(6, 1, kernel, kernel, generator=gen), torch.randn(6, generator=gen)
     grad = torch.randn(2, 6, 7, 5, generator=gen)
     outs = []
-    for fn in (depthwise_conv_same, lambda a, w, b: F.conv2d(a, w, b, 1, 1, 1, 6)):
+    for fn in (depthwise_conv_same, lambda a, w, b: F.conv2d(a, w, b, 1, kernel // 2, 1, 6)):
         leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
         out = fn(*leaves)
         out.backward(grad)
