@@ -312,7 +312,10 @@ class GatedAttention(nn.Module):
         batch, height, width, channels = x.shape
         qkvg = self.qkvg(x)                                                      # (B, H, W, 4C)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            q, k, v, g = qkvg.float().chunk(4, dim=-1)
+            # Split, then cast (a no-op in fp32): under autocast each part becomes its own fp32
+            # tensor, v is already channels-last for LePE, and the backward joins bf16 gradients
+            # instead of fp32 ones.
+            q, k, v, g = (t.float() for t in qkvg.chunk(4, dim=-1))
             v_map = v.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
             lepe = depthwise_conv_same(v_map, self.lepe.weight.float(),
                                        self.lepe.bias.float()).permute(0, 2, 3, 1)  # (B, H, W, C)
