@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test venv demo clean-venv
+.PHONY: test test-fast venv demo clean-venv
 
 venv: $(VENV)/.installed
 
@@ -14,6 +14,10 @@ $(VENV)/.installed: requirements.txt
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# the inner loop: everything but the real-process runs
+test-fast: venv
+	$(PY) -m pytest -q -m 'not slow' tests
 
 clean-venv:
 	rm -rf $(VENV)
