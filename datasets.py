@@ -6,7 +6,8 @@ Public API
     ``args.data_set`` in IMNET | CIFAR | INAT | INAT19 | DIGITS. Other fields read with ``getattr``
     defaults: data_path, inat_category ('name'), input_size (224), color_jitter (0.4), aa
     ('rand-m9-mstd0.5-inc1'), train_interpolation ('bicubic'), reprob (0.25), remode ('pixel'),
-    recount (1), eval_crop_ratio (0.875), strict_data (False), hflip / scale (see build_transform).
+    recount (1), eval_crop_ratio (0.875), strict_data (False), follow_links (False), hflip / scale
+    (see build_transform). The eval build (is_train False) lists only ``val/``.
 ``build_transform(is_train, args)``
     Train: ``timm.data.create_transform``; eval: resize shorter side to int(input_size / 0.875),
     bicubic, center crop, ImageNet mean/std. Inputs <= 32 px follow DeiT: train replaces the
@@ -49,9 +50,20 @@ loaded on several ranks, so do not sum per-rank counts: ``bad_sample_count_all_r
 device)`` all-reduces the per-index flags (``bad_sample_mask``) with MAX and counts each bad file
 once (a collective: call it on every rank; ``device`` must be CUDA under NCCL).
 
-Non-image files inside class folders (by extension, torchvision's ``IMG_EXTENSIONS``) are skipped,
-counted (``dataset.skipped_files``) and reported in one ``UserWarning`` per split; they are not a
-layout error. Hidden entries (names starting with '.') are ignored, neither classes nor files.
+Image files are recognised by extension, ``IMAGE_EXTENSIONS``: torchvision's ``IMG_EXTENSIONS``
+(jpg jpeg png ppm bmp pgm tif tiff webp) plus gif jfif pbm pnm avif, each only if this Pillow build
+decodes it. Other files inside class folders are skipped, counted (``dataset.skipped_files``) and
+reported in one ``UserWarning`` per split; they are not a layout error. Hidden entries (names
+starting with '.') are ignored, neither classes nor files.
+
+Decoding (``load_image``): EXIF orientation applied, first frame of an animation, 16-bit (and 32-bit
+integer) images scaled from 0..65535 to 0..255, float images mapped from [0, 1] or kept if in
+[0, 255]; other float ranges are undecodable samples (below), never silently clipped to white.
+
+Links: class folders may be links (a broken one, or one to the split folder or a parent, is a
+layout error). Directory links inside class folders are not followed unless ``args.follow_links``;
+even then links back into the split folder (a loop, another class) or to an ancestor are refused.
+Refused links are listed in ``dataset.refused_links`` and named in one ``UserWarning``.
 
 DIGITS
 ------
@@ -76,11 +88,12 @@ import uuid
 import warnings
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from timm.data import auto_augment, create_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -97,9 +110,13 @@ DIGITS_DEFAULT_PATH = os.path.join(".", "data", "digits")
 DIGITS_MARKER = "DIGITS_COMPLETE"
 DIGITS_SEED = 0
 DIGITS_SIZE = 32
+# torchvision's extensions plus the other still-image formats this Pillow build decodes
+IMAGE_EXTENSIONS: tuple[str, ...] = tuple(
+    e for e in IMG_EXTENSIONS + (".gif", ".jfif", ".pbm", ".pnm", ".avif")
+    if e in Image.registered_extensions())
 IMAGEFOLDER_LAYOUT = ("<data-path>/train/<class>/<image> and <data-path>/val/<class>/<image> "
                       "with the same class folders in both and image files (" +
-                      "/".join(e.lstrip(".") for e in IMG_EXTENSIONS) + ")")
+                      "/".join(e.lstrip(".") for e in IMAGE_EXTENSIONS) + ")")
 INAT_CATEGORIES = ("kingdom", "phylum", "class", "order", "supercategory", "family", "genus", "name")
 
 
@@ -120,11 +137,57 @@ def _layout_error(path: str, problem: str, layout: str) -> DataLayoutError:
 
 
 def _is_image_name(name: str) -> bool:
-    return name.lower().endswith(IMG_EXTENSIONS)
+    return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _list_classes(split_dir: str) -> list[str]:
-    return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+def _list_classes(split_dir: str, layout: str = IMAGEFOLDER_LAYOUT) -> list[str]:
+    """Sorted class folder names of ``split_dir``; a broken link to a class folder is an error
+    (dropping it would silently change the number of classes and every later label)."""
+    classes = []
+    for e in os.scandir(split_dir):
+        if e.name.startswith("."):
+            continue
+        if e.is_dir():
+            classes.append(e.name)
+        elif e.is_symlink() and not os.path.exists(e.path):
+            raise _layout_error(e.path, f"class folder is a broken link (-> {os.readlink(e.path)}); "
+                                "fix or remove the link", layout)
+    return sorted(classes)
+
+
+def _inside(path: str, root: str) -> bool:
+    """True if real path ``path`` is ``root`` or lies below it."""
+    return os.path.commonpath([path, root]) == root
+
+
+def _to_8bit_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB of ``img``: 16/32-bit integer images are scaled from 0..65535 to 0..255 and float
+    images mapped from [0, 1] (or kept if in [0, 255]); Pillow's own convert would clip them, turning
+    almost every pixel white. Raises ValueError for values that fit neither range."""
+    if img.mode.startswith("I;16") or img.mode == "I":
+        a = np.asarray(img).astype(np.int64)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            raise ValueError(f"{img.mode} image with values in [{a.min()}, {a.max()}], outside 16-bit "
+                             "0..65535; save it as 8 or 16 bits per channel")
+        img = Image.fromarray(((a + 128) // 257).astype(np.uint8), "L")
+    elif img.mode == "F":
+        a = np.asarray(img, dtype=np.float64)
+        lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+        if not np.isfinite(a).all() or lo < 0 or hi > 255:
+            raise ValueError(f"float image with values in [{lo:g}, {hi:g}], neither [0, 1] nor "
+                             "[0, 255] (or not finite); save it as 8 or 16 bits per channel")
+        img = Image.fromarray(np.round(a * (255.0 if hi <= 1 else 1.0)).astype(np.uint8), "L")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def load_image(path: str) -> Image.Image:
+    """Decode an image file as 8-bit RGB: EXIF orientation applied, the first frame of an animation,
+    16-bit and float images scaled (see ``_to_8bit_rgb``)."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        img.load()
+        ImageOps.exif_transpose(img, in_place=True)
+        return _to_8bit_rgb(img)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,34 +257,84 @@ class _BadSampleMixin:
 
 class RobustImageFolder(_BadSampleMixin, datasets.ImageFolder):
     """``torchvision.datasets.ImageFolder`` with one-line layout errors, counted non-image files,
-    hidden entries ignored, and replace-and-record handling of undecodable images."""
+    hidden entries ignored, refused directory links, and replace-and-record handling of
+    undecodable images.
+
+    Class folders may be links. Directory links inside a class folder are not followed unless
+    ``follow_links``; even then a link back into the split folder (another class, a loop) or to an
+    ancestor of it is refused. Refused links are listed in ``refused_links`` and in one warning.
+    """
 
     def __init__(self, root: str, transform: Optional[Callable] = None, is_train: bool = True,
                  strict: bool = False, layout: str = IMAGEFOLDER_LAYOUT,
-                 loader: Callable[[str], Any] = default_loader) -> None:
+                 loader: Callable[[str], Any] = load_image, follow_links: bool = False) -> None:
         self.layout = layout
+        self.follow_links = follow_links
         self.skipped_files: list[str] = []
+        self.refused_links: list[str] = []
         super().__init__(root, transform=transform, loader=loader)
         self._init_bad_tracking(is_train, strict)
         if self.skipped_files:
             warnings.warn(f"{root}: skipped {len(self.skipped_files)} non-image file(s) "
                           f"(e.g. {self.skipped_files[0]}); only "
-                          f"{'/'.join(IMG_EXTENSIONS)} files are read", UserWarning, stacklevel=2)
+                          f"{'/'.join(IMAGE_EXTENSIONS)} files are read", UserWarning, stacklevel=2)
+        if self.refused_links:
+            fix = ("links into the data set or to its parents are never followed" if follow_links
+                   else "pass --follow-links to read linked directories")
+            warnings.warn(f"{root}: did not follow {len(self.refused_links)} directory link(s) inside "
+                          f"class folders: {'; '.join(self.refused_links[:3])}"
+                          f"{'; ...' if len(self.refused_links) > 3 else ''} ({fix})",
+                          UserWarning, stacklevel=2)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        classes = _list_classes(directory)
+        classes = _list_classes(directory, self.layout)
         if not classes:
             raise _layout_error(directory, "no class folders", self.layout)
+        split_real = os.path.realpath(directory)
+        for c in classes:
+            real = os.path.realpath(os.path.join(directory, c))
+            if _inside(split_real, real):
+                raise _layout_error(os.path.join(directory, c), f"class folder links to {real}, the "
+                                    "split folder or a parent of it (a loop)", self.layout)
         return classes, {c: i for i, c in enumerate(classes)}
+
+    def _refuse_link(self, link: str, here: str, roots: list[str]) -> Optional[str]:
+        """Why the directory link ``link`` (found in real directory ``here``) is not followed."""
+        if not self.follow_links:
+            return "not followed by default"
+        target = os.path.realpath(link)
+        if _inside(here, target):
+            return f"loop: links to its parent {target}"
+        if any(_inside(target, r) for r in roots):
+            return f"links back into the data set ({target})"
+        if target in self._visited:
+            return f"{target} already read"
+        return None
 
     def make_dataset(self, directory: str, class_to_idx: dict[str, int], extensions=None,
                      is_valid_file=None, allow_empty: bool = False) -> list[tuple[str, int]]:
         samples: list[tuple[str, int]] = []
+        # real paths of the split and class folders: a followed link must not lead back into them
+        roots = [os.path.realpath(directory)] + [os.path.realpath(os.path.join(directory, c))
+                                                 for c in class_to_idx]
+        self._visited: set[str] = set()
         for cls in sorted(class_to_idx):
             cls_dir = os.path.join(directory, cls)
             n_before = len(samples)
-            for dirpath, dirnames, filenames in os.walk(cls_dir, followlinks=True):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # prune hidden
+            for dirpath, dirnames, filenames in os.walk(cls_dir, followlinks=self.follow_links):
+                here = os.path.realpath(dirpath)
+                self._visited.add(here)
+                keep = []
+                for d in sorted(dirnames):
+                    if d.startswith("."):  # prune hidden
+                        continue
+                    sub = os.path.join(dirpath, d)
+                    why = self._refuse_link(sub, here, roots) if os.path.islink(sub) else None
+                    if why:
+                        self.refused_links.append(f"{sub} ({why})")
+                    else:
+                        keep.append(d)
+                dirnames[:] = keep
                 for name in sorted(filenames):
                     if name.startswith("."):
                         continue
@@ -242,11 +355,11 @@ def _check_imagefolder_root(root: Optional[str], layout: str, is_train: bool) ->
     if not os.path.isdir(root):
         raise _layout_error(root, "data path does not exist or is not a directory", layout)
     train_dir, val_dir = os.path.join(root, "train"), os.path.join(root, "val")
-    # training needs both splits (the run evaluates every epoch); eval-only needs val/
+    # training needs both splits (the run evaluates every epoch); eval-only needs, and lists, only val/
     for d in ((train_dir, val_dir) if is_train else (val_dir,)):
         if not os.path.isdir(d):
             raise _layout_error(d, f"missing {os.path.basename(d)}/ folder", layout)
-    if os.path.isdir(train_dir):
+    if is_train:  # the training build checks that val/ has the classes of train/
         tc, vc = set(_list_classes(train_dir)), set(_list_classes(val_dir))
         if tc and vc and tc != vc:
             miss, extra = sorted(tc - vc), sorted(vc - tc)
@@ -274,7 +387,7 @@ class INatDataset(_BadSampleMixin, Dataset):
 
     def __init__(self, root: str, train: bool = True, year: int = 2018,
                  transform: Optional[Callable] = None, category: str = "name",
-                 strict: bool = False, loader: Callable[[str], Any] = default_loader) -> None:
+                 strict: bool = False, loader: Callable[[str], Any] = load_image) -> None:
         layout = (f"<data-path>/train{year}.json, val{year}.json, categories.json and the image "
                   f"folders named by their file_name entries (iNaturalist {year} layout)")
         if category not in INAT_CATEGORIES:
@@ -455,7 +568,8 @@ def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
             root = prepare_digits(root)
         _check_imagefolder_root(root, IMAGEFOLDER_LAYOUT, is_train)
         ds = RobustImageFolder(os.path.join(root, "train" if is_train else "val"), transform=transform,
-                               is_train=is_train, strict=strict)
+                               is_train=is_train, strict=strict,
+                               follow_links=bool(getattr(args, "follow_links", False)))
         if data_set == "DIGITS" and len(ds.classes) != 10:
             raise _layout_error(root, f"{len(ds.classes)} class folders, not 10", IMAGEFOLDER_LAYOUT)
         return ds, len(ds.classes)

@@ -113,6 +113,7 @@ def get_args_parser():
                    choices=['kingdom', 'phylum', 'class', 'order', 'supercategory', 'family', 'genus', 'name'])
     p.add_argument('--eval-crop-ratio', default=0.875, type=float)
     p.add_argument('--strict-data', action='store_true', help='an undecodable image stops the run')
+    p.add_argument('--follow-links', action='store_true', help='follow directory links inside class folders (never loops)')
 
     # Run
     p.add_argument('--output_dir', '--output-dir', dest='output_dir', default='',

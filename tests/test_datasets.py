@@ -5,6 +5,7 @@ import sys
 import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -124,10 +125,25 @@ def test_val_classes_differ(tmp_path):
     root = make_folder(tmp_path)
     save_img(os.path.join(root, "val", "emu", "0.png"))
     os.rename(os.path.join(root, "val", "dog"), os.path.join(root, "val", "doge"))
-    for is_train in (True, False):
-        with pytest.raises(D.DataLayoutError) as e:
-            D.build_dataset(is_train, make_args(data_path=root))
-        assert_one_line_error(e, os.path.join(root, "val"), "dog", "doge", "emu")
+    with pytest.raises(D.DataLayoutError) as e:  # checked by the training build
+        D.build_dataset(True, make_args(data_path=root))
+    assert_one_line_error(e, os.path.join(root, "val"), "dog", "doge", "emu")
+
+
+def test_eval_build_reads_val_alone(tmp_path, monkeypatch):
+    root = make_folder(tmp_path, classes=("a", "b", "c"))
+    save_img(os.path.join(root, "train", "d", "0.png"))  # train/ has a 4th class: irrelevant to eval
+    listed = []
+    real_scandir = os.scandir
+
+    def recording_scandir(path="."):
+        listed.append(os.path.abspath(path))
+        return real_scandir(path)
+    monkeypatch.setattr(os, "scandir", recording_scandir)
+    ds, nc = D.build_dataset(False, make_args(data_path=root))
+    assert (nc, len(ds)) == (3, 9)
+    train = os.path.join(os.path.abspath(root), "train")
+    assert listed and not [p for p in listed if D._inside(p, train)], listed
 
 
 def test_unknown_data_set():
@@ -409,3 +425,126 @@ def test_recipe_randaugment_survives_zero_bit_posterize():
         assert out.size == img.size and out.getextrema() == ((0, 0), (0, 0), (0, 0))
     op.magnitude = 0  # 4 bits kept: the image is changed only in its low bits
     assert op(img).getpixel((0, 0)) == (192, 112, 32)
+
+
+# ---------------------------------------------------------------------------- links
+def test_symlink_loop_in_class_folder_is_not_followed(tmp_path):
+    root = make_folder(tmp_path / "d", classes=("class0", "class1"))
+    loop = os.path.join(root, "train", "class0", "loop")
+    os.symlink("..", loop)
+    for follow in (False, True):
+        with pytest.warns(UserWarning, match=r"did not follow 1 directory link") as rec:
+            ds, nc = D.build_dataset(True, make_args(data_path=root, follow_links=follow))
+        assert (nc, len(ds)) == (2, 6)
+        assert [t for _, t in ds.samples] == [0, 0, 0, 1, 1, 1]
+        msgs = [str(w.message) for w in rec if "directory link" in str(w.message)]
+        assert len(msgs) == 1 and "\n" not in msgs[0] and loop in msgs[0], msgs
+        assert ("loop" if follow else "--follow-links") in msgs[0]
+        assert not any("non-image" in str(w.message) for w in rec)
+
+
+def test_follow_links_reads_outside_folders_but_not_other_classes(tmp_path):
+    root = make_folder(tmp_path / "d", classes=("class0", "class1"))
+    save_img(str(tmp_path / "extra" / "e0.png"))
+    save_img(str(tmp_path / "extra" / "e1.png"))
+    os.symlink(str(tmp_path / "extra"), os.path.join(root, "train", "class0", "more"))
+    os.symlink(os.path.join("..", "class1"), os.path.join(root, "train", "class0", "other"))
+    with pytest.warns(UserWarning, match=r"did not follow 2 directory link"):
+        ds, _ = D.build_dataset(True, make_args(data_path=root))
+    assert len(ds) == 6
+    with pytest.warns(UserWarning, match=r"did not follow 1 directory link.*other.*back into") as rec:
+        ds, _ = D.build_dataset(True, make_args(data_path=root, follow_links=True))
+    assert len(ds) == 8 and [t for _, t in ds.samples].count(0) == 5
+    assert "more" not in " ".join(str(w.message) for w in rec)
+
+
+def test_broken_class_folder_link_is_an_error(tmp_path):
+    root = make_folder(tmp_path / "d")
+    for split in ("train", "val"):
+        os.symlink(str(tmp_path / "gone"), os.path.join(root, split, "zebra"))
+    for is_train in (True, False):
+        with pytest.raises(D.DataLayoutError) as e:
+            D.build_dataset(is_train, make_args(data_path=root))
+        assert_one_line_error(e, os.path.join(root, "train" if is_train else "val", "zebra"),
+                              "broken link")
+
+
+def test_class_folder_linking_to_its_split_is_an_error(tmp_path):
+    root = make_folder(tmp_path / "d", splits=("val",))
+    os.symlink(".", os.path.join(root, "val", "all"))
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(False, make_args(data_path=root))
+    assert_one_line_error(e, os.path.join(root, "val", "all"), "loop")
+
+
+# ---------------------------------------------------------------------------- decoding
+def one_image_folder(tmp_path, name, img, **save_kw):
+    path = tmp_path / "d" / "val" / "c" / name
+    os.makedirs(path.parent)
+    img.save(path, **save_kw)
+    return D.RobustImageFolder(str(tmp_path / "d" / "val"), transform=None, is_train=False), str(path)
+
+
+def pixels(ds, i=0):
+    img, target = ds[i]
+    assert target == 0 and img.mode == "RGB"
+    return np.asarray(img).astype(int)
+
+
+def test_16bit_grayscale_png_is_scaled_not_saturated(tmp_path):
+    a = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    ds, _ = one_image_folder(tmp_path, "g16.png", Image.fromarray(a))
+    assert Image.open(ds.samples[0][0]).mode == "I;16"
+    p = pixels(ds)
+    assert (p[..., 0] == p[..., 2]).all()
+    assert np.abs(p[..., 0] - a / 257.0).max() <= 0.5
+    assert (p == 255).mean() < 0.01
+
+
+def test_32bit_integer_tiff_is_scaled(tmp_path):
+    a = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.int32)
+    ds, _ = one_image_folder(tmp_path, "i32.tif", Image.fromarray(a, "I"))
+    assert np.abs(pixels(ds)[..., 1] - a / 257.0).max() <= 0.5
+
+
+@pytest.mark.parametrize("scale", [1.0, 255.0])
+def test_float_tiff_is_mapped_by_its_range(tmp_path, scale):
+    a = np.linspace(0, 1, 32 * 32).reshape(32, 32).astype(np.float32)
+    ds, _ = one_image_folder(tmp_path, "f.tif", Image.fromarray(a * scale, "F"))
+    assert np.abs(pixels(ds)[..., 0] - a * 255).max() <= 0.5
+
+
+def test_float_tiff_out_of_range_is_refused_by_name(tmp_path):
+    a = np.linspace(-3, 300, 16 * 16).reshape(16, 16).astype(np.float32)
+    ds, _ = one_image_folder(tmp_path, "f.tif", Image.fromarray(a, "F"))
+    ds.strict = True
+    with pytest.raises(D.BadSampleError, match=r"f\.tif.*float image with values in \[-3, 300\]"):
+        ds[0]
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    img = Image.new("RGB", (40, 20), (255, 0, 0))
+    img.paste((0, 0, 255), (20, 0, 40, 20))  # stored: red left, blue right
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise
+    ds, _ = one_image_folder(tmp_path, "rot.jpg", img, exif=exif, quality=95)
+    p = pixels(ds)
+    assert p.shape == (40, 20, 3)  # portrait once rotated
+    top, bottom = p[5, 10], p[35, 10]  # clockwise: stored left (red) goes to the top
+    assert top[0] > 200 and top[2] < 60 and bottom[2] > 200 and bottom[0] < 60
+
+
+def test_gif_webp_read_and_animated_gif_gives_first_frame(tmp_path):
+    root = make_folder(tmp_path / "d", splits=("val",), ext=".webp")
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
+    gif = os.path.join(root, "val", "cat", "anim.gif")
+    frames[0].save(gif, save_all=True, append_images=frames[1:], duration=50)
+    assert Image.open(gif).n_frames == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is skipped
+        ds = D.RobustImageFolder(os.path.join(root, "val"), transform=None, is_train=False)
+    assert len(ds) == 7 and ds.skipped_files == []
+    i = [p for p, _ in ds.samples].index(gif)
+    r, _, b = np.asarray(ds[i][0])[4, 4]
+    assert r > 200 and b < 60
+    assert {".gif", ".webp", ".png", ".jpg", ".tif"} <= set(D.IMAGE_EXTENSIONS)
