@@ -102,6 +102,8 @@ __all__ = [
     "DataLayoutError", "BadSampleError", "BadSampleWarning", "IGNORE_TARGET", "RobustImageFolder",
     "INatDataset", "build_dataset", "build_transform", "default_data_path", "prepare_digits",
     "bad_sample_paths", "bad_sample_count", "bad_sample_mask", "bad_sample_count_all_ranks",
+    "IMAGE_EXTENSIONS", "load_image", "FlatLabelledFolder", "build_eval_set", "build_eval_sets",
+    "RealLabels", "WithIndex", "evaluate_real",
 ]
 
 IGNORE_TARGET = -100
@@ -361,6 +363,10 @@ def _check_imagefolder_root(root: Optional[str], layout: str, is_train: bool) ->
             raise _layout_error(d, f"missing {os.path.basename(d)}/ folder", layout)
     if is_train:  # the training build checks that val/ has the classes of train/
         tc, vc = set(_list_classes(train_dir)), set(_list_classes(val_dir))
+        if tc and not vc and find_label_file(val_dir):  # flat val/ with a label file
+            flat = FlatLabelledFolder(val_dir, class_to_idx={c: i for i, c in enumerate(sorted(tc))})
+            if not flat.numeric_labels:
+                vc = {flat.classes[t] for t in flat.targets}
         if tc and vc and tc != vc:
             miss, extra = sorted(tc - vc), sorted(vc - tc)
             parts = []
@@ -567,6 +573,10 @@ def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
         if data_set == "DIGITS":
             root = prepare_digits(root)
         _check_imagefolder_root(root, IMAGEFOLDER_LAYOUT, is_train)
+        val_dir = os.path.join(root, "val")
+        if not is_train and not _has_class_folders(val_dir) and find_label_file(val_dir):
+            ds = FlatLabelledFolder(val_dir, transform=transform, strict=strict)
+            return ds, len(ds.classes)
         ds = RobustImageFolder(os.path.join(root, "train" if is_train else "val"), transform=transform,
                                is_train=is_train, strict=strict,
                                follow_links=bool(getattr(args, "follow_links", False)))
@@ -675,3 +685,236 @@ def bad_sample_count_all_ranks(dataset: Any, device: Any = "cpu") -> int:
     flags = mask.to(device=device, dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return int(flags.sum())
+
+
+# --------------------------------------------------------------------------------------------
+# Extra evaluation sets: flat folders with a label file, ImageNet-V2, ImageNet-ReaL
+# --------------------------------------------------------------------------------------------
+LABEL_FILE_NAMES = ("val_labels.txt", "val_labels.csv", "labels.txt", "labels.csv",
+                    "LOC_val_solution.csv")
+FLAT_LAYOUT = ("a folder of image files plus a label file (" + ", ".join(LABEL_FILE_NAMES) +
+               ", in the folder or its parent) with one 'filename label' line per image, label a "
+               "class folder name (e.g. n01440764) or a class index")
+EVAL_SET_LAYOUT = ("NAME=PATH or PATH, PATH a folder of class folders (named as the training "
+                   "classes, or 0..N-1 as in ImageNet-V2) or " + FLAT_LAYOUT)
+
+
+def find_label_file(folder: str) -> str | None:
+    """The first of ``LABEL_FILE_NAMES`` found in ``folder`` or its parent, else None."""
+    for d in (folder, os.path.dirname(os.path.normpath(folder))):
+        for name in LABEL_FILE_NAMES:
+            if os.path.isfile(os.path.join(d, name)):
+                return os.path.join(d, name)
+    return None
+
+
+def _read_label_file(path: str) -> list[tuple[str, str]]:
+    """(file name, label) pairs of a 'filename label' file (whitespace or comma separated; for a
+    comma-separated line the label is the first word of the second field, as in Kaggle's
+    LOC_val_solution.csv). A header line (ImageId/filename/...) is skipped."""
+    pairs = []
+    with open(path) as f:
+        for n, line in enumerate(f):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            fields = line.split(",", 1) if "," in line else line.split(None, 1)
+            if len(fields) < 2 or not fields[1].split():
+                raise _layout_error(path, f"line {n + 1} ({line[:60]!r}) is not 'filename label'",
+                                    FLAT_LAYOUT)
+            fname, label = fields[0].strip(), fields[1].split()[0]
+            if n == 0 and fname.lower() in ("imageid", "image_id", "filename", "file", "image", "path"):
+                continue
+            pairs.append((fname, label))
+    return pairs
+
+
+class FlatLabelledFolder(_BadSampleMixin, Dataset):
+    """Images directly in ``root`` with their labels in a label file (ImageNet's original val
+    layout). Labels are class names (mapped with ``class_to_idx``, or sorted if None) or integer
+    class indices. Every image must have a label and every label an image (one-line errors)."""
+
+    def __init__(self, root: str, label_file: str | None = None,
+                 class_to_idx: dict[str, int] | None = None, transform: Callable | None = None,
+                 strict: bool = False, loader: Callable[[str], Any] = load_image) -> None:
+        label_file = label_file or find_label_file(root)
+        if label_file is None:
+            raise _layout_error(root, "no class folders and no label file", FLAT_LAYOUT)
+        self.root, self.label_file, self.transform, self.target_transform = root, label_file, transform, None
+        self.loader = loader
+        images = sorted(e.name for e in os.scandir(root)
+                        if e.is_file() and not e.name.startswith(".") and _is_image_name(e.name))
+        if not images:
+            raise _layout_error(root, "no image files", FLAT_LAYOUT)
+        by_name = {n: n for n in images} | {os.path.splitext(n)[0]: n for n in images}
+        pairs = _read_label_file(label_file)
+        unknown = [f for f, _ in pairs if f not in by_name]
+        if unknown:
+            raise _layout_error(label_file, f"{len(unknown)} listed file(s) not found in {root} "
+                                f"(e.g. {unknown[0]})", FLAT_LAYOUT)
+        label_of = {by_name[f]: lab for f, lab in pairs}
+        unlabelled = [n for n in images if n not in label_of]
+        if unlabelled:
+            raise _layout_error(root, f"{len(unlabelled)} image(s) have no label in {label_file} "
+                                f"(e.g. {unlabelled[0]})", FLAT_LAYOUT)
+        labels = set(label_of.values())
+        self.numeric_labels = all(lab.isdigit() for lab in labels)
+        if self.numeric_labels:
+            n_cls = len(class_to_idx) if class_to_idx is not None else max(int(x) for x in labels) + 1
+            self.classes = [str(i) for i in range(n_cls)] if class_to_idx is None else \
+                sorted(class_to_idx, key=class_to_idx.__getitem__)
+            to_idx = {lab: int(lab) for lab in labels}
+        else:
+            if class_to_idx is None:
+                class_to_idx = {c: i for i, c in enumerate(sorted(labels))}
+            self.classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
+            to_idx = {lab: class_to_idx.get(lab, -1) for lab in labels}
+        bad = sorted(lab for lab, i in to_idx.items() if not 0 <= i < len(self.classes))
+        if bad:
+            raise _layout_error(label_file, f"{len(bad)} label(s) not among the {len(self.classes)} "
+                                f"classes (e.g. {bad[0]})", FLAT_LAYOUT)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.samples = [(os.path.join(root, n), to_idx[label_of[n]]) for n in images]
+        self.targets = [t for _, t in self.samples]
+        self._init_bad_tracking(False, strict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def _has_class_folders(folder: str) -> bool:
+    return any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(folder))
+
+
+def build_eval_set(path: str, classes: list[str], args: Any) -> Dataset:
+    """An evaluation set at ``path`` labelled in the model's class order ``classes``.
+
+    Class folders named as ``classes`` take those labels; otherwise all-numeric folder names
+    (ImageNet-V2: 0..999) are labelled by their integer value, not by ImageFolder's string order
+    ("0", "1", "10", "100", ...). A folder without class folders is read with its label file.
+    """
+    if not os.path.isdir(path):
+        raise _layout_error(path, "evaluation set folder does not exist", EVAL_SET_LAYOUT)
+    class_to_idx = {c: i for i, c in enumerate(classes)}
+    transform = build_transform(False, args)
+    strict = bool(getattr(args, "strict_data", False))
+    if not _has_class_folders(path):
+        return FlatLabelledFolder(path, class_to_idx=class_to_idx, transform=transform, strict=strict)
+    ds = RobustImageFolder(path, transform=None, is_train=False, strict=strict,
+                           follow_links=bool(getattr(args, "follow_links", False)))
+    if set(ds.classes) <= set(classes):
+        mapping = {i: class_to_idx[c] for i, c in enumerate(ds.classes)}
+    elif all(c.isdigit() for c in ds.classes):
+        mapping = {i: int(c) for i, c in enumerate(ds.classes)}
+        bad = [c for c in ds.classes if int(c) >= len(classes)]
+        if bad:
+            raise _layout_error(path, f"numeric class folder {bad[0]} >= the model's "
+                                f"{len(classes)} classes", EVAL_SET_LAYOUT)
+    else:
+        unknown = sorted(set(ds.classes) - set(classes))
+        raise _layout_error(path, f"{len(unknown)} class folder(s) neither training classes nor "
+                            f"numbers (e.g. {unknown[0]})", EVAL_SET_LAYOUT)
+    ds.samples = [(p, mapping[t]) for p, t in ds.samples]
+    ds.targets = [t for _, t in ds.samples]
+    ds.imgs = ds.samples
+    ds.classes, ds.class_to_idx = list(classes), class_to_idx
+    ds.transform = transform
+    return ds
+
+
+def parse_eval_set(spec: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (NAME, PATH); a bare PATH is named after its last folder."""
+    name, sep, path = spec.partition("=")
+    if not sep:
+        name, path = os.path.basename(os.path.normpath(spec)), spec
+    return name, path
+
+
+def build_eval_sets(args: Any, dataset_val: Any) -> list[tuple[str, Dataset]]:
+    """The extra evaluation sets of ``args.eval_sets`` (a list of ``NAME=PATH`` / ``PATH``), each
+    labelled in the class order of ``dataset_val`` (the main validation set the model was built
+    for); [] when none is asked for."""
+    classes = list(getattr(_unwrap(dataset_val), "classes", None) or [])
+    out = []
+    for spec in getattr(args, "eval_sets", None) or []:
+        name, path = parse_eval_set(spec)
+        out.append((name, build_eval_set(path, classes, args)))
+    return out
+
+
+class WithIndex(Dataset):
+    """``dataset`` whose target is the sample index (-1 for a replaced, undecodable sample)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        sample, target = self.dataset[index]
+        return sample, (index if target >= 0 else -1)
+
+
+class RealLabels:
+    """ImageNet-ReaL label sets of the samples of an ImageNet validation set, matched by file name
+    (ILSVRC2012_val_XXXXXXXX.JPEG). ``path`` None reads the labels bundled with timm
+    (timm/data/_info/imagenet_real_labels.json); else a local real.json of the same format (a list
+    of 50000 label lists in file-name order)."""
+
+    def __init__(self, dataset: Any, path: str | None = None) -> None:
+        layout = "a real.json list of 50000 label lists and val images named ILSVRC2012_val_XXXXXXXX.JPEG"
+        if path:
+            try:
+                with open(path) as f:
+                    table = json.load(f)
+            except (OSError, json.JSONDecodeError) as exc:
+                raise _layout_error(path, f"cannot read ReaL labels ({exc})", layout) from exc
+        else:
+            import pkgutil
+            table = json.loads(pkgutil.get_data("timm.data", "_info/imagenet_real_labels.json"))
+        samples = _unwrap(dataset).samples
+        self.labels: list[list[int]] = []
+        for p, _ in samples:
+            stem = os.path.splitext(os.path.basename(p))[0]
+            num = stem.rsplit("_", 1)[-1]
+            if not (stem.startswith("ILSVRC2012_val_") and num.isdigit() and 0 < int(num) <= len(table)):
+                raise _layout_error(p, "not an ImageNet validation file name with a ReaL label", layout)
+            self.labels.append(table[int(num) - 1])
+
+    def count(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[top-1 hits, top-5 hits, images scored] of one batch; images with an empty ReaL label set
+        and undecodable ones (index < 0) are not scored."""
+        top5 = output.topk(min(5, output.shape[1]), dim=1).indices.tolist()
+        c = torch.zeros(3, dtype=torch.float64)
+        for pred, i in zip(top5, index.tolist()):
+            real = self.labels[i] if i >= 0 else []
+            if real:
+                c += torch.tensor([pred[0] in real, any(p in real for p in pred), 1], dtype=torch.float64)
+        return c
+
+
+@torch.no_grad()
+def evaluate_real(loader: Any, model: torch.nn.Module, real: RealLabels, device: Any = "cpu",
+                  amp_dtype: torch.dtype | None = None, channels_last: bool = False,
+                  sum_over_ranks: bool = False) -> dict[str, float]:
+    """ReaL top-1/top-5 (%) of ``model`` over ``loader`` (built on ``WithIndex(dataset_val)``);
+    ``n`` is the number of images scored. With ``sum_over_ranks`` the counts of all ranks are summed."""
+    model.eval()
+    device = torch.device(device)
+    counts = torch.zeros(3, dtype=torch.float64)
+    for images, index in loader:
+        images = images.to(device, non_blocking=True)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            output = model(images)
+        counts += real.count(output.float().cpu(), index)
+    if sum_over_ranks:
+        import torch.distributed as dist
+        t = counts.to(device)
+        dist.all_reduce(t)
+        counts = t.cpu()
+    hit1, hit5, n = counts.tolist()
+    return {"acc1": 100.0 * hit1 / n if n else float("nan"),
+            "acc5": 100.0 * hit5 / n if n else float("nan"), "n": int(n)}

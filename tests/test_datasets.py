@@ -548,3 +548,119 @@ def test_gif_webp_read_and_animated_gif_gives_first_frame(tmp_path):
     r, _, b = np.asarray(ds[i][0])[4, 4]
     assert r > 200 and b < 60
     assert {".gif", ".webp", ".png", ".jpg", ".tif"} <= set(D.IMAGE_EXTENSIONS)
+
+
+# ---------------------------------------------------------------------------- evaluation sets
+def test_imagenet_v2_numeric_folders_labelled_by_value(tmp_path):
+    names = [f"n{i:02d}" for i in range(12)]
+    root = make_folder(tmp_path / "d", classes=names, n=1, splits=("val",))
+    v2 = tmp_path / "v2"
+    for i in range(12):
+        save_img(str(v2 / str(i) / "a.png"), (i * 20, 0, 0))
+    dv, nc = D.build_dataset(False, make_args(data_path=root))
+    (name, ds), = D.build_eval_sets(make_args(eval_sets=[f"V2={v2}"]), dv)
+    assert name == "V2" and len(ds) == 12 and nc == 12
+    for path, target in ds.samples:
+        assert target == int(os.path.basename(os.path.dirname(path)))
+    # plain ImageFolder order would have labelled folder "10" as class 2
+    assert D.RobustImageFolder(str(v2)).class_to_idx["10"] == 2
+    x, y = ds[[p for p, _ in ds.samples].index(str(v2 / "10" / "a.png"))]
+    assert y == 10 and x.shape == (3, 32, 32)
+
+
+def test_eval_set_with_class_names_and_unknown_names(tmp_path):
+    root = make_folder(tmp_path / "d", classes=("a", "b", "c"), n=1, splits=("val",))
+    dv, _ = D.build_dataset(False, make_args(data_path=root))
+    make_folder(tmp_path / "sub", classes=("c",), n=2, splits=("x",))
+    (name, ds), = D.build_eval_sets(make_args(eval_sets=[str(tmp_path / "sub" / "x")]), dv)
+    assert name == "x" and ds.targets == [2, 2] and ds.classes == ["a", "b", "c"]
+    save_img(str(tmp_path / "sub" / "x" / "zebra" / "0.png"))
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_eval_sets(make_args(eval_sets=[str(tmp_path / "sub" / "x")]), dv)
+    assert_one_line_error(e, "zebra")
+
+
+def make_flat_val(root, labels, label_file="val_labels.txt", header="", ext=True):
+    os.makedirs(os.path.join(root, "val"), exist_ok=True)
+    lines = [header] if header else []
+    for i, lab in enumerate(labels):
+        fname = f"ILSVRC2012_val_{i + 1:08d}.JPEG"
+        save_img(os.path.join(root, "val", fname), (i * 30, 0, 0), fmt="JPEG")
+        sep = "," if label_file.endswith(".csv") else " "
+        lines.append(f"{fname if ext else os.path.splitext(fname)[0]}{sep}{lab}"
+                     + (" 1 2 3 4" if sep == "," else ""))
+    where = root if label_file == "LOC_val_solution.csv" else os.path.join(root, "val")
+    with open(os.path.join(where, label_file), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("label_file,header,ext", [("val_labels.txt", "", True),
+                                                   ("LOC_val_solution.csv", "ImageId,PredictionString", False)])
+def test_flat_val_with_label_file(tmp_path, label_file, header, ext):
+    root = make_folder(tmp_path / "d", classes=("n01", "n02", "n03"), n=1, splits=("train",))
+    make_flat_val(root, ["n02", "n01", "n03", "n02"], label_file, header, ext)
+    dv, nc = D.build_dataset(False, make_args(data_path=root))
+    assert nc == 3 and len(dv) == 4 and dv.targets == [1, 0, 2, 1]
+    x, y = dv[2]
+    assert x.shape == (3, 32, 32) and y == 2
+    D.build_dataset(True, make_args(data_path=root))  # train classes == val labels: accepted
+
+
+def test_flat_val_errors(tmp_path):
+    root = make_folder(tmp_path / "d", classes=("n01", "n02", "n03"), n=1, splits=("train",))
+    make_flat_val(root, ["n02", "n01"])
+    with pytest.raises(D.DataLayoutError) as e:  # n03 never appears in val
+        D.build_dataset(True, make_args(data_path=root))
+    assert_one_line_error(e, "n03", "missing from val/")
+    save_img(os.path.join(root, "val", "extra.png"))
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(False, make_args(data_path=root))
+    assert_one_line_error(e, "extra.png", "no label")
+    os.remove(os.path.join(root, "val", "extra.png"))
+    os.remove(os.path.join(root, "val", "ILSVRC2012_val_00000001.JPEG"))
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(False, make_args(data_path=root))
+    assert_one_line_error(e, "val_labels.txt", "ILSVRC2012_val_00000001.JPEG", "not found")
+
+
+class ColourToClass(torch.nn.Module):
+    """Predicts, for each of the known images (by their mean pixel), a fixed class."""
+
+    def __init__(self, means, preds, n_classes):
+        super().__init__()
+        self.means, self.preds, self.n = torch.tensor(means), preds, n_classes
+
+    def forward(self, x):
+        out = torch.arange(self.n).float().repeat(x.shape[0], 1) * 0.01  # then prefers 9, 8, 7, 6
+        for b, m in enumerate(x.mean((1, 2, 3))):
+            out[b, self.preds[int((self.means - m).abs().argmin())]] = 1.0
+        return out
+
+
+def test_real_labels_scoring(tmp_path):
+    root = tmp_path / "d"
+    for i, c in enumerate(["n0", "n1", "n2", "n1"]):
+        save_img(str(root / "val" / c / f"ILSVRC2012_val_{i + 1:08d}.JPEG"), (i * 60, 0, 0), fmt="JPEG")
+    real = tmp_path / "real.json"
+    real.write_text(json.dumps([[0], [1, 2], [], [2, 9]]))
+    dv, _ = D.build_dataset(False, make_args(data_path=str(root)))
+    order = [int(os.path.basename(p)[15:23]) - 1 for p, _ in dv.samples]  # file number of each sample
+    preds_by_file = [0, 2, 1, 0]  # hit, hit (2 in [1, 2]), unlabelled, top-1 miss but top-5 hit
+    means = [float(dv[i][0].mean()) for i in range(len(dv))]
+    model = ColourToClass(means, [preds_by_file[f] for f in order], 10)
+    labels = D.RealLabels(dv, str(real))
+    loader = DataLoader(D.WithIndex(dv), batch_size=3)
+    stats = D.evaluate_real(loader, model, labels)
+    assert stats["n"] == 3 and abs(stats["acc1"] - 100 * 2 / 3) < 1e-9 and stats["acc5"] == 100.0
+    bundled = D.RealLabels(dv)  # timm's imagenet_real_labels.json
+    import pkgutil
+    table = json.loads(pkgutil.get_data("timm.data", "_info/imagenet_real_labels.json"))
+    assert len(table) == 50000 and bundled.labels == [table[f] for f in order]
+
+
+def test_real_labels_need_imagenet_file_names(tmp_path):
+    root = make_folder(tmp_path / "d", splits=("val",))
+    dv, _ = D.build_dataset(False, make_args(data_path=root))
+    with pytest.raises(D.DataLayoutError) as e:
+        D.RealLabels(dv)
+    assert_one_line_error(e, "0.png", "ILSVRC2012_val_")
