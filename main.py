@@ -114,6 +114,10 @@ def get_args_parser():
     p.add_argument('--eval-crop-ratio', default=0.875, type=float)
     p.add_argument('--strict-data', action='store_true', help='an undecodable image stops the run')
     p.add_argument('--follow-links', action='store_true', help='follow directory links inside class folders (never loops)')
+    p.add_argument('--eval-sets', nargs='+', default=[], metavar='[NAME=]PATH',
+                   help='with --eval, also evaluate these sets (class folders, ImageNet-V2 0..999 folders, or flat + label file)')
+    p.add_argument('--real-labels', nargs='?', const='', default=None, metavar='REAL_JSON',
+                   help="with --eval, also print ImageNet-ReaL accuracy (timm's bundled labels, or this real.json)")
 
     # Run
     p.add_argument('--output_dir', '--output-dir', dest='output_dir', default='',
@@ -368,6 +372,8 @@ def main(args, parser):
     try:
         dataset_train, nb_classes = datasets.build_dataset(is_train=True, args=args)
         dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args)
+        eval_sets = datasets.build_eval_sets(args, dataset_val)
+        real = datasets.RealLabels(dataset_val, args.real_labels or None) if args.real_labels is not None else None
     except datasets.DataLayoutError as e:
         raise UserError(str(e)) from e
     sampler_train, loader_train, loader_val = build_loaders(args, dataset_train, dataset_val)
@@ -512,6 +518,14 @@ def main(args, parser):
         test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
                                      sum_over_ranks=sum_over_ranks)
         print(accuracy_line(test_stats))
+        for name, ds in eval_sets:
+            stats = engine.evaluate(build_loaders(args, dataset_train, ds)[2], model_without_ddp, device, amp_dtype,
+                                    args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks)
+            print(f"{name}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% on {stats['n']} of {len(ds)} images")
+        if real is not None:
+            stats = datasets.evaluate_real(build_loaders(args, dataset_train, datasets.WithIndex(dataset_val))[2],
+                                           model_without_ddp, real, device, amp_dtype, args.channels_last, sum_over_ranks)
+            print(f"ImageNet-ReaL: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% on {stats['n']} images with a ReaL label")
         return 0
 
     # ---------------- train ----------------
