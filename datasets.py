@@ -19,6 +19,15 @@ Public API
     empty, None or DeiT's ImageNet default.
 ``prepare_digits(root) -> str``
     Writes the scikit-learn digits once as an ImageFolder (see below) and returns ``root``.
+``build_eval_sets(args, dataset_val) -> list[(name, dataset)]``
+    The extra sets of ``args.eval_sets`` (``NAME=PATH`` or ``PATH``), labelled in the class order of
+    ``dataset_val``: class folders named as the training classes; all-numeric folder names
+    (ImageNet-V2's 0..999) by their integer value; a folder of images plus a label file
+    (``FlatLabelledFolder``). An IMNET ``val/`` without class folders but with a label file is read
+    as a ``FlatLabelledFolder`` too (ImageNet's original validation layout).
+``RealLabels(dataset_val, path=None)``, ``WithIndex``, ``evaluate_real(loader, model, real, ...)``
+    ImageNet-ReaL top-1/top-5 from the labels bundled with timm (or a local real.json), matched by
+    file name; the loader iterates ``WithIndex(dataset_val)``.
 
 Errors
 ------
@@ -333,7 +342,7 @@ class RobustImageFolder(_BadSampleMixin, datasets.ImageFolder):
                     sub = os.path.join(dirpath, d)
                     why = self._refuse_link(sub, here, roots) if os.path.islink(sub) else None
                     if why:
-                        self.refused_links.append(f"{sub} ({why})")
+                        self.refused_links.append(f"{sub} ({why})" if self.follow_links else sub)
                     else:
                         keep.append(d)
                 dirnames[:] = keep
