@@ -583,7 +583,10 @@ def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
             root = prepare_digits(root)
         _check_imagefolder_root(root, IMAGEFOLDER_LAYOUT, is_train)
         val_dir = os.path.join(root, "val")
-        if not is_train and not _has_class_folders(val_dir) and find_label_file(val_dir):
+        if not is_train and not _has_class_folders(val_dir):
+            if not find_label_file(val_dir):
+                raise _layout_error(val_dir, "no class folders and no label file",
+                                    IMAGEFOLDER_LAYOUT + ", or val/ as " + FLAT_LAYOUT)
             ds = FlatLabelledFolder(val_dir, transform=transform, strict=strict)
             return ds, len(ds.classes)
         ds = RobustImageFolder(os.path.join(root, "train" if is_train else "val"), transform=transform,
@@ -882,14 +885,21 @@ class RealLabels:
         else:
             import pkgutil
             table = json.loads(pkgutil.get_data("timm.data", "_info/imagenet_real_labels.json"))
-        samples = _unwrap(dataset).samples
+        ds = _unwrap(dataset)
         self.labels: list[list[int]] = []
-        for p, _ in samples:
+        for p, _ in ds.samples:
             stem = os.path.splitext(os.path.basename(p))[0]
             num = stem.rsplit("_", 1)[-1]
             if not (stem.startswith("ILSVRC2012_val_") and num.isdigit() and 0 < int(num) <= len(table)):
                 raise _layout_error(p, "not an ImageNet validation file name with a ReaL label", layout)
             self.labels.append(table[int(num) - 1])
+        # ReaL labels index the 1000 ImageNet classes in sorted-synset order: a model with fewer
+        # classes would be scored against labels it cannot predict
+        n_classes = len(getattr(ds, "classes", []))
+        top = max((max(labels) for labels in self.labels if labels), default=-1)
+        if top >= n_classes:
+            raise _layout_error(path or "timm's imagenet_real_labels.json", f"ReaL label {top} but the "
+                                f"validation set has {n_classes} classes", "the 1000 ImageNet classes")
 
     def count(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """[top-1 hits, top-5 hits, images scored] of one batch; images with an empty ReaL label set

@@ -372,6 +372,8 @@ def main(args, parser):
     try:
         dataset_train, nb_classes = datasets.build_dataset(is_train=True, args=args)
         dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args)
+        if (args.eval_sets or args.real_labels is not None) and not args.eval:
+            raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
         eval_sets = datasets.build_eval_sets(args, dataset_val)
         real = datasets.RealLabels(dataset_val, args.real_labels or None) if args.real_labels is not None else None
     except datasets.DataLayoutError as e:

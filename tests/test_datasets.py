@@ -621,6 +621,10 @@ def test_flat_val_errors(tmp_path):
     with pytest.raises(D.DataLayoutError) as e:
         D.build_dataset(False, make_args(data_path=root))
     assert_one_line_error(e, "val_labels.txt", "ILSVRC2012_val_00000001.JPEG", "not found")
+    os.remove(os.path.join(root, "val", "val_labels.txt"))
+    with pytest.raises(D.DataLayoutError) as e:
+        D.build_dataset(False, make_args(data_path=root))
+    assert_one_line_error(e, os.path.join(root, "val"), "no class folders and no label file", "val_labels.txt")
 
 
 class ColourToClass(torch.nn.Module):
@@ -648,11 +652,19 @@ def test_real_labels_scoring(tmp_path):
     preds_by_file = [0, 2, 1, 0]  # hit, hit (2 in [1, 2]), unlabelled, top-1 miss but top-5 hit
     means = [float(dv[i][0].mean()) for i in range(len(dv))]
     model = ColourToClass(means, [preds_by_file[f] for f in order], 10)
+    with pytest.raises(D.DataLayoutError) as e:  # label 9 with 3 classes
+        D.RealLabels(dv, str(real))
+    assert_one_line_error(e, "real.json", "ReaL label 9", "has 3 classes")
+    dv.classes = [f"n{i}" for i in range(10)]  # as for a 10-class model, so that top-5 differs from top-1
     labels = D.RealLabels(dv, str(real))
     loader = DataLoader(D.WithIndex(dv), batch_size=3)
     stats = D.evaluate_real(loader, model, labels)
     assert stats["n"] == 3 and abs(stats["acc1"] - 100 * 2 / 3) < 1e-9 and stats["acc5"] == 100.0
-    bundled = D.RealLabels(dv)  # timm's imagenet_real_labels.json
+    with pytest.raises(D.DataLayoutError) as e:  # timm's labels need the 1000 ImageNet classes
+        D.RealLabels(dv)
+    assert_one_line_error(e, "imagenet_real_labels.json", "has 10 classes")
+    dv.classes = [f"n{i:04d}" for i in range(1000)]
+    bundled = D.RealLabels(dv)
     import pkgutil
     table = json.loads(pkgutil.get_data("timm.data", "_info/imagenet_real_labels.json"))
     assert len(table) == 50000 and bundled.labels == [table[f] for f in order]

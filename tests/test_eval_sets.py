@@ -59,3 +59,8 @@ def test_eval_prints_every_set_asked_for(tmp_path):
     assert m and abs(float(m.group(1)) - v2_acc) < 0.01, out.stdout[-1500:]
     m = re.search(r"^ImageNet-ReaL: Acc@1 ([\d.]+)% .* on (\d+) images", out.stdout, re.M)
     assert m and abs(float(m.group(1)) - real_acc) < 0.01 and int(m.group(2)) == len(scored), out.stdout[-1500:]
+
+    train = [a for a in cmd if a != "--eval"]  # the extra sets are evaluation-only: refused, not ignored
+    out = subprocess.run(train, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0 and "add --eval" in out.stdout + out.stderr, out.stdout[-800:] + out.stderr[-800:]
