@@ -520,12 +520,12 @@ def main(args, parser):
         test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
                                      sum_over_ranks=sum_over_ranks)
         print(accuracy_line(test_stats))
-        for name, ds in eval_sets:
-            stats = engine.evaluate(build_loaders(args, dataset_train, ds)[2], model_without_ddp, device, amp_dtype,
+        for name, ds in eval_sets:  # build_loaders: only its validation loader is used
+            stats = engine.evaluate(build_loaders(args, ds, ds)[2], model_without_ddp, device, amp_dtype,
                                     args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks)
             print(f"{name}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% on {stats['n']} of {len(ds)} images")
         if real is not None:
-            stats = datasets.evaluate_real(build_loaders(args, dataset_train, datasets.WithIndex(dataset_val))[2],
+            stats = datasets.evaluate_real(build_loaders(args, dataset_val, datasets.WithIndex(dataset_val))[2],
                                            model_without_ddp, real, device, amp_dtype, args.channels_last, sum_over_ranks)
             print(f"ImageNet-ReaL: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% on {stats['n']} images with a ReaL label")
         return 0
