@@ -45,7 +45,9 @@ def get_args_parser():
     p.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
     p.add_argument('--input-size', default=224, type=int, help='image size')
     p.add_argument('--drop', type=float, default=0.0, metavar='PCT', help='dropout rate')
-    p.add_argument('--drop-path', type=float, default=0.1, metavar='PCT', help='drop path rate')
+    p.add_argument('--drop-path', type=float, default=None, metavar='PCT',
+                   help="drop path (stochastic depth) rate; default: the variant's own rate "
+                        "(XT 0.1, T 0.1, S 0.15, B 0.4, L 0.55)")
     str2bool_flag(p, 'model-ema', True, 'keep an EMA of the weights (default on)')
     p.add_argument('--model-ema-decay', type=float, default=0.99996,
                    help='EMA decay at global batch 512; the decay used is this ** (global batch / 512)')
@@ -216,11 +218,17 @@ def validate_args(args, parser):
 
 
 def build_model(args, nb_classes):
-    """The model with the number of classes, dropout and drop path of the command line."""
+    """The model with the number of classes and dropout of the command line; drop path from --drop-path,
+    or the variant's own rate when --drop-path is not given."""
     import timm
     import models  # noqa: F401
-    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop,
-                             drop_path_rate=args.drop_path)
+    extra = {} if args.drop_path is None else {'drop_path_rate': args.drop_path}
+    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
+
+
+def drop_path_rate(model) -> float:
+    """The highest stochastic-depth probability in `model` (the rate of its last block), 0 without any."""
+    return max((float(m.drop_prob) for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
 
 
 def build_lr_scheduler(args, optimizer):
@@ -385,6 +393,8 @@ def main(args, parser):
     # ---------------- model ----------------
     print(f'Creating model: {args.model}')
     model = build_model(args, nb_classes)
+    print(f'Drop path rate: {drop_path_rate(model):.3g} '
+          + ('(--drop-path)' if args.drop_path is not None else f"({args.model}'s default)"))
     if args.finetune:
         finetune_from(model, args.finetune, args.model)
     if args.attn_only:
