@@ -39,3 +39,86 @@ def test_main_build_uses_the_variant_rate_unless_drop_path_is_given(capsys):
     a = parse('--model', 'NALAFORMER_S', '--drop-path', '0.05')
     assert main.drop_path_rate(main.build_model(a, 10)) == pytest.approx(0.05)
     assert main.drop_path_rate(main.build_model(parse('--model', 'NALAFORMER_XT', '--drop-path', '0'), 10)) == 0.0
+
+
+# -------------------------------------------------------------------------------- skipped steps
+class Loader(list):
+    """A list of (samples, targets) batches that train_one_epoch accepts as a data loader."""
+    batch_size = 4
+
+
+def ce(samples, outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs, targets)
+
+
+def bn_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+
+
+def batches(n, seed=1, size=4):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 4, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
+
+
+def poisoned(batch):
+    """A batch whose forward writes inf/NaN into BatchNorm's running statistics and gives a NaN loss."""
+    x, y = batch
+    x = x.clone()
+    x[0, 0] = float('inf')
+    return x, y
+
+
+def train(model, loader, epoch=0, **kw):
+    from timm.utils import ModelEmaV3
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ema = kw.pop('ema', None) or ModelEmaV3(model, decay=0.5)
+    res = engine.train_one_epoch(model, ce, Loader(loader), opt, 'cpu', epoch, model_ema=ema, print_freq=1000, **kw)
+    return res, ema
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, diff
+
+
+def test_a_skipped_step_leaves_batchnorm_statistics_and_ema_untouched(one_thread):
+    good = batches(2)
+    ref_model = bn_model()
+    ref, ref_ema = train(ref_model, good)
+    model = bn_model()
+    res, ema = train(model, [good[0], poisoned(good[1]), good[1]])
+    assert res.stats['skipped_steps'] == 1 and res.carry.skipped_steps == 1 and res.carry.bad_steps == 0
+    assert torch.isfinite(model[1].running_mean).all()
+    # skipping the poisoned batch is exactly as if it never existed: weights, BN statistics and EMA
+    assert_bitwise_equal(model.state_dict(), ref_model.state_dict())
+    assert_bitwise_equal(ema.module.state_dict(), ref_ema.module.state_dict())
+
+
+def test_an_epoch_of_skipped_steps_changes_nothing_and_logs_strict_json(one_thread, tmp_path):
+    model = bn_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res, ema = train(model, [poisoned(b) for b in batches(3)])
+    assert res.stats['skipped_steps'] == 3 and res.carry.bad_steps == 3
+    assert_bitwise_equal(model.state_dict(), before)
+    assert_bitwise_equal(ema.module.state_dict(), before)
+    assert math.isnan(res.stats['loss'])
+    utils.write_json_line(tmp_path / 'log.txt', {f'train_{k}': v for k, v in res.stats.items()})
+
+    def no_constants(name):
+        raise ValueError(f'non-standard JSON constant {name}')
+    line = json.loads((tmp_path / 'log.txt').read_text(), parse_constant=no_constants)
+    assert line['train_loss'] is None and line['train_skipped_steps'] == 3
+
+
+def test_consecutive_bad_steps_are_counted_across_epochs(one_thread):
+    model = bn_model()
+    good = batches(3)
+    res, ema = train(model, [good[0], poisoned(good[1]), poisoned(good[2])], epoch=0, max_bad_steps=2)
+    assert res.carry.bad_steps == 2
+    carry = engine.TrainCarry.from_state(res.carry.state_dict())  # as saved in and loaded from a checkpoint
+    carry.skipped_steps = 0  # a new epoch
+    with pytest.raises(utils.NonFiniteLossError) as ei:
+        train(model, [poisoned(good[0]), good[1]], epoch=1, max_bad_steps=2, carry=carry, ema=ema)
+    assert 'epoch 1 step 0' in str(ei.value) and '3 consecutive' in str(ei.value)
