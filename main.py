@@ -251,6 +251,22 @@ def build_lr_scheduler(args, optimizer):
     return lr_scheduler
 
 
+def build_criterion(args, mixup_active: bool) -> torch.nn.Module:
+    """The training loss (before distillation): soft-target CE with Mixup/CutMix, label-smoothing CE, or
+    with --bce-loss timm's BinaryCrossEntropy. BCE learns Mixup's mixed and smoothed target probabilities as
+    they are (label smoothing is already in them); without Mixup the labels are one-hot encoded with
+    --smoothing; --bce-target-thresh binarises the targets (1 where target > threshold)."""
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    if args.bce_loss:
+        return BinaryCrossEntropy(smoothing=0.0 if mixup_active else args.smoothing,
+                                  target_threshold=args.bce_target_thresh)
+    if mixup_active:
+        return SoftTargetCrossEntropy()
+    if args.smoothing:
+        return LabelSmoothingCrossEntropy(smoothing=args.smoothing)
+    return torch.nn.CrossEntropyLoss()
+
+
 def seed_everything(seed):
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -364,7 +380,6 @@ def main(args, parser):
 
     import timm
     from timm.data import Mixup
-    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from timm.optim import create_optimizer_v2
     from timm.utils import ModelEmaV3
     import datasets
@@ -457,17 +472,7 @@ def main(args, parser):
     print(f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup {args.warmup_epochs} '
           f'epochs from {args.warmup_lr}, min {args.min_lr}; precision {args.amp or "fp32"}{tf32}')
 
-    if mixup_active:
-        criterion = SoftTargetCrossEntropy()
-    elif args.smoothing:
-        criterion = LabelSmoothingCrossEntropy(smoothing=args.smoothing)
-    else:
-        criterion = torch.nn.CrossEntropyLoss()
-    if args.bce_loss:
-        # targets: Mixup's mixed and smoothed probabilities as they are (label smoothing is already in them),
-        # else the labels one-hot encoded with --smoothing; --bce-target-thresh binarises them
-        criterion = BinaryCrossEntropy(smoothing=0.0 if mixup_active else args.smoothing,
-                                       target_threshold=args.bce_target_thresh)
+    criterion = build_criterion(args, mixup_active)
     teacher_model = None
     if args.distillation_type != 'none':
         teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)

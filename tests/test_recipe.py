@@ -122,3 +122,28 @@ def test_consecutive_bad_steps_are_counted_across_epochs(one_thread):
     with pytest.raises(utils.NonFiniteLossError) as ei:
         train(model, [poisoned(good[0]), good[1]], epoch=1, max_bad_steps=2, carry=carry, ema=ema)
     assert 'epoch 1 step 0' in str(ei.value) and '3 consecutive' in str(ei.value)
+
+
+# -------------------------------------------------------------------------------- BCE targets
+def test_bce_learns_the_smoothed_mixup_targets_not_all_ones():
+    from timm.data import Mixup
+    F = torch.nn.functional
+    a = parse('--bce-loss', '--smoothing', '0.1')
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=a.smoothing, num_classes=5)
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    _, soft = mixup(x, y)
+    assert (soft < 0.5).any()  # smoothed, mixed probabilities: most classes are (nearly) off
+    logits = torch.randn(4, 5)
+    crit = main.build_criterion(a, mixup_active=True)
+    assert crit(logits, soft).item() == pytest.approx(F.binary_cross_entropy_with_logits(logits, soft).item())
+    assert crit(logits, soft).item() != pytest.approx(
+        F.binary_cross_entropy_with_logits(logits, torch.ones_like(soft)).item())
+    # without mixup: the labels one-hot encoded with --smoothing
+    crit = main.build_criterion(a, mixup_active=False)
+    t = torch.full((4, 5), 0.1 / 5).scatter_(1, y.view(-1, 1), 0.9 + 0.1 / 5)
+    assert crit(logits, y).item() == pytest.approx(F.binary_cross_entropy_with_logits(logits, t).item())
+    # --bce-target-thresh: binarised targets (both mixed classes on when each weighs more than the threshold)
+    crit = main.build_criterion(parse('--bce-loss', '--bce-target-thresh', '0.2'), mixup_active=True)
+    assert crit(logits, soft).item() == pytest.approx(
+        F.binary_cross_entropy_with_logits(logits, soft.gt(0.2).float()).item())
