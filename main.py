@@ -223,6 +223,14 @@ def validate_args(args, parser):
         parser.error('--amp bf16: this GPU does not support bfloat16; use --amp fp16')
     if world > 1 and args.world_size not in (1, world):
         parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)')
+    # training-loop recipe checks
+    if args.accum_steps < 1:
+        parser.error(f'--accum-steps must be at least 1, got {args.accum_steps}')
+    if args.sched == 'plateau':
+        parser.error('--sched plateau is not supported: timm deprecates its plateau scheduler and cannot save its '
+                     'state in checkpoints (a resumed run would restart it); use --sched cosine (the recipe) or step')
+    if args.bce_target_thresh is not None and not args.bce_loss:
+        parser.error('--bce-target-thresh needs --bce-loss')
 
 
 def build_model(args, nb_classes):

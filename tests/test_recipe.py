@@ -4,6 +4,7 @@ targets, TF32 precision defaults, --eval without train/, and gradient accumulati
 import json
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -147,3 +148,42 @@ def test_bce_learns_the_smoothed_mixup_targets_not_all_ones():
     crit = main.build_criterion(parse('--bce-loss', '--bce-target-thresh', '0.2'), mixup_active=True)
     assert crit(logits, soft).item() == pytest.approx(
         F.binary_cross_entropy_with_logits(logits, soft.gt(0.2).float()).item())
+
+
+# -------------------------------------------------------------------------------- command line
+@pytest.mark.parametrize('argv, message', [
+    (['--sched', 'plateau'], r'--sched plateau is not supported'),
+    (['--accum-steps', '0'], r'--accum-steps must be at least 1, got 0'),
+    (['--bce-target-thresh', '0.2'], r'--bce-target-thresh needs --bce-loss'),
+])
+def test_refused_recipe_flags_fail_like_argparse(argv, message, capsys):
+    parser = main.get_args_parser()
+    with pytest.raises(SystemExit) as ei:
+        main.validate_args(parser.parse_args(argv), parser)
+    assert ei.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+# -------------------------------------------------------------------------------- precision
+def test_tf32_is_on_by_default_and_can_be_turned_off():
+    assert parse().tf32 is True and parse('--no-tf32').tf32 is False
+    assert parse('--tf32').tf32 is True
+
+
+def test_set_tf32_leaves_the_backend_alone_off_cuda():
+    flags = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    assert engine.set_tf32('cpu', True) is False
+    assert engine.set_tf32(torch.device('cpu'), False) is False
+    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == flags
+
+
+def test_set_tf32_sets_the_current_precision_flags_on_cuda():
+    # the flags are plain settings: they can be set (and are restored) without a GPU
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    try:
+        assert engine.set_tf32('cuda', True) is True
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ('tf32', 'tf32')
+        engine.set_tf32('cuda:0', False)
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ('ieee', 'ieee')
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
