@@ -187,3 +187,66 @@ def test_set_tf32_sets_the_current_precision_flags_on_cuda():
         assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ('ieee', 'ieee')
     finally:
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+
+
+# -------------------------------------------------------------------------------- gradient accumulation
+def linear_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its optimizer steps."""
+    n_steps = 0
+
+    def step(self, closure=None):
+        self.n_steps += 1
+        return super().step(closure)
+
+
+def steps(opt):
+    return opt.n_steps
+
+
+def run_accum(batch_list, accum_steps, **kw):
+    from timm.utils import ModelEmaV3
+    model = linear_model()
+    opt = CountingSGD(model.parameters(), lr=0.5, momentum=0.9)  # SGD: a wrong loss scale would show
+    ema = ModelEmaV3(model, decay=0.5)
+    res = engine.train_one_epoch(model, ce, Loader(batch_list), opt, 'cpu', 0, model_ema=ema, print_freq=1000,
+                                 accum_steps=accum_steps, **kw)
+    return model, ema, res, opt
+
+
+def test_accumulating_two_batches_equals_one_double_batch(one_thread):
+    big = batches(3, size=8)
+    halves = [(x[i:i + 4], y[i:i + 4]) for x, y in big for i in (0, 4)]
+    m1, e1, r1, o1 = run_accum(big, 1)
+    m2, e2, r2, o2 = run_accum(halves, 2)
+    assert steps(o1) == steps(o2) == 3
+    for a, b in ((m1, m2), (e1.module, e2.module)):  # no BatchNorm: equal up to float summation order
+        for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
+            torch.testing.assert_close(v, w, rtol=1e-5, atol=1e-6, msg=k)
+    assert r1.stats['loss'] == pytest.approx(r2.stats['loss'], rel=1e-5)
+    # and it is not a no-op: one step per small batch (no accumulation) ends elsewhere
+    m3, _, _, _ = run_accum(halves, 1)
+    assert not torch.allclose(m3[0].weight, m1[0].weight, atol=1e-4)
+
+
+def test_a_shorter_last_window_still_steps_and_stops_only_at_window_boundaries(one_thread):
+    m, _, res, opt = run_accum(batches(5), 2)
+    assert steps(opt) == 3  # windows of 2, 2 and 1 batches
+    flag = utils.StopFlag()
+    flag.signum = 15  # already requested: the first optimizer step ends the epoch
+    _, _, res, opt = run_accum(batches(5), 2, stop_flag=flag)
+    assert res.stopped and res.next_step == 2
+    assert steps(opt) == 1
+
+
+def test_a_non_finite_micro_step_skips_its_whole_window(one_thread):
+    good = batches(4)
+    m_ref, e_ref, _, _ = run_accum(good[2:], 2)
+    model, ema, res, opt = run_accum([good[0], poisoned(good[1])] + good[2:], 2)
+    assert res.stats['skipped_steps'] == 1 and steps(opt) == 1
+    assert_bitwise_equal(model.state_dict(), m_ref.state_dict())
+    assert_bitwise_equal(ema.module.state_dict(), e_ref.module.state_dict())
