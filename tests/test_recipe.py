@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -250,3 +251,32 @@ def test_a_non_finite_micro_step_skips_its_whole_window(one_thread):
     assert res.stats['skipped_steps'] == 1 and steps(opt) == 1
     assert_bitwise_equal(model.state_dict(), m_ref.state_dict())
     assert_bitwise_equal(ema.module.state_dict(), e_ref.module.state_dict())
+
+
+# -------------------------------------------------------------------------------- real runs
+@pytest.mark.slow
+def test_eval_needs_no_training_set(tmp_path):
+    from test_runs import make_imagefolder, run_main
+    root = make_imagefolder(tmp_path / 'data')
+    shutil.rmtree(os.path.join(root, 'train'))
+    ck = str(tmp_path / 'xt.pth')
+    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=3).state_dict()}, ck)
+    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+                  '--num_workers', '0', '--no-flops', '--eval', '--resume', ck, '--data-path', root])
+    assert 'Data: IMNET, 15 val images, 3 classes' in p.stdout
+    assert 'Accuracy of the network on the 15 test images' in p.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_with_gradient_accumulation_completes(tmp_path):
+    from test_runs import BASE, make_imagefolder, run_main
+    root = make_imagefolder(tmp_path / 'data')
+    out = str(tmp_path / 'out')
+    p = run_main(BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '2', '--data-path', root,
+                              '--output_dir', out, '--num_workers', '0', '--no-model-ema'], nproc=2)
+    assert 'global batch 8 = 2 x 2 x 2 accumulated' in p.stdout
+    digests = re.findall(r'\[rank (\d)\] final weights sha256: (\w+)', p.stdout + p.stderr)
+    assert sorted(r for r, _ in digests) == ['0', '1'] and len({d for _, d in digests}) == 1
+    with open(os.path.join(out, 'log.txt')) as f:
+        line = json.loads(f.readline())
+    assert line['train_skipped_steps'] == 0 and math.isfinite(line['train_loss'])
