@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -280,3 +281,21 @@ def test_torchrun_with_gradient_accumulation_completes(tmp_path):
     with open(os.path.join(out, 'log.txt')) as f:
         line = json.loads(f.readline())
     assert line['train_skipped_steps'] == 0 and math.isfinite(line['train_loss'])
+
+
+@pytest.mark.slow
+def test_a_stop_with_accumulation_lands_on_a_window_boundary_and_resumes_exactly(tmp_path):
+    from test_faults import _signal_when, _start
+    from test_runs import BASE, PY, assert_same_weights, load, make_imagefolder, run_main
+    root = make_imagefolder(tmp_path / 'data')
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '3', '--data-path', root]  # 12 steps, 4 windows
+    ref = str(tmp_path / 'ref')
+    run_main(args + ['--output_dir', ref])
+    out = str(tmp_path / 'out')
+    stdout, stderr, _ = _signal_when(_start([PY, 'main.py'] + args + ['--output_dir', out]),
+                                     r'Epoch: \[0\] \[ ?1/', signal.SIGINT)
+    m = re.search(r'Stopped by SIGINT at epoch 0 step (\d+)', stdout)
+    assert m, stdout[-3000:] + stderr[-3000:]
+    assert int(m.group(1)) % 3 == 0
+    run_main(args + ['--output_dir', out])
+    assert_same_weights(load(os.path.join(ref, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth')))
