@@ -22,7 +22,7 @@ class TrainCarry:
         return asdict(self)
 
     @classmethod
-    def from_state(cls, state: Optional[dict]) -> 'TrainCarry':
+    def from_state(cls, state: dict | None) -> 'TrainCarry':
         return cls(**{k: int(v) for k, v in (state or {}).items() if k in cls.__dataclass_fields__})
 
 

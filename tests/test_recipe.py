@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 
 import pytest
 import timm
@@ -89,7 +88,7 @@ def assert_bitwise_equal(a, b):
 def test_a_skipped_step_leaves_batchnorm_statistics_and_ema_untouched(one_thread):
     good = batches(2)
     ref_model = bn_model()
-    ref, ref_ema = train(ref_model, good)
+    _, ref_ema = train(ref_model, good)
     model = bn_model()
     res, ema = train(model, [good[0], poisoned(good[1]), good[1]])
     assert res.stats['skipped_steps'] == 1 and res.carry.skipped_steps == 1 and res.carry.bad_steps == 0
@@ -236,7 +235,7 @@ def test_accumulating_two_batches_equals_one_double_batch(one_thread):
 
 
 def test_a_shorter_last_window_still_steps_and_stops_only_at_window_boundaries(one_thread):
-    m, _, res, opt = run_accum(batches(5), 2)
+    _, _, _, opt = run_accum(batches(5), 2)
     assert steps(opt) == 3  # windows of 2, 2 and 1 batches
     flag = utils.StopFlag()
     flag.signum = 15  # already requested: the first optimizer step ends the epoch
@@ -286,7 +285,14 @@ def test_torchrun_with_gradient_accumulation_completes(tmp_path):
 @pytest.mark.slow
 def test_a_stop_with_accumulation_lands_on_a_window_boundary_and_resumes_exactly(tmp_path):
     from test_faults import _signal_when, _start
-    from test_runs import BASE, PY, assert_same_weights, load, make_imagefolder, run_main
+    from test_runs import (
+        BASE,
+        PY,
+        assert_same_weights,
+        load,
+        make_imagefolder,
+        run_main,
+    )
     root = make_imagefolder(tmp_path / 'data')
     args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '3', '--data-path', root]  # 12 steps, 4 windows
     ref = str(tmp_path / 'ref')
