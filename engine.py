@@ -60,7 +60,7 @@ def set_tf32(device, enabled: bool = True) -> bool:
 
 def _no_sync(model, skip_sync: bool):
     """DDP's no_sync() on the micro-steps of an accumulation window that do not end it."""
-    if skip_sync and utils.is_dist_avail_and_initialized() and hasattr(model, 'no_sync'):
+    if skip_sync and hasattr(model, 'no_sync'):  # a DDP model (compiled or not); a bare module has none
         return model.no_sync()
     return nullcontext()
 
@@ -130,22 +130,22 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
         if mixup_fn is not None:
             samples, targets = mixup_fn(samples, targets)
 
-        with autocast(device, amp_dtype):
-            outputs = model(samples)
-            loss = criterion(samples, outputs, targets)
-        loss_value = loss.item()
-        finite = math.isfinite(loss_value)
-        window_finite = window_finite and finite
-        if not finite:
-            window_loss = loss_value
-        losses.append(loss_value)
-
-        if not last:
-            if window_finite:  # local backward only; the window's last micro-step synchronises the gradients
-                with _no_sync(model, True):
+        # DDP decides at forward time whether the backward all-reduces: the micro-steps that do not end the
+        # window run forward and backward under no_sync(), so gradients are exchanged once per optimizer step
+        with _no_sync(model, not last):
+            with autocast(device, amp_dtype):
+                outputs = model(samples)
+                loss = criterion(samples, outputs, targets)
+            loss_value = loss.item()
+            window_finite = window_finite and math.isfinite(loss_value)
+            if not math.isfinite(loss_value):
+                window_loss = loss_value
+            losses.append(loss_value)
+            if not last:
+                if window_finite:  # a local backward; a skipped window needs none
                     scaled = loss / window_len
                     (loss_scaler.scale(scaled) if loss_scaler is not None else scaled).backward()
-            continue
+                continue
 
         # one small collective per optimizer step: do all ranks have finite losses, did any get a stop signal?
         stop_req = bool(stop_flag is not None and stop_flag.requested)

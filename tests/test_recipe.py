@@ -253,6 +253,43 @@ def test_a_non_finite_micro_step_skips_its_whole_window(one_thread):
     assert_bitwise_equal(ema.module.state_dict(), e_ref.module.state_dict())
 
 
+class SyncRecorder(torch.nn.Module):
+    """Stands in for DDP: records, per forward and per backward, whether no_sync() was active."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.syncing, self.forwards, self.backwards = True, [], []
+
+    def no_sync(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def ctx():
+            self.syncing = False
+            try:
+                yield
+            finally:
+                self.syncing = True
+        return ctx()
+
+    def forward(self, x):
+        self.forwards.append(self.syncing)
+        out = self.lin(x)
+        out.register_hook(lambda g: self.backwards.append(self.syncing))
+        return out
+
+
+def test_only_the_last_micro_step_of_a_window_synchronises(one_thread):
+    model = SyncRecorder()
+    opt = CountingSGD(model.parameters(), lr=0.1)
+    engine.train_one_epoch(model, ce, Loader(batches(5)), opt, 'cpu', 0, print_freq=1000, accum_steps=2)
+    # windows (0, 1), (2, 3), (4): forward and backward of 0 and 2 under no_sync, the rest synchronised
+    assert model.forwards == [False, True, False, True, True]
+    assert model.backwards == [False, True, False, True, True]
+    assert steps(opt) == 3
+
+
 # -------------------------------------------------------------------------------- real runs
 @pytest.mark.slow
 def test_eval_needs_no_training_set(tmp_path):
