@@ -1,14 +1,29 @@
-"""Train for one epoch and evaluate (DeiT's engine, with exact distributed evaluation, a graceful stop at
-step boundaries, mid-epoch resume and a bounded number of skipped non-finite steps)."""
+"""Train for one epoch and evaluate (DeiT's engine, with exact distributed evaluation, gradient accumulation,
+a graceful stop at optimizer-step boundaries, mid-epoch resume and a bounded number of skipped non-finite
+steps that leave the model exactly as it was)."""
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
 from timm.utils import dispatch_clip_grad
 
 import utils
+
+
+@dataclass
+class TrainCarry:
+    """Training-loop state that outlives one epoch (and is saved for a resume)."""
+    bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
+    skipped_steps: int = 0  # optimizer steps skipped so far in the current epoch
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> 'TrainCarry':
+        return cls(**{k: int(v) for k, v in (state or {}).items() if k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -19,6 +34,7 @@ class EpochResult:
     rng_state: Optional[dict] = None  # RNG state at the stop point
     epoch_rng_state: Optional[dict] = None  # RNG state before the epoch's data iterator was created
     loss_meter: dict = field(default_factory=dict)
+    carry: TrainCarry = field(default_factory=TrainCarry)
 
 
 def autocast(device, amp_dtype):
@@ -27,22 +43,54 @@ def autocast(device, amp_dtype):
     return torch.autocast(device_type=torch.device(device).type, dtype=amp_dtype)
 
 
+def set_tf32(device, enabled: bool = True) -> bool:
+    """Let fp32 matmuls and convolutions use TF32 tensor cores on CUDA (as the reference trained), or force
+    full fp32 (`enabled=False`). Does nothing off CUDA; returns whether the flags were set."""
+    if torch.device(device).type != 'cuda':
+        return False
+    if hasattr(torch.backends.cuda.matmul, 'fp32_precision'):  # torch >= 2.9: the allow_tf32 flags are deprecated
+        precision = 'tf32' if enabled else 'ieee'
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+    return True
+
+
+def _no_sync(model, skip_sync: bool):
+    """DDP's no_sync() on the micro-steps of an accumulation window that do not end it."""
+    if skip_sync and hasattr(model, 'no_sync'):  # a DDP model (compiled or not); a bare module has none
+        return model.no_sync()
+    return nullcontext()
+
+
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, loss_scaler=None, amp_dtype=None,
                     clip_grad=None, clip_mode='norm', model_ema=None, mixup_fn=None, set_training_mode=True,
                     args=None, stop_flag=None, start_step=0, resume_rng_state=None, epoch_rng_state=None,
-                    loss_meter_state=None, bce_loss=False, channels_last=False, print_freq=10,
-                    max_bad_steps=20, num_classes=None, ema_source=None):
+                    loss_meter_state=None, channels_last=False, print_freq=10,
+                    max_bad_steps=20, ema_source=None, accum_steps=1, carry=None):
     """One pass over `data_loader`. `model` may be DDP-wrapped and/or compiled; `ema_source` is the bare
-    module the EMA follows.
+    module the EMA follows (and whose buffers a skipped step restores).
 
-    Resuming in the middle of an epoch (`start_step` > 0): the RNG state from before the epoch's data
-    iterator was created is restored, the first `start_step` batches are loaded again but not trained on
-    (so the random augmentations of data-loader workers come out identical), then the RNG state saved at
-    the stop point is restored.
+    Gradients of `accum_steps` consecutive batches (loss divided by the window's length) make one optimizer
+    step; the epoch's last window may be shorter. Clipping, the optimizer step, the EMA update, the
+    non-finite check and the stop check happen once per window. A window with a non-finite loss on any rank
+    is skipped: no optimizer step, no EMA update, and every buffer (BatchNorm running statistics) is put
+    back as it was before the window. `carry` (a `TrainCarry`) holds the count of consecutive skipped steps
+    across epochs and the current epoch's skipped steps; the updated one is returned in the result.
+
+    Resuming in the middle of an epoch (`start_step` > 0, always a window boundary): the RNG state from
+    before the epoch's data iterator was created is restored, the first `start_step` batches are loaded
+    again but not trained on (so the random augmentations of data-loader workers come out identical), then
+    the RNG state saved at the stop point is restored.
     """
     model.train(set_training_mode)
     device = torch.device(device)
     distributed = utils.is_dist_avail_and_initialized()
+    module = ema_source if ema_source is not None else model
+    carry = TrainCarry(**asdict(carry)) if carry is not None else TrainCarry()
+    accum_steps = max(1, int(accum_steps))
     metric_logger = utils.MetricLogger(delimiter='  ')
     metric_logger.add_meter('lr', utils.SmoothedValue(window_size=1, fmt='{value:.6f}'))
     if loss_meter_state:
@@ -57,8 +105,9 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
         print(f'Resuming epoch {epoch} at step {start_step}: replaying the data order of the first {start_step} steps')
     batch_size = data_loader.batch_size or 1
     world = utils.get_world_size()
-    bad_steps = 0
     n_steps = len(data_loader)
+    window_end = 0
+    saved_buffers, losses, window_finite, window_loss = [], [], True, float('nan')
 
     for step, (samples, targets) in enumerate(metric_logger.log_every(
             data_loader, print_freq, header, images_per_step=batch_size * world)):
@@ -66,78 +115,104 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
             if step == start_step - 1 and resume_rng_state is not None:
                 utils.set_rng_state(resume_rng_state)
             continue
+        if step >= window_end:  # the first micro-step of an accumulation window
+            window_end = min((step // accum_steps + 1) * accum_steps, n_steps)
+            window_len = window_end - step
+            # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
+            saved_buffers = [b.detach().clone() for b in module.buffers()]
+            losses, window_finite = [], True
+            optimizer.zero_grad(set_to_none=True)
+        last = step + 1 == window_end
         samples = samples.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         if channels_last:
             samples = samples.contiguous(memory_format=torch.channels_last)
         if mixup_fn is not None:
             samples, targets = mixup_fn(samples, targets)
-        if bce_loss:
-            if targets.ndim == 1:
-                targets = torch.nn.functional.one_hot(targets, num_classes).to(samples.dtype)
-            targets = targets.gt(0.0).type(targets.dtype)
 
-        with autocast(device, amp_dtype):
-            outputs = model(samples)
-            loss = criterion(samples, outputs, targets)
-        loss_value = loss.item()
-        finite = math.isfinite(loss_value)
+        # DDP decides at forward time whether the backward all-reduces: the micro-steps that do not end the
+        # window run forward and backward under no_sync(), so gradients are exchanged once per optimizer step
+        with _no_sync(model, not last):
+            with autocast(device, amp_dtype):
+                outputs = model(samples)
+                loss = criterion(samples, outputs, targets)
+            loss_value = loss.item()
+            window_finite = window_finite and math.isfinite(loss_value)
+            if not math.isfinite(loss_value):
+                window_loss = loss_value
+            losses.append(loss_value)
+            if not last:
+                if window_finite:  # a local backward; a skipped window needs none
+                    scaled = loss / window_len
+                    (loss_scaler.scale(scaled) if loss_scaler is not None else scaled).backward()
+                continue
 
-        # one small collective per step: do all ranks have a finite loss, did any rank get a stop signal?
+        # one small collective per optimizer step: do all ranks have finite losses, did any get a stop signal?
         stop_req = bool(stop_flag is not None and stop_flag.requested)
+        finite = window_finite
         if distributed:
             bad_any, stop_any = utils.all_reduce_max([0.0 if finite else 1.0, 1.0 if stop_req else 0.0], device)
             finite, stop_req = bad_any == 0.0, stop_any > 0.0
 
-        optimizer.zero_grad(set_to_none=True)
         if not finite:
-            bad_steps += 1
-            utils.eprint(f'warning: non-finite loss ({loss_value}) at epoch {epoch} step {step}; step skipped '
-                         f'({bad_steps}/{max_bad_steps} consecutive)')
-            if bad_steps > max_bad_steps:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for b, saved in zip(module.buffers(), saved_buffers):
+                    b.copy_(saved)
+            carry.bad_steps += 1
+            carry.skipped_steps += 1
+            bad_value = window_loss if not window_finite else 'on another rank'
+            utils.eprint(f'warning: non-finite loss ({bad_value}) at epoch {epoch} step {step}; step skipped '
+                         f'({carry.bad_steps}/{max_bad_steps} consecutive)')
+            if carry.bad_steps > max_bad_steps:
                 raise utils.NonFiniteLossError(
-                    f'non-finite loss ({loss_value}) at epoch {epoch} step {step}: {bad_steps} consecutive bad steps '
-                    f'(more than --max-bad-steps {max_bad_steps}); stopped, the last checkpoint is left intact')
+                    f'non-finite loss ({bad_value}) at epoch {epoch} step {step}: {carry.bad_steps} consecutive bad '
+                    f'steps (more than --max-bad-steps {max_bad_steps}); stopped, the last checkpoint is left intact')
         else:
+            scaled = loss / window_len
             if loss_scaler is not None:
                 scale_before = loss_scaler.get_scale()
-                loss_scaler.scale(loss).backward()
+                loss_scaler.scale(scaled).backward()
                 if clip_grad is not None:
                     loss_scaler.unscale_(optimizer)
                     dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
                 loss_scaler.step(optimizer)
                 loss_scaler.update()
                 if loss_scaler.get_scale() < scale_before:  # fp16 overflow: the scaler skipped this step
-                    bad_steps += 1
-                    if bad_steps > max_bad_steps:
+                    carry.bad_steps += 1
+                    carry.skipped_steps += 1
+                    if carry.bad_steps > max_bad_steps:
                         raise utils.NonFiniteLossError(
-                            f'non-finite gradients at epoch {epoch} step {step}: {bad_steps} consecutive fp16 steps '
-                            f'skipped (more than --max-bad-steps {max_bad_steps}); stopped, the last checkpoint is left intact')
+                            f'non-finite gradients at epoch {epoch} step {step}: {carry.bad_steps} consecutive fp16 '
+                            f'steps skipped (more than --max-bad-steps {max_bad_steps}); stopped, the last '
+                            f'checkpoint is left intact')
                 else:
-                    bad_steps = 0
+                    carry.bad_steps = 0
             else:
-                loss.backward()
+                scaled.backward()
                 if clip_grad is not None:
                     dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
                 optimizer.step()
-                bad_steps = 0
+                carry.bad_steps = 0
             if model_ema is not None:
-                model_ema.update(ema_source if ema_source is not None else model)
-            metric_logger.update(loss=loss_value)
+                model_ema.update(module)
+            for value in losses:
+                metric_logger.update(loss=value)
         metric_logger.update(lr=optimizer.param_groups[0]['lr'])
 
         if stop_req and step + 1 < n_steps:
             meter = metric_logger.meters['loss']
             return EpochResult(stats={}, stopped=True, next_step=step + 1, rng_state=utils.get_rng_state(),
                                epoch_rng_state=epoch_rng_state,
-                               loss_meter={'total': meter.total, 'count': meter.count})
+                               loss_meter={'total': meter.total, 'count': meter.count}, carry=carry)
 
     metric_logger.synchronize_between_processes(device)
     print('Averaged stats:', metric_logger)
     stats = {k: meter.global_avg for k, meter in metric_logger.meters.items()}
     stats['lr'] = optimizer.param_groups[0]['lr']
     stats.setdefault('loss', float('nan'))
-    return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested))
+    stats['skipped_steps'] = carry.skipped_steps
+    return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested), carry=carry)
 
 
 @torch.no_grad()

@@ -38,14 +38,22 @@ def get_args_parser():
     p = argparse.ArgumentParser('NaLaFormer training and evaluation script', add_help=True)
     p.add_argument('--batch-size', default=128, type=int, help='batch size per process (recipe: 128 x 8)')
     p.add_argument('--epochs', default=300, type=int)
-    p.add_argument('--bce-loss', action='store_true')
+    p.add_argument('--bce-loss', action='store_true',
+                   help="binary cross-entropy on the (mixed, smoothed) soft targets instead of soft-target CE")
+    p.add_argument('--bce-target-thresh', type=float, default=None, metavar='T',
+                   help='with --bce-loss: binarise the targets at this threshold (1 where target > T)')
+    p.add_argument('--accum-steps', type=int, default=1, metavar='K',
+                   help='accumulate the gradients of K batches per optimizer step (global batch = '
+                        'batch x processes x K, for the LR and EMA scaling)')
     p.add_argument('--unscale-lr', action='store_true', help='do not scale --lr by global batch / 512')
 
     # Model
     p.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
     p.add_argument('--input-size', default=224, type=int, help='image size')
     p.add_argument('--drop', type=float, default=0.0, metavar='PCT', help='dropout rate')
-    p.add_argument('--drop-path', type=float, default=0.1, metavar='PCT', help='drop path rate')
+    p.add_argument('--drop-path', type=float, default=None, metavar='PCT',
+                   help="drop path (stochastic depth) rate; default: the variant's own rate "
+                        "(XT 0.1, T 0.1, S 0.15, B 0.4, L 0.55)")
     str2bool_flag(p, 'model-ema', True, 'keep an EMA of the weights (default on)')
     p.add_argument('--model-ema-decay', type=float, default=0.99996,
                    help='EMA decay at global batch 512; the decay used is this ** (global batch / 512)')
@@ -144,6 +152,8 @@ def get_args_parser():
     # Precision and speed
     p.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'],
                    help='mixed precision: fp16 (with GradScaler, the default of a bare --amp) or bf16')
+    str2bool_flag(p, 'tf32', True, 'let fp32 matmuls/convolutions use TF32 on CUDA, as the reference '
+                                   'trained (default on; --no-tf32: full fp32)')
     p.add_argument('--channels-last', action='store_true')
     p.add_argument('--compile', action='store_true', help='torch.compile the model')
     str2bool_flag(p, 'sync-bn', True, 'SyncBatchNorm in multi-GPU runs (default on)')
@@ -218,14 +228,28 @@ def validate_args(args, parser):
         parser.error('--amp bf16: this GPU does not support bfloat16; use --amp fp16')
     if world > 1 and args.world_size not in (1, world):
         parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)')
+    # training-loop recipe checks
+    if args.accum_steps < 1:
+        parser.error(f'--accum-steps must be at least 1, got {args.accum_steps}')
+    if args.sched == 'plateau':
+        parser.error('--sched plateau is not supported: timm deprecates its plateau scheduler and cannot save its '
+                     'state in checkpoints (a resumed run would restart it); use --sched cosine (the recipe) or step')
+    if args.bce_target_thresh is not None and not args.bce_loss:
+        parser.error('--bce-target-thresh needs --bce-loss')
 
 
 def build_model(args, nb_classes):
-    """The model with the number of classes, dropout and drop path of the command line."""
+    """The model with the number of classes and dropout of the command line; drop path from --drop-path,
+    or the variant's own rate when --drop-path is not given."""
     import timm
     import models  # noqa: F401
-    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop,
-                             drop_path_rate=args.drop_path)
+    extra = {} if args.drop_path is None else {'drop_path_rate': args.drop_path}
+    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
+
+
+def drop_path_rate(model) -> float:
+    """The highest stochastic-depth probability in `model` (the rate of its last block), 0 without any."""
+    return max((float(m.drop_prob) for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
 
 
 def build_lr_scheduler(args, optimizer):
@@ -238,6 +262,22 @@ def build_lr_scheduler(args, optimizer):
         min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
         noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
     return lr_scheduler
+
+
+def build_criterion(args, mixup_active: bool) -> torch.nn.Module:
+    """The training loss (before distillation): soft-target CE with Mixup/CutMix, label-smoothing CE, or
+    with --bce-loss timm's BinaryCrossEntropy. BCE learns Mixup's mixed and smoothed target probabilities as
+    they are (label smoothing is already in them); without Mixup the labels are one-hot encoded with
+    --smoothing; --bce-target-thresh binarises the targets (1 where target > threshold)."""
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    if args.bce_loss:
+        return BinaryCrossEntropy(smoothing=0.0 if mixup_active else args.smoothing,
+                                  target_threshold=args.bce_target_thresh)
+    if mixup_active:
+        return SoftTargetCrossEntropy()
+    if args.smoothing:
+        return LabelSmoothingCrossEntropy(smoothing=args.smoothing)
+    return torch.nn.CrossEntropyLoss()
 
 
 def seed_everything(seed):
@@ -280,7 +320,10 @@ def count_flops(model, input_size, device):
 def build_loaders(args, dataset_train, dataset_val):
     import samplers
     world, rank = utils.get_world_size(), utils.get_rank()
-    if args.repeated_aug:
+    sampler_train = loader_train = None  # evaluation only: no training set
+    if dataset_train is None:
+        pass
+    elif args.repeated_aug:
         sampler_train = samplers.RASampler(dataset_train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     else:
         # DistributedSampler also for one process: reshuffled (set_epoch) and seeded, so resumable
@@ -293,8 +336,9 @@ def build_loaders(args, dataset_train, dataset_val):
     pin = args.pin_mem and str(args.device).startswith('cuda')
     common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn,
                   persistent_workers=False)
-    loader_train = torch.utils.data.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
-                                               drop_last=True, **common)
+    if dataset_train is not None:
+        loader_train = torch.utils.data.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
+                                                   drop_last=True, **common)
     loader_val = torch.utils.data.DataLoader(dataset_val, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
                                              drop_last=False, **common)
     return sampler_train, loader_train, loader_val
@@ -349,7 +393,6 @@ def main(args, parser):
 
     import timm
     from timm.data import Mixup
-    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from timm.optim import create_optimizer_v2
     from timm.utils import ModelEmaV3
     import datasets
@@ -359,6 +402,7 @@ def main(args, parser):
     seed_everything(args.seed + rank)
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
+    engine.set_tf32(device, args.tf32)
 
     output_dir = args.output_dir
     if output_dir and utils.is_main_process():
@@ -370,8 +414,10 @@ def main(args, parser):
 
     # ---------------- data ----------------
     try:
-        dataset_train, nb_classes = datasets.build_dataset(is_train=True, args=args)
+        # evaluation only never lists the training set (train/ may be absent); its classes come from val
+        dataset_train, nb_classes = (None, None) if args.eval else datasets.build_dataset(is_train=True, args=args)
         dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args)
+        nb_classes = nb_val if nb_classes is None else nb_classes
         if (args.eval_sets or args.real_labels is not None) and not args.eval:
             raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
         eval_sets = datasets.build_eval_sets(args, dataset_val)
@@ -382,7 +428,8 @@ def main(args, parser):
     if not args.eval and len(loader_train) == 0:
         raise UserError(f'the training set ({len(dataset_train)} images) gives no full batch of {args.batch_size} '
                         f'per process on {world} process(es); lower --batch-size')
-    print(f'Data: {args.data_set}, {len(dataset_train)} train / {len(dataset_val)} val images, {nb_classes} classes')
+    n_train = f'{len(dataset_train)} train / ' if dataset_train is not None else ''
+    print(f'Data: {args.data_set}, {n_train}{len(dataset_val)} val images, {nb_classes} classes')
 
     mixup_fn = None
     mixup_active = args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
@@ -394,6 +441,8 @@ def main(args, parser):
     # ---------------- model ----------------
     print(f'Creating model: {args.model}')
     model = build_model(args, nb_classes)
+    print(f'Drop path rate: {drop_path_rate(model):.3g} '
+          + ('(--drop-path)' if args.drop_path is not None else f"({args.model}'s default)"))
     if args.finetune:
         finetune_from(model, args.finetune, args.model)
     if args.attn_only:
@@ -410,7 +459,7 @@ def main(args, parser):
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
 
-    global_batch = args.batch_size * world
+    global_batch = args.batch_size * world * args.accum_steps  # images per optimizer step
     model_ema = None
     if args.model_ema:
         decay = args.model_ema_decay ** (global_batch / 512.0)
@@ -435,17 +484,12 @@ def main(args, parser):
     lr_scheduler = build_lr_scheduler(args, optimizer)
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
-    print(f'LR {args.lr:.3g} (global batch {global_batch}), {args.sched} schedule, warmup {args.warmup_epochs} epochs '
-          f'from {args.warmup_lr}, min {args.min_lr}; precision {args.amp or "fp32"}')
+    accum = f' = {args.batch_size} x {world} x {args.accum_steps} accumulated' if args.accum_steps > 1 else ''
+    tf32 = '+TF32' if args.tf32 and device.type == 'cuda' else ''
+    print(f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup {args.warmup_epochs} '
+          f'epochs from {args.warmup_lr}, min {args.min_lr}; precision {args.amp or "fp32"}{tf32}')
 
-    if mixup_active:
-        criterion = SoftTargetCrossEntropy()
-    elif args.smoothing:
-        criterion = LabelSmoothingCrossEntropy(smoothing=args.smoothing)
-    else:
-        criterion = torch.nn.CrossEntropyLoss()
-    if args.bce_loss:
-        criterion = torch.nn.BCEWithLogitsLoss()
+    criterion = build_criterion(args, mixup_active)
     teacher_model = None
     if args.distillation_type != 'none':
         teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)
@@ -458,6 +502,7 @@ def main(args, parser):
     max_accuracy = 0.0
     start_epoch, start_step = args.start_epoch, 0
     resume_rng = epoch_rng = loss_meter = None
+    carry = engine.TrainCarry()  # consecutive skipped steps survive epochs and resumes
     resume_path = args.resume
     if not resume_path and args.auto_resume and output_dir and os.path.isfile(os.path.join(output_dir, 'checkpoint.pth')):
         resume_path = os.path.join(output_dir, 'checkpoint.pth')
@@ -486,6 +531,7 @@ def main(args, parser):
             if loss_scaler is not None and ckpt.get('scaler'):
                 loss_scaler.load_state_dict(ckpt['scaler'])
             max_accuracy = float(ckpt.get('max_accuracy', 0.0))
+            carry = engine.TrainCarry.from_state(ckpt.get('train_carry'))
             if ckpt.get('step'):
                 start_epoch, start_step = int(ckpt['epoch']), int(ckpt['step'])
                 loss_meter = ckpt.get('loss_meter')
@@ -571,6 +617,8 @@ def main(args, parser):
     for epoch in range(start_epoch, args.epochs):
         sampler_train.set_epoch(epoch)
         lr_scheduler.step(epoch)  # epoch e runs at the LR of epoch e (the reference lagged one epoch)
+        if not (epoch == start_epoch and start_step):
+            carry.skipped_steps = 0  # a new epoch (a mid-epoch resume keeps the epoch's count so far)
         res = engine.train_one_epoch(
             train_model, criterion, loader_train, optimizer, device, epoch, loss_scaler, amp_dtype,
             args.clip_grad, args.clip_mode, model_ema, mixup_fn, set_training_mode=args.train_mode, args=args,
@@ -578,11 +626,13 @@ def main(args, parser):
             resume_rng_state=resume_rng if (epoch == start_epoch and start_step) else None,
             epoch_rng_state=epoch_rng if epoch == start_epoch else None,
             loss_meter_state=loss_meter if epoch == start_epoch else None,
-            bce_loss=args.bce_loss, channels_last=args.channels_last, print_freq=args.print_freq,
-            max_bad_steps=args.max_bad_steps, num_classes=nb_classes, ema_source=model_without_ddp)
+            channels_last=args.channels_last, print_freq=args.print_freq, max_bad_steps=args.max_bad_steps,
+            ema_source=model_without_ddp, accum_steps=args.accum_steps, carry=carry)
+        carry = res.carry
         if res.stopped and res.next_step:
             save(epoch, {'step': res.next_step, 'rng_state': gather_rng(res.rng_state),
-                         'epoch_rng_state': gather_rng(res.epoch_rng_state), 'loss_meter': res.loss_meter},
+                         'epoch_rng_state': gather_rng(res.epoch_rng_state), 'loss_meter': res.loss_meter,
+                         'train_carry': carry.state_dict()},
                  ['checkpoint.pth'])
             where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
@@ -629,7 +679,7 @@ def main(args, parser):
             names.append('best.pth')
         if args.save_freq and (epoch + 1) % args.save_freq == 0:
             names.append(f'checkpoint_{epoch:04d}.pth')
-        save(epoch, {'rng_state': gather_rng(utils.get_rng_state())}, names)
+        save(epoch, {'rng_state': gather_rng(utils.get_rng_state()), 'train_carry': carry.state_dict()}, names)
 
         log_stats = {**{f'train_{k}': v for k, v in res.stats.items()},
                      **({f'test_{k}': v for k, v in test_stats.items() if k != 'aborted'} if not eval_aborted else {}),

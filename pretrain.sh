@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Train a NaLaFormer variant from scratch on ImageNet-1K with the reference recipe (SPEC section 7):
+# Train a NaLaFormer variant from scratch on ImageNet-1K with the reference recipe:
 # 300 epochs, batch 128 per process (global 1024 on 8 GPUs -> LR 5e-4 * 1024 / 512 = 1e-3), AdamW wd 0.05,
 # cosine to 1e-5 after 5 warmup epochs, RandAugment/Mixup/CutMix/random erasing/repeated augmentation,
-# EMA, SyncBatchNorm, and the drop path each variant really uses.
+# EMA, SyncBatchNorm, fp32 with TF32 matmuls/convolutions, and the variant's own drop path (main.py's
+# default when --drop-path is not given).
 #
 #   MODEL=NALAFORMER_S DATA=/data/imagenet OUTPUT=output/s bash pretrain.sh
 #   # two nodes: run on each with NNODES=2 NODE_RANK=0|1 MASTER_ADDR=<node 0> MASTER_PORT=29500
@@ -10,7 +11,8 @@
 #
 # Environment: MODEL (NALAFORMER_XT|T|S|B|L, default T), DATA, OUTPUT, NPROC (processes per node, 8),
 # NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), BATCH (per process, 128),
-# AMP (fp16|bf16|none, default fp16 as DeiT), PYTHON (default .venv/bin/python when present).
+# AMP (none|bf16|fp16; default none = fp32 with TF32 as the reference trained; bf16 is the fast option),
+# PYTHON (default .venv/bin/python when present).
 # Relaunching the same command resumes from $OUTPUT/checkpoint.pth (also after SIGTERM/preemption).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -24,26 +26,21 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 BATCH=${BATCH:-128}
-AMP=${AMP:-fp16}
+AMP=${AMP:-none}
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
-case "${MODEL^^}" in
-    NALAFORMER_XT) DROP_PATH=0.1 ;;
-    NALAFORMER_T)  DROP_PATH=0.1 ;;
-    NALAFORMER_S)  DROP_PATH=0.15 ;;
-    NALAFORMER_B)  DROP_PATH=0.4 ;;
-    NALAFORMER_L)  DROP_PATH=0.55 ;;
-    *) echo "pretrain.sh: unknown MODEL=$MODEL (expected NALAFORMER_XT, _T, _S, _B or _L)" >&2; exit 2 ;;
+case "$AMP" in
+    none) AMP_FLAGS=() ;;
+    bf16|fp16) AMP_FLAGS=(--amp "$AMP") ;;
+    *) echo "pretrain.sh: unknown AMP=$AMP (expected none, bf16 or fp16)" >&2; exit 2 ;;
 esac
-AMP_FLAGS=()
-if [ "$AMP" != "none" ]; then AMP_FLAGS=(--amp "$AMP"); fi
 
 cmd=("$PYTHON" -m torch.distributed.run
      --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"
      --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
-     main.py --model "$MODEL" --drop-path "$DROP_PATH" --batch-size "$BATCH" --epochs 300
+     main.py --model "$MODEL" --batch-size "$BATCH" --epochs 300
      --lr 5e-4 --weight-decay 0.05 --warmup-epochs 5 --warmup-lr 1e-6 --min-lr 1e-5
      --data-set IMNET --data-path "$DATA" --input-size 224 --output_dir "$OUTPUT" --dist-eval
      "${AMP_FLAGS[@]}" "$@")

@@ -7,6 +7,7 @@ import datetime
 import errno
 import glob
 import json
+import math
 import os
 import random
 import signal
@@ -572,9 +573,21 @@ def state_digest(state_dict):
     return h.hexdigest()[:16]
 
 
+def json_safe(obj):
+    """`obj` with every non-finite float (NaN, inf) replaced by None, so that it serialises as strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json_line(path, obj):
+    """Append `obj` as one strict-JSON line (non-finite numbers written as null)."""
     with open(path, 'a') as f:
-        f.write(json.dumps(obj) + '\n')
+        f.write(json.dumps(json_safe(obj), allow_nan=False) + '\n')
         f.flush()
 
 

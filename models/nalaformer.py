@@ -383,7 +383,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[
     return {(k[len('module.'):] if k.startswith('module.') else k): v for k, v in state_dict.items()}
 
 
-#: Architecture of every variant (SPEC section 5); drop_path is the rate the recipe trains with.
+#: Architecture of every variant; drop_path is the stochastic-depth rate the recipe trains the variant with,
+#: and the model's default ``drop_path_rate`` (an explicit ``drop_path_rate`` argument wins).
 VARIANTS: Dict[str, Dict[str, Any]] = {
     'NALAFORMER_XT': dict(embed_dims=(32, 64, 128, 384), depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 12),
                           mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.10),
@@ -421,7 +422,7 @@ default_cfgs = generate_default_cfgs({name: _cfg() for variant in VARIANTS for n
 
 def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
     arch = dict(VARIANTS[variant.upper()])
-    arch.pop('drop_path')
+    arch['drop_path_rate'] = arch.pop('drop_path')
     overlay = kwargs.get('pretrained_cfg_overlay') or {}
     if pretrained and not any(overlay.get(k) for k in ('file', 'url', 'hf_hub_id', 'state_dict')):
         raise ValueError(f'{variant}: no pretrained weights are published yet; load yours with '
