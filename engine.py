@@ -124,7 +124,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
             if model_ema is not None:
                 model_ema.update(ema_source if ema_source is not None else model)
             metric_logger.update(loss=loss_value)
-        metric_logger.update(lr=optimizer.param_groups[0]['lr'])
+        metric_logger.update(lr=max(g['lr'] for g in optimizer.param_groups))  # the head's LR under --layer-decay
 
         if stop_req and step + 1 < n_steps:
             meter = metric_logger.meters['loss']
@@ -135,7 +135,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
     metric_logger.synchronize_between_processes(device)
     print('Averaged stats:', metric_logger)
     stats = {k: meter.global_avg for k, meter in metric_logger.meters.items()}
-    stats['lr'] = optimizer.param_groups[0]['lr']
+    stats['lr'] = max(g['lr'] for g in optimizer.param_groups)
     stats.setdefault('loss', float('nan'))
     return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested))
 

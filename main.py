@@ -59,6 +59,8 @@ def get_args_parser():
     p.add_argument('--clip-mode', type=str, default='norm', choices=['norm', 'value', 'agc'])
     p.add_argument('--momentum', type=float, default=0.9, metavar='M')
     p.add_argument('--weight-decay', type=float, default=0.05)
+    p.add_argument('--layer-decay', type=float, default=None,
+                   help='layer-wise LR decay for fine-tuning: block i of n gets LR x decay^(n - i) (head: x1)')
 
     # Learning rate schedule
     p.add_argument('--sched', default='cosine', type=str, metavar='SCHEDULER')
@@ -202,6 +204,8 @@ def validate_args(args, parser):
             parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.resume and args.finetune:
         parser.error('--resume and --finetune exclude each other (resume continues a run; finetune starts a new one)')
+    if args.layer_decay is not None and not 0 < args.layer_decay <= 1:
+        parser.error(f'--layer-decay must be in (0, 1], got {args.layer_decay}')
     if args.save_freq < 0 or args.max_bad_steps < 0:
         parser.error('--save-freq and --max-bad-steps must be >= 0')
     if args.dist_timeout <= 0:
@@ -221,6 +225,15 @@ def build_model(args, nb_classes):
     import models  # noqa: F401
     return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop,
                              drop_path_rate=args.drop_path)
+
+
+def build_optimizer(args, model):
+    """timm optimizer with the command line's settings; --layer-decay scales each parameter group's LR by
+    decay^(layers above it), layers as the model's group_matcher defines them."""
+    from timm.optim import create_optimizer_v2
+    return create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                               momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
+                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
 
 
 def build_lr_scheduler(args, optimizer):
@@ -345,7 +358,6 @@ def main(args, parser):
     import timm
     from timm.data import Mixup
     from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-    from timm.optim import create_optimizer_v2
     from timm.utils import ModelEmaV3
     import datasets
     import engine
@@ -420,9 +432,7 @@ def main(args, parser):
 
     if not args.unscale_lr:
         args.lr = args.lr * global_batch / 512.0
-    optimizer = create_optimizer_v2(model_without_ddp, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                                    momentum=args.momentum, eps=args.opt_eps,
-                                    **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+    optimizer = build_optimizer(args, model_without_ddp)
     lr_scheduler = build_lr_scheduler(args, optimizer)
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
