@@ -63,3 +63,46 @@ def test_layer_decay_out_of_range_is_an_argument_error(capsys):
     with pytest.raises(SystemExit) as e:
         main.validate_args(args, parser)
     assert e.value.code == 2 and '--layer-decay must be in (0, 1]' in capsys.readouterr().err
+
+
+def _dry_run(script, env, *extra):
+    out = subprocess.run(['bash', os.path.join(REPO, script), *extra], env={**os.environ, 'DRY_RUN': '1', **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith('+ ')
+    return line[2:].split()
+
+
+@pytest.mark.parametrize('model, layer_decay', [('NALAFORMER_XT', '0.8'), ('NALAFORMER_B', '0.93')])
+def test_finetune_sh_dry_run_prints_a_valid_384_command(tmp_path, model, layer_decay):
+    ckpt = tmp_path / 'best.pth'
+    ckpt.write_bytes(b'')
+    cmd = _dry_run('finetune.sh', {'MODEL': model, 'CKPT': str(ckpt), 'MAX_RESTARTS': '2'}, '--epochs', '7')
+    assert cmd[1:3] == ['-m', 'torch.distributed.run'] and '--max-restarts=2' in cmd
+    argv = cmd[cmd.index('main.py') + 1:]
+    parser = main.get_args_parser()
+    args = parser.parse_args(argv)
+    main.validate_args(args, parser)  # every flag exists and the combination is accepted
+    assert (args.model, args.finetune, args.input_size, args.eval_crop_ratio) == (model, str(ckpt), 384, 1.0)
+    assert args.layer_decay == float(layer_decay) and args.lr == 5e-5 and args.epochs == 7
+    assert args.drop_path == models.VARIANTS[model]['drop_path']
+
+
+def test_finetune_sh_needs_ckpt():
+    out = subprocess.run(['bash', os.path.join(REPO, 'finetune.sh')], env={**os.environ, 'DRY_RUN': '1'},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and 'set CKPT' in out.stderr
+
+
+def test_pretrain_sh_passes_max_restarts():
+    assert '--max-restarts=0' in _dry_run_pretrain({})
+    assert '--max-restarts=3' in _dry_run_pretrain({'MAX_RESTARTS': '3'})
+
+
+def _dry_run_pretrain(env):
+    # pretrain.sh has no dry-run knob: a PYTHON that prints its arguments stands in for the interpreter
+    out = subprocess.run(['bash', os.path.join(REPO, 'pretrain.sh')], env={**os.environ, 'PYTHON': 'echo', **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
