@@ -31,7 +31,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                     clip_grad=None, clip_mode='norm', model_ema=None, mixup_fn=None, set_training_mode=True,
                     args=None, stop_flag=None, start_step=0, resume_rng_state=None, epoch_rng_state=None,
                     loss_meter_state=None, bce_loss=False, channels_last=False, print_freq=10,
-                    max_bad_steps=20, num_classes=None, ema_source=None):
+                    max_bad_steps=20, num_classes=None, ema_source=None, logger=None):
     """One pass over `data_loader`. `model` may be DDP-wrapped and/or compiled; `ema_source` is the bare
     module the EMA follows.
 
@@ -125,6 +125,9 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                 model_ema.update(ema_source if ema_source is not None else model)
             metric_logger.update(loss=loss_value)
         metric_logger.update(lr=max(g['lr'] for g in optimizer.param_groups))  # the head's LR under --layer-decay
+        if logger is not None:  # e.g. TensorBoard: one call per optimizer step
+            logger({'step': epoch * n_steps + step, 'loss': loss_value, 'lr': metric_logger.lr.value,
+                    'images': batch_size * world, **({'loss_scale': loss_scaler.get_scale()} if loss_scaler else {})})
 
         if stop_req and step + 1 < n_steps:
             meter = metric_logger.meters['loss']

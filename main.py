@@ -133,6 +133,7 @@ def get_args_parser():
     p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=10, type=int)
     str2bool_flag(p, 'pin-mem', True, 'pin CPU memory in the data loader (GPU runs)', dest='pin_mem')
     p.add_argument('--print-freq', default=10, type=int)
+    p.add_argument('--log-dir', default='', help='also write TensorBoard events here (rank 0; needs tensorboard)')
     p.add_argument('--save-freq', default=50, type=int, help='keep a backup checkpoint every N epochs (0: none)')
     p.add_argument('--no-flops', dest='flops', action='store_false', help='skip the fvcore FLOPs count at start')
     p.add_argument('--max-bad-steps', default=20, type=int,
@@ -204,6 +205,10 @@ def validate_args(args, parser):
             parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.resume and args.finetune:
         parser.error('--resume and --finetune exclude each other (resume continues a run; finetune starts a new one)')
+    if args.log_dir:
+        import tb_logger
+        if tb_logger.tensorboard_missing():
+            parser.error(tb_logger.tensorboard_missing())
     if args.layer_decay is not None and not 0 < args.layer_decay <= 1:
         parser.error(f'--layer-decay must be in (0, 1], got {args.layer_decay}')
     if args.save_freq < 0 or args.max_bad_steps < 0:
@@ -559,6 +564,10 @@ def main(args, parser):
         torch.distributed.all_gather_object(out, state)
         return out
 
+    tb = None
+    if args.log_dir and utils.is_main_process():
+        import tb_logger
+        tb = tb_logger.TensorBoardLogger(args.log_dir)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):
@@ -572,7 +581,7 @@ def main(args, parser):
             epoch_rng_state=epoch_rng if epoch == start_epoch else None,
             loss_meter_state=loss_meter if epoch == start_epoch else None,
             bce_loss=args.bce_loss, channels_last=args.channels_last, print_freq=args.print_freq,
-            max_bad_steps=args.max_bad_steps, num_classes=nb_classes, ema_source=model_without_ddp)
+            max_bad_steps=args.max_bad_steps, num_classes=nb_classes, ema_source=model_without_ddp, logger=tb)
         if res.stopped and res.next_step:
             save(epoch, {'step': res.next_step, 'rng_state': gather_rng(res.rng_state),
                          'epoch_rng_state': gather_rng(res.epoch_rng_state), 'loss_meter': res.loss_meter},
@@ -632,6 +641,8 @@ def main(args, parser):
                      'bad_train_images': bad}
         if output_dir and utils.is_main_process():
             utils.write_json_line(os.path.join(output_dir, 'log.txt'), log_stats)
+        if tb is not None:
+            tb.log_epoch(log_stats, epoch)
         if stop_now:
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
                   f'checkpoint saved; run the same command again to resume')
