@@ -51,7 +51,8 @@ class TensorBoardLogger:
     def log_epoch(self, stats: Dict[str, Any], epoch: int) -> None:
         """The epoch's line of log.txt (finite numbers only), then flush."""
         for key, value in stats.items():
-            if key != 'epoch' and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key != 'epoch' and numeric and math.isfinite(value):
                 self.writer.add_scalar(f'epoch/{key}', value, epoch)
         self.writer.flush()
 

@@ -47,7 +47,8 @@ def test_release_loads_through_timm_with_the_chosen_weights(tmp_path, one_thread
 
     file = info['file']
     name = os.path.basename(file)
-    sha = hashlib.sha256(open(file, 'rb').read()).hexdigest()
+    with open(file, 'rb') as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
     assert name == f'nalaformer_xt_32-{sha[:8]}.safetensors'
     assert sorted(os.listdir(tmp_path / 'out')) == sorted([name, name.replace('.safetensors', '.md')])
 
@@ -70,7 +71,8 @@ def test_release_strips_everything_but_weights(tmp_path, one_thread):
 def test_model_card_records_size_params_eval_and_source(tmp_path, one_thread):
     path, model, _ = _tiny_checkpoint(tmp_path)
     info = release.release(str(path), str(tmp_path / 'out'), flops=True)
-    card = open(info['card']).read()
+    with open(info['card']) as f:
+        card = f.read()
     assert card.startswith(f"# {os.path.basename(info['file'])[:-len('.safetensors')]}")
     assert 'Input size: 32x32' in card
     assert f"({sum(p.numel() for p in model.parameters())})" in card

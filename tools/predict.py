@@ -123,7 +123,10 @@ def read_class_names(path: str, num_classes: int) -> List[str]:
             text = f.read()
     except OSError as e:
         raise UserError(f'--class-names {path}: {e.strerror}') from e
-    names = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines() if line.strip()]
+    if text.lstrip().startswith('['):
+        names = json.loads(text)
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
     if len(names) != num_classes:
         raise UserError(f'--class-names {path} has {len(names)} names but the model has {num_classes} classes')
     return [str(n) for n in names]

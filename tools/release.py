@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
+
 import models  # noqa: E402,F401  (registers the variants)
 import utils  # noqa: E402
 from utils import CheckpointError, UserError  # noqa: E402
@@ -97,7 +98,7 @@ def model_card(info: Dict[str, Any]) -> str:
         f"- Parameters: {info['params'] / 1e6:.2f}M ({info['params']})",
     ]
     if info.get('gflops') is not None:
-        lines.append(f"- FLOPs: {info['gflops']:.3f} G (fvcore multiply-adds, 1x3x{info['input_size']}x{info['input_size']})")
+        lines.append(f"- FLOPs: {info['gflops']:.3f} G (fvcore multiply-adds, 1x3x{size}x{size})")
     ev = info['eval']
     if ev:
         lines.append('- Evaluation recorded in the checkpoint: ' + ', '.join(
