@@ -71,7 +71,8 @@ def eval_numbers(ckpt: Dict[str, Any], path: str) -> Dict[str, Any]:
                 except ValueError:
                     continue
                 if isinstance(row, dict) and row.get('epoch') == out['epoch']:
-                    out.update({k: v for k, v in row.items() if k.startswith('test_') and isinstance(v, (int, float))})
+                    out.update({k: v for k, v in row.items() if k.startswith('test_') and isinstance(v, (int, float))
+                                and not k.endswith(('_n', '_seen'))})  # image counts are not accuracies
     return out
 
 
