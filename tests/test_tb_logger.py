@@ -65,3 +65,18 @@ def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
         main.validate_args(args, parser)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and 'pip install tensorboard' in err[-1] and '--log-dir' in err[-1]
+
+
+def test_engine_logs_the_fp16_loss_scale(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
+    log = tb_logger.TensorBoardLogger(str(tmp_path))
+    crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
+    engine.train_one_epoch(model, crit, loader, optimizer, 'cpu', epoch=0, loss_scaler=scaler,
+                           amp_dtype=torch.float16, print_freq=100, logger=log)
+    log.close()
+    assert _scalars(tmp_path)['train/loss_scale'] == [(0, 1024.0), (1, 1024.0)]
