@@ -43,3 +43,17 @@ def test_hub_pretrained_loads_a_local_file(tmp_path, one_thread):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(model(x), src(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_hub_load_from_another_directory(tmp_path):
+    """A fresh interpreter outside the clone: hub puts the clone on sys.path for the entry point."""
+    import subprocess
+    import sys
+    code = (f"import torch; m = torch.hub.load({REPO!r}, 'NALAFORMER_XT', source='local', num_classes=3); "
+            "print(type(m).__name__, m.num_classes)")
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    p = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env={**env, 'OMP_NUM_THREADS': '1'},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ['NaLaFormer', '3']
