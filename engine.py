@@ -69,7 +69,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                     clip_grad=None, clip_mode='norm', model_ema=None, mixup_fn=None, set_training_mode=True,
                     args=None, stop_flag=None, start_step=0, resume_rng_state=None, epoch_rng_state=None,
                     loss_meter_state=None, channels_last=False, print_freq=10,
-                    max_bad_steps=20, ema_source=None, accum_steps=1, carry=None):
+                    max_bad_steps=20, ema_source=None, accum_steps=1, carry=None, logger=None):
     """One pass over `data_loader`. `model` may be DDP-wrapped and/or compiled; `ema_source` is the bare
     module the EMA follows (and whose buffers a skipped step restores).
 
@@ -198,7 +198,11 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                 model_ema.update(module)
             for value in losses:
                 metric_logger.update(loss=value)
-        metric_logger.update(lr=optimizer.param_groups[0]['lr'])
+        metric_logger.update(lr=max(g['lr'] for g in optimizer.param_groups))  # the head's LR under --layer-decay
+        if logger is not None:  # e.g. TensorBoard: one call per optimizer step
+            logger({'step': epoch * n_steps + step, 'loss': sum(losses) / len(losses), 'lr': metric_logger.lr.value,
+                    'images': batch_size * world * len(losses),
+                    **({'loss_scale': loss_scaler.get_scale()} if loss_scaler else {})})
 
         if stop_req and step + 1 < n_steps:
             meter = metric_logger.meters['loss']
@@ -209,7 +213,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
     metric_logger.synchronize_between_processes(device)
     print('Averaged stats:', metric_logger)
     stats = {k: meter.global_avg for k, meter in metric_logger.meters.items()}
-    stats['lr'] = optimizer.param_groups[0]['lr']
+    stats['lr'] = max(g['lr'] for g in optimizer.param_groups)
     stats.setdefault('loss', float('nan'))
     stats['skipped_steps'] = carry.skipped_steps
     return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested), carry=carry)

@@ -67,6 +67,8 @@ def get_args_parser():
     p.add_argument('--clip-mode', type=str, default='norm', choices=['norm', 'value', 'agc'])
     p.add_argument('--momentum', type=float, default=0.9, metavar='M')
     p.add_argument('--weight-decay', type=float, default=0.05)
+    p.add_argument('--layer-decay', type=float, default=None,
+                   help='layer-wise LR decay for fine-tuning: block i of n gets LR x decay^(n - i) (head: x1)')
 
     # Learning rate schedule
     p.add_argument('--sched', default='cosine', type=str, metavar='SCHEDULER')
@@ -144,6 +146,7 @@ def get_args_parser():
     p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=10, type=int)
     str2bool_flag(p, 'pin-mem', True, 'pin CPU memory in the data loader (GPU runs)', dest='pin_mem')
     p.add_argument('--print-freq', default=10, type=int)
+    p.add_argument('--log-dir', default='', help='also write TensorBoard events here (rank 0; needs tensorboard)')
     p.add_argument('--save-freq', default=50, type=int, help='keep a backup checkpoint every N epochs (0: none)')
     p.add_argument('--no-flops', dest='flops', action='store_false', help='skip the fvcore FLOPs count at start')
     p.add_argument('--max-bad-steps', default=20, type=int,
@@ -217,6 +220,12 @@ def validate_args(args, parser):
             parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.resume and args.finetune:
         parser.error('--resume and --finetune exclude each other (resume continues a run; finetune starts a new one)')
+    if args.log_dir:
+        import tb_logger
+        if tb_logger.tensorboard_missing():
+            parser.error(tb_logger.tensorboard_missing())
+    if args.layer_decay is not None and not 0 < args.layer_decay <= 1:
+        parser.error(f'--layer-decay must be in (0, 1], got {args.layer_decay}')
     if args.save_freq < 0 or args.max_bad_steps < 0:
         parser.error('--save-freq and --max-bad-steps must be >= 0')
     if args.dist_timeout <= 0:
@@ -250,6 +259,15 @@ def build_model(args, nb_classes):
 def drop_path_rate(model) -> float:
     """The highest stochastic-depth probability in `model` (the rate of its last block), 0 without any."""
     return max((float(m.drop_prob) for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
+
+
+def build_optimizer(args, model):
+    """timm optimizer with the command line's settings; --layer-decay scales each parameter group's LR by
+    decay^(layers above it), layers as the model's group_matcher defines them."""
+    from timm.optim import create_optimizer_v2
+    return create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                               momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
+                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
 
 
 def build_lr_scheduler(args, optimizer):
@@ -393,7 +411,6 @@ def main(args, parser):
 
     import timm
     from timm.data import Mixup
-    from timm.optim import create_optimizer_v2
     from timm.utils import ModelEmaV3
     import datasets
     import engine
@@ -478,9 +495,7 @@ def main(args, parser):
 
     if not args.unscale_lr:
         args.lr = args.lr * global_batch / 512.0
-    optimizer = create_optimizer_v2(model_without_ddp, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                                    momentum=args.momentum, eps=args.opt_eps,
-                                    **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+    optimizer = build_optimizer(args, model_without_ddp)
     lr_scheduler = build_lr_scheduler(args, optimizer)
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
@@ -612,6 +627,10 @@ def main(args, parser):
         torch.distributed.all_gather_object(out, state)
         return out
 
+    tb = None
+    if args.log_dir and utils.is_main_process():
+        import tb_logger
+        tb = tb_logger.TensorBoardLogger(args.log_dir)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):
@@ -627,7 +646,7 @@ def main(args, parser):
             epoch_rng_state=epoch_rng if epoch == start_epoch else None,
             loss_meter_state=loss_meter if epoch == start_epoch else None,
             channels_last=args.channels_last, print_freq=args.print_freq, max_bad_steps=args.max_bad_steps,
-            ema_source=model_without_ddp, accum_steps=args.accum_steps, carry=carry)
+            ema_source=model_without_ddp, accum_steps=args.accum_steps, carry=carry, logger=tb)
         carry = res.carry
         if res.stopped and res.next_step:
             save(epoch, {'step': res.next_step, 'rng_state': gather_rng(res.rng_state),
@@ -689,6 +708,8 @@ def main(args, parser):
                      'bad_train_images': bad}
         if output_dir and utils.is_main_process():
             utils.write_json_line(os.path.join(output_dir, 'log.txt'), log_stats)
+        if tb is not None:
+            tb.log_epoch(log_stats, epoch)
         if stop_now:
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
                   f'checkpoint saved; run the same command again to resume')

@@ -38,7 +38,7 @@ case "$AMP" in
 esac
 
 cmd=("$PYTHON" -m torch.distributed.run
-     --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"
+     --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}"
      --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
      main.py --model "$MODEL" --batch-size "$BATCH" --epochs 300
      --lr 5e-4 --weight-decay 0.05 --warmup-epochs 5 --warmup-lr 1e-6 --min-lr 1e-5

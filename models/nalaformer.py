@@ -274,7 +274,7 @@ class NaLaFormer(nn.Module):
             stem=r'^patch_embed',
             blocks=r'^layers\.(\d+)' if coarse else [
                 (r'^layers\.(\d+)\.blocks\.(\d+)', None),
-                (r'^layers\.(\d+)\.downsample', (0,)),
+                (r'^layers\.(\d+)\.downsample', (99999,)),  # timm's MATCH_PREV_GROUP: runs after the stage's last block
             ],
         )
 

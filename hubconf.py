@@ -1,0 +1,64 @@
+"""torch.hub entry points: the five NaLaFormer variants, built from this clone's code.
+
+    model = torch.hub.load('/path/to/NaLaFormer', 'NALAFORMER_T', source='local', pretrained=False)
+    model = torch.hub.load('/path/to/NaLaFormer', 'nalaformer_t', source='local', pretrained=True,
+                           file='release/nalaformer_t_224-1a2b3c4d.safetensors')
+
+No weights are published, so nothing is ever downloaded: ``pretrained=True`` needs ``file=`` (a release
+``.safetensors`` file or a training checkpoint). Other keyword arguments go to ``timm.create_model``
+(``num_classes``, ``drop_path_rate``, ``features_only``, ...).
+"""
+from typing import Any, Optional
+
+import torch.nn as nn
+
+dependencies = ['torch', 'timm']
+
+
+def _create(name: str, pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    import timm
+
+    import models  # noqa: F401  (registers the variants)
+    if pretrained:
+        if not file:
+            raise ValueError(f'{name}: no pretrained weights are published, so nothing is downloaded; pass a local '
+                             f"file: torch.hub.load(REPO, '{name}', source='local', pretrained=True, file=PATH)")
+        overlay = dict(kwargs.pop('pretrained_cfg_overlay', None) or {}, file=file)
+        if 'num_classes' in kwargs:  # keep the checkpoint's classifier when it has this many classes
+            overlay.setdefault('num_classes', kwargs['num_classes'])
+        kwargs['pretrained_cfg_overlay'] = overlay
+    elif file:
+        raise ValueError(f'{name}: file={file!r} is only read with pretrained=True')
+    return timm.create_model(name, pretrained=pretrained, **kwargs)
+
+
+def NALAFORMER_XT(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-XT (6.1M params at 1000 classes)."""
+    return _create('NALAFORMER_XT', pretrained, file, **kwargs)
+
+
+def NALAFORMER_T(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-T (15.9M params)."""
+    return _create('NALAFORMER_T', pretrained, file, **kwargs)
+
+
+def NALAFORMER_S(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-S (25.7M params)."""
+    return _create('NALAFORMER_S', pretrained, file, **kwargs)
+
+
+def NALAFORMER_B(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-B (52.0M params)."""
+    return _create('NALAFORMER_B', pretrained, file, **kwargs)
+
+
+def NALAFORMER_L(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-L (95.4M params)."""
+    return _create('NALAFORMER_L', pretrained, file, **kwargs)
+
+
+nalaformer_xt = NALAFORMER_XT
+nalaformer_t = NALAFORMER_T
+nalaformer_s = NALAFORMER_S
+nalaformer_b = NALAFORMER_B
+nalaformer_l = NALAFORMER_L

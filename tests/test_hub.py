@@ -1,0 +1,59 @@
+"""hubconf.py: torch.hub.load(REPO, NAME, source='local') from a clone."""
+import os
+
+import pytest
+import timm
+import torch
+
+import models  # noqa: F401
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_hub_has_every_variant_and_lowercase_alias():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('hubconf', os.path.join(REPO, 'hubconf.py'))
+    hub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hub)
+    assert hub.dependencies == ['torch', 'timm']
+    for variant in models.VARIANTS:
+        assert callable(getattr(hub, variant)) and getattr(hub, variant.lower()) is getattr(hub, variant)
+
+
+def test_hub_load_builds_the_timm_model(one_thread):
+    model = torch.hub.load(REPO, 'nalaformer_xt', source='local', pretrained=False, num_classes=7)
+    ref = timm.create_model('NALAFORMER_XT', num_classes=7)
+    assert isinstance(model, models.NaLaFormer)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert model.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 7)
+
+
+def test_hub_pretrained_without_a_file_says_nothing_is_downloaded():
+    with pytest.raises(ValueError, match=r'nothing is downloaded.*file=PATH'):
+        torch.hub.load(REPO, 'NALAFORMER_XT', source='local', pretrained=True)
+
+
+def test_hub_pretrained_loads_a_local_file(tmp_path, one_thread):
+    torch.manual_seed(0)
+    src = timm.create_model('NALAFORMER_XT', num_classes=5).eval()
+    path = tmp_path / 'xt.pth'
+    torch.save({'model': src.state_dict()}, path)
+    model = torch.hub.load(REPO, 'NALAFORMER_XT', source='local', pretrained=True, file=str(path),
+                           num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), src(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_hub_load_from_another_directory(tmp_path):
+    """A fresh interpreter outside the clone: hub puts the clone on sys.path for the entry point."""
+    import subprocess
+    import sys
+    code = (f"import torch; m = torch.hub.load({REPO!r}, 'NALAFORMER_XT', source='local', num_classes=3); "
+            "print(type(m).__name__, m.num_classes)")
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    p = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env={**env, 'OMP_NUM_THREADS': '1'},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ['NaLaFormer', '3']

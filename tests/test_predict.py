@@ -1,0 +1,116 @@
+"""tools/predict.py: top-k per image with the checkpoint's evaluation transform."""
+import csv
+import io
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import datasets
+import models  # noqa: F401
+from tools import predict, release
+
+
+def _images(root, n=3):
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    (root / 'sub').mkdir()
+    paths = []
+    for i in range(n):
+        h, w = 40 + 7 * i, 60 - 5 * i
+        p = root / ('sub' if i == 0 else '.') / f'img{i}.png'
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(p)
+        paths.append(str(p))
+    (root / 'notes.txt').write_text('not an image')
+    return sorted(paths)
+
+
+def _checkpoint(tmp_path, input_size=48, crop=0.9, num_classes=4):
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=num_classes)
+    ema = timm.create_model('NALAFORMER_XT', num_classes=num_classes)
+    path = tmp_path / 'ckpt.pth'
+    torch.save({'model': model.state_dict(), 'model_ema': ema.state_dict(), 'epoch': 0,
+                'args': {'model': 'NALAFORMER_XT', 'input_size': input_size, 'eval_crop_ratio': crop}}, path)
+    return path, ema
+
+
+def _expected(ema, paths, input_size, crop, k):
+    tf = datasets.build_transform(False, SimpleNamespace(input_size=input_size, eval_crop_ratio=crop))
+    x = torch.stack([tf(Image.open(p).convert('RGB')) for p in paths])
+    with torch.no_grad():
+        probs = ema.eval()(x).softmax(1)
+    return probs.topk(k, dim=1)
+
+
+@pytest.mark.parametrize('size', [32, 48, 64])
+def test_transform_equals_training_evaluation_transform(size, tmp_path):
+    model = timm.create_model('NALAFORMER_XT', num_classes=2)
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 255, (37, 81, 3), dtype=np.uint8))
+    tf, cfg = predict.eval_transform(model, size, 0.9)
+    ref = datasets.build_transform(False, SimpleNamespace(input_size=size, eval_crop_ratio=0.9))
+    assert cfg['input_size'] == (3, size, size)
+    torch.testing.assert_close(tf(img), ref(img))
+
+
+def test_predict_csv_uses_checkpoint_size_and_ema_weights(tmp_path, one_thread, capsys):
+    path, ema = _checkpoint(tmp_path)
+    paths = _images(tmp_path / 'imgs')
+    out = tmp_path / 'preds.csv'
+    assert predict.main([str(tmp_path / 'imgs'), '--checkpoint', str(path), '--topk', '3',
+                         '--output', str(out)]) == 0
+    assert '48 px, crop_pct 0.9' in capsys.readouterr().err
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    # the folder is searched recursively, sorted, and the .txt file is skipped
+    found = list(dict.fromkeys(r['image'] for r in rows))
+    assert found == paths  # all three, in sorted order, the .txt file skipped
+    values, indices = _expected(ema, found, 48, 0.9, 3)
+    for i, img in enumerate(found):
+        mine = [r for r in rows if r['image'] == img]
+        assert [int(r['rank']) for r in mine] == [1, 2, 3]
+        assert [int(r['class_index']) for r in mine] == indices[i].tolist()
+        np.testing.assert_allclose([float(r['probability']) for r in mine], values[i].numpy(), atol=1e-5)
+
+
+def test_predict_json_with_class_names_from_a_release(tmp_path, one_thread, capsys):
+    path, ema = _checkpoint(tmp_path)
+    img = _images(tmp_path / 'imgs', n=1)[0]
+    info = release.release(str(path), str(tmp_path / 'rel'), flops=False)
+    names = tmp_path / 'classes.txt'
+    names.write_text('cat\ndog\nfox\nowl\n')
+    assert predict.main([img, '--checkpoint', info['file'], '--format', 'json', '--class-names', str(names),
+                         '--topk', '9']) == 0
+    out = json.loads(capsys.readouterr().out)
+    values, indices = _expected(ema, [img], 48, 0.9, 4)  # the release records size and crop; top-k capped at 4
+    assert out[0]['image'] == img
+    assert [t['class_name'] for t in out[0]['topk']] == [['cat', 'dog', 'fox', 'owl'][i] for i in indices[0]]
+    np.testing.assert_allclose([t['probability'] for t in out[0]['topk']], values[0].numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize('case', ['bad_image', 'class_count', 'missing'])
+def test_bad_input_is_a_one_line_error(tmp_path, capsys, case):
+    path, _ = _checkpoint(tmp_path)
+    img = _images(tmp_path / 'imgs', n=1)[0]
+    argv = [img, '--checkpoint', str(path), '--output', str(tmp_path / 'out.csv')]
+    if case == 'bad_image':
+        bad = tmp_path / 'broken.png'
+        bad.write_bytes(b'not a png')
+        argv[0:1] = [img, str(bad)]
+        expect = 'broken.png'
+    elif case == 'class_count':
+        (tmp_path / 'c.txt').write_text('a\nb\n')
+        argv += ['--class-names', str(tmp_path / 'c.txt')]
+        expect = '2 names but the model has 4 classes'
+    else:
+        argv[0] = str(tmp_path / 'nope.jpg')
+        expect = 'nope.jpg: no such file'
+    with pytest.raises(SystemExit) as e:
+        predict.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expect in err[0]
+    assert not (tmp_path / 'out.csv').exists()

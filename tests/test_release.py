@@ -1,0 +1,93 @@
+"""tools/release.py: training checkpoint -> NAME-<sha8>.safetensors + model card, loadable through timm."""
+import hashlib
+import json
+import os
+
+import pytest
+import timm
+import torch
+
+import models  # noqa: F401
+from tools import release
+
+
+def _tiny_checkpoint(tmp_path, num_classes=10, input_size=32, with_ema=True):
+    """A training checkpoint of NALAFORMER_XT whose `model` and `model_ema` weights differ."""
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=num_classes)
+    ema = timm.create_model('NALAFORMER_XT', num_classes=num_classes)
+    ckpt = {'model': model.state_dict(), 'optimizer': {'state': {}, 'param_groups': []}, 'lr_scheduler': {},
+            'epoch': 3, 'scaler': None, 'max_accuracy': 61.5,
+            'args': {'model': 'NALAFORMER_XT', 'input_size': input_size, 'eval_crop_ratio': 0.875,
+                     'data_set': 'DIGITS'}}
+    if with_ema:
+        ckpt['model_ema'] = ema.state_dict()
+    path = tmp_path / 'run' / 'checkpoint.pth'
+    path.parent.mkdir()
+    torch.save(ckpt, path)
+    with open(path.parent / 'log.txt', 'w') as f:
+        for epoch, acc in ((2, 50.0), (3, 60.25)):
+            f.write(json.dumps({'epoch': epoch, 'test_acc1': acc, 'test_ema_acc1': acc + 1}) + '\n')
+    return path, model, ema
+
+
+def _logits(model, seed=1):
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(x)
+
+
+@pytest.mark.parametrize('weights', ['default', 'model', 'model_ema'])
+def test_release_loads_through_timm_with_the_chosen_weights(tmp_path, one_thread, weights):
+    path, model, ema = _tiny_checkpoint(tmp_path)
+    info = release.release(str(path), str(tmp_path / 'out'), weights=weights, flops=False)
+    chosen = model if weights == 'model' else ema
+    other = ema if weights == 'model' else model
+    assert info['weights'] == ('model' if weights == 'model' else 'model_ema')
+
+    file = info['file']
+    name = os.path.basename(file)
+    with open(file, 'rb') as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    assert name == f'nalaformer_xt_32-{sha[:8]}.safetensors'
+    assert sorted(os.listdir(tmp_path / 'out')) == sorted([name, name.replace('.safetensors', '.md')])
+
+    loaded = timm.create_model('NALAFORMER_XT', pretrained=True, num_classes=10,
+                               pretrained_cfg_overlay=dict(file=file, num_classes=10))
+    out = _logits(loaded)
+    torch.testing.assert_close(out, _logits(chosen), rtol=0, atol=0)
+    assert not torch.allclose(out, _logits(other))
+
+
+def test_release_strips_everything_but_weights(tmp_path, one_thread):
+    from safetensors.torch import load_file
+    path, model, _ = _tiny_checkpoint(tmp_path, with_ema=False)
+    info = release.release(str(path), str(tmp_path / 'out'), flops=False)
+    assert info['weights'] == 'model'
+    tensors = load_file(info['file'])
+    assert set(tensors) == set(model.state_dict())
+
+
+def test_model_card_records_size_params_eval_and_source(tmp_path, one_thread):
+    path, model, _ = _tiny_checkpoint(tmp_path)
+    info = release.release(str(path), str(tmp_path / 'out'), flops=True)
+    with open(info['card']) as f:
+        card = f.read()
+    assert card.startswith(f"# {os.path.basename(info['file'])[:-len('.safetensors')]}")
+    assert 'Input size: 32x32' in card
+    assert f"({sum(p.numel() for p in model.parameters())})" in card
+    assert info['gflops'] > 0 and 'FLOPs:' in card
+    # max_accuracy from the checkpoint, test metrics of its epoch (3) from log.txt, not epoch 2's
+    assert 'max_accuracy 61.50' in card and 'test_acc1 60.25' in card and 'test_ema_acc1 61.25' in card
+    assert str(path) in card and 'weights `model_ema`' in card
+    assert 'License:' in card
+
+
+def test_missing_ema_with_weights_model_ema_is_a_clear_error(tmp_path, capsys):
+    path, _, _ = _tiny_checkpoint(tmp_path, with_ema=False)
+    with pytest.raises(SystemExit) as e:
+        release.main([str(path), '--output-dir', str(tmp_path / 'out'), '--weights', 'model_ema', '--no-flops'])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'no EMA weights' in err and '--weights model' in err
+    assert not (tmp_path / 'out').exists()

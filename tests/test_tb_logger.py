@@ -1,0 +1,82 @@
+"""TensorBoard logging: the logger writes readable events; the engine calls it once per optimizer step."""
+import sys
+
+import pytest
+import timm
+import torch
+
+import engine
+import main
+import models  # noqa: F401
+import tb_logger
+
+
+def _scalars(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()['scalars']}
+
+
+def test_logger_writes_step_and_epoch_scalars(tmp_path):
+    log = tb_logger.TensorBoardLogger(str(tmp_path))
+    for step in range(10, 14):
+        log({'step': step, 'loss': 2.0 - 0.1 * step, 'lr': torch.tensor(1e-3), 'images': 64, 'loss_scale': 65536.0,
+             'note': 'skipped'})
+    log.log_epoch({'epoch': 1, 'train_loss': 1.2, 'test_acc1': 55.5, 'test_loss': float('nan')}, 1)
+    log.close()
+    log.close()  # closing twice (atexit after an explicit close) is harmless
+    s = _scalars(tmp_path)
+    assert [st for st, _ in s['train/loss']] == [10, 11, 12, 13]
+    assert [v for _, v in s['train/loss']] == pytest.approx([1.0, 0.9, 0.8, 0.7])
+    assert s['train/lr'][0][1] == pytest.approx(1e-3) and s['train/loss_scale'][0][1] == 65536.0
+    assert [st for st, _ in s['train/img_per_s']] == [11, 12, 13] and all(v > 0 for _, v in s['train/img_per_s'])
+    assert s['epoch/test_acc1'] == [(1, 55.5)] and s['epoch/train_loss'][0][1] == pytest.approx(1.2)
+    assert 'epoch/test_loss' not in s and 'train/note' not in s and 'train/images' not in s
+
+
+def test_engine_logs_every_step_with_the_head_lr(tmp_path, one_thread):
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=3)
+    args = main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--lr', '1e-3', '--layer-decay', '0.5',
+                                              '--warmup-epochs', '0'])
+    optimizer = main.build_optimizer(args, model)
+    main.build_lr_scheduler(args, optimizer).step(2)  # as main.py does at the start of epoch 2
+    head_lr = max(g['lr'] for g in optimizer.param_groups)
+    assert min(g['lr'] for g in optimizer.param_groups) < head_lr / 100
+    data = torch.utils.data.TensorDataset(torch.randn(6, 3, 32, 32), torch.tensor([0, 1, 2, 0, 1, 2]))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    log = tb_logger.TensorBoardLogger(str(tmp_path))
+    crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
+    res = engine.train_one_epoch(model, crit, loader, optimizer, 'cpu', epoch=2, print_freq=100, logger=log)
+    log.close()
+    s = _scalars(tmp_path)
+    assert [st for st, _ in s['train/loss']] == [6, 7, 8]  # global step = epoch x 3 steps + step
+    assert [v for _, v in s['train/lr']] == pytest.approx([head_lr] * 3)  # the head's LR, not the stem's
+    assert res.stats['lr'] == pytest.approx(head_lr)
+    assert len(s['train/img_per_s']) == 2
+
+
+def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, 'tensorboard', None)  # as if it were not installed
+    parser = main.get_args_parser()
+    args = parser.parse_args(['--model', 'NALAFORMER_XT', '--log-dir', 'runs/x'])
+    with pytest.raises(SystemExit) as e:
+        main.validate_args(args, parser)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and 'pip install tensorboard' in err[-1] and '--log-dir' in err[-1]
+
+
+def test_engine_logs_the_fp16_loss_scale(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
+    log = tb_logger.TensorBoardLogger(str(tmp_path))
+    crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
+    engine.train_one_epoch(model, crit, loader, optimizer, 'cpu', epoch=0, loss_scaler=scaler,
+                           amp_dtype=torch.float16, print_freq=100, logger=log)
+    log.close()
+    assert _scalars(tmp_path)['train/loss_scale'] == [(0, 1024.0), (1, 1024.0)]

@@ -1,0 +1,216 @@
+"""Top-k predictions of a NaLaFormer checkpoint for image files or folders.
+
+    python -m tools.predict cat.jpg photos/ --checkpoint output/t/best.pth
+    python -m tools.predict photos/ --model NALAFORMER_T --checkpoint release/nalaformer_t_224-1a2b3c4d.safetensors \\
+        --topk 3 --format json --output preds.json --class-names classes.txt
+
+The checkpoint is a training checkpoint (``.pth``; its EMA weights when it has them, as timm loads
+it, or ``--weights``) or a released ``.safetensors`` file (``tools/release.py``). Images are read with
+the evaluation transform of the checkpoint's training run: its recorded ``--input-size`` and
+``--eval-crop-ratio`` (``--input-size`` here overrides), bicubic resize, centre crop, the model's
+mean/std. Folders are searched recursively for image files, in sorted order. ``--class-names`` is a
+text file with one name per line (line i is class i) or a JSON list; without it classes are printed
+as their index. Output: CSV (``image,rank,class_index,class_name,probability``) or JSON, to stdout or
+``--output``.
+"""
+import argparse
+import csv
+import io
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import timm
+from PIL import Image, UnidentifiedImageError
+
+import models  # noqa: F401  (registers the variants)
+import utils
+from tools.release import WEIGHT_CHOICES, select_weights
+from utils import CheckpointError, UserError
+
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.ppm', '.bmp', '.pgm', '.tif', '.tiff', '.webp', '.gif')
+
+
+def list_images(paths: Sequence[str]) -> List[str]:
+    """Image files among ``paths``; folders are searched recursively (sorted), files are taken as given."""
+    out: List[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(os.path.join(root, f) for root, _, files in os.walk(path) for f in files
+                           if f.lower().endswith(IMAGE_EXTENSIONS))
+            if not found:
+                raise UserError(f'{path}: no image files ({", ".join(IMAGE_EXTENSIONS)}) in this folder')
+            out += found
+        elif os.path.isfile(path):
+            out.append(path)
+        else:
+            raise UserError(f'{path}: no such file or folder')
+    return out
+
+
+def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """State dict and run settings (``model``, ``input_size``, ``crop_pct`` when recorded) of a training
+    checkpoint or a released safetensors file."""
+    if path.endswith('.safetensors'):
+        from safetensors import safe_open
+        if not os.path.isfile(path):
+            raise CheckpointError(f'checkpoint {path} does not exist')
+        try:
+            with safe_open(path, framework='pt') as f:
+                meta = f.metadata() or {}
+                sd = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f'{path} is not a readable safetensors file ({utils.first_line(e)})') from e
+        info: Dict[str, Any] = {}
+        if meta.get('model'):
+            info['model'] = meta['model']
+        if meta.get('input_size'):
+            info['input_size'] = int(meta['input_size'])
+        if meta.get('crop_pct'):
+            info['crop_pct'] = float(meta['crop_pct'])
+        return sd, info
+    ckpt = utils.load_checkpoint_file(path)
+    sd, _ = select_weights(ckpt, weights, path)
+    args = ckpt.get('args') if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
+    info = {}
+    if args.get('model'):
+        info['model'] = args['model']
+    if args.get('input_size'):
+        info['input_size'] = int(args['input_size'])
+    if args.get('eval_crop_ratio'):
+        info['crop_pct'] = float(args['eval_crop_ratio'])
+    return sd, info
+
+
+def build_model(model_name: str, sd: Dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+    """``model_name`` with the classifier size of ``sd``, loaded strictly, in eval mode."""
+    if not timm.is_model(model_name):
+        raise UserError(f"unknown model '{model_name}'; known: {', '.join(timm.list_models('NALAFORMER_*'))}")
+    clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
+    num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
+    model = timm.create_model(model_name, num_classes=num_classes)
+    msg = utils.describe_mismatch(model, sd, model_name, path, candidates=timm.list_models('NALAFORMER_*'))
+    if msg:
+        raise CheckpointError(msg)
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+def eval_transform(model: torch.nn.Module, input_size: Optional[int], crop_pct: Optional[float]):
+    """timm's eval transform from the model's pretrained config at the run's input size and crop ratio.
+    Inputs of 32 px or less are resized to the input size without a crop, as in training's evaluation."""
+    from timm.data import create_transform, resolve_data_config
+    overrides: Dict[str, Any] = {}
+    if input_size:
+        overrides['input_size'] = (3, input_size, input_size)
+    if crop_pct:
+        overrides['crop_pct'] = crop_pct
+    cfg = resolve_data_config(overrides, model=model)
+    if cfg['input_size'][-1] <= 32:
+        cfg.update(crop_pct=1.0, crop_mode='squash')
+    return create_transform(**cfg, is_training=False), cfg
+
+
+def read_class_names(path: str, num_classes: int) -> List[str]:
+    """Class names from a text file (one per line) or a JSON list; exactly ``num_classes`` of them."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f'--class-names {path}: {e.strerror}') from e
+    if text.lstrip().startswith('['):
+        names = json.loads(text)
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(names) != num_classes:
+        raise UserError(f'--class-names {path} has {len(names)} names but the model has {num_classes} classes')
+    return [str(n) for n in names]
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, transform, images: Sequence[str], topk: int = 5, batch_size: int = 16,
+            device: str = 'cpu') -> List[List[Tuple[int, float]]]:
+    """Top-k (class index, probability) for each image, in order."""
+    results: List[List[Tuple[int, float]]] = []
+    k = min(topk, model.num_classes)
+    for start in range(0, len(images), batch_size):
+        batch = []
+        for path in images[start:start + batch_size]:
+            try:
+                with Image.open(path) as im:
+                    batch.append(transform(im.convert('RGB')))
+            except (UnidentifiedImageError, OSError) as e:
+                raise UserError(f'{path}: cannot read this image ({utils.first_line(e)}); remove it or pass other '
+                                f'files') from e
+        probs = model(torch.stack(batch).to(device)).float().softmax(dim=1)
+        values, indices = probs.topk(k, dim=1)
+        results += [list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+    return results
+
+
+def format_results(images: Sequence[str], results: Sequence[Sequence[Tuple[int, float]]],
+                   class_names: Optional[Sequence[str]], fmt: str) -> str:
+    """CSV (one row per image and rank) or JSON (one object per image) text."""
+    def name(i: int) -> str:
+        return class_names[i] if class_names else str(i)
+    if fmt == 'json':
+        rows = [{'image': img, 'topk': [{'class_index': i, 'class_name': name(i), 'probability': p} for i, p in res]}
+                for img, res in zip(images, results)]
+        return json.dumps(rows, indent=1) + '\n'
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator='\n')
+    writer.writerow(['image', 'rank', 'class_index', 'class_name', 'probability'])
+    for img, res in zip(images, results):
+        for rank, (i, p) in enumerate(res, 1):
+            writer.writerow([img, rank, i, name(i), f'{p:.6f}'])
+    return buf.getvalue()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('images', nargs='+', help='image files and/or folders')
+    parser.add_argument('--checkpoint', required=True, help='training checkpoint (.pth) or release (.safetensors)')
+    parser.add_argument('--model', default=None, help='model name (default: the one recorded in the checkpoint)')
+    parser.add_argument('--weights', choices=WEIGHT_CHOICES, default='default',
+                        help='for .pth checkpoints: default takes the EMA weights when present')
+    parser.add_argument('--input-size', type=int, default=None,
+                        help="image size (default: the checkpoint's recorded --input-size, else 224)")
+    parser.add_argument('--topk', type=int, default=5)
+    parser.add_argument('--format', choices=['csv', 'json'], default='csv')
+    parser.add_argument('--output', default=None, help='write here instead of stdout')
+    parser.add_argument('--class-names', default=None, help='text file, one class name per line, or a JSON list')
+    parser.add_argument('--batch-size', type=int, default=16)
+    parser.add_argument('--device', default='cpu')
+    args = parser.parse_args(argv)
+    if args.topk < 1 or args.batch_size < 1:
+        parser.error('--topk and --batch-size must be at least 1')
+    try:
+        images = list_images(args.images)
+        sd, recorded = load_weights(args.checkpoint, args.weights)
+        model_name = args.model or recorded.get('model')
+        if not model_name:
+            raise UserError(f'{args.checkpoint} does not record its model; pass --model NAME')
+        model = build_model(model_name, sd, args.checkpoint).to(args.device)
+        class_names = read_class_names(args.class_names, model.num_classes) if args.class_names else None
+        transform, cfg = eval_transform(model, args.input_size or recorded.get('input_size'), recorded.get('crop_pct'))
+        results = predict(model, transform, images, args.topk, args.batch_size, args.device)
+        text = format_results(images, results, class_names, args.format)
+    except UserError as e:
+        parser.exit(2, f'{parser.prog}: error: {e}\n')
+    print(f"{model_name}: {len(images)} image(s) at {cfg['input_size'][-1]} px, crop_pct {cfg['crop_pct']}",
+          file=sys.stderr)
+    if args.output:
+        with open(args.output, 'w', encoding='utf-8') as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

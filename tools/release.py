@@ -1,0 +1,206 @@
+"""Turn a training checkpoint into release weights: a safetensors file named ``NAME-<sha8>.safetensors``
+(the first 8 hex digits of its SHA-256, as timm and DeiT name their files) and a model card next to it.
+
+    python tools/release.py output/t/best.pth --output-dir release
+    python tools/release.py output/t/best.pth --weights model --name nalaformer_t_in1k --output-dir release
+
+Only the weights are kept (no optimizer, scheduler, scaler, RNG or arguments). ``--weights default``
+takes the EMA weights when the checkpoint has them, else the raw model weights, which is what
+``timm.create_model(..., pretrained=True)`` and ``checkpoint_path=`` load from a training checkpoint;
+``--weights model`` or ``--weights model_ema`` picks one explicitly. The weights are loaded into the
+model with ``strict=True`` before anything is written, and the file is written under a temporary
+name and renamed once complete. Load the result with
+
+    timm.create_model('NALAFORMER_T', pretrained=True, pretrained_cfg_overlay=dict(file='release/...safetensors'))
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import timm  # noqa: E402
+
+import models  # noqa: E402,F401  (registers the variants)
+import utils  # noqa: E402
+from utils import CheckpointError, UserError  # noqa: E402
+
+WEIGHT_CHOICES = ('default', 'model', 'model_ema')
+
+
+def select_weights(ckpt: Any, which: str, path: str) -> Tuple[Dict[str, torch.Tensor], str]:
+    """The state dict to release and the checkpoint entry it came from.
+
+    ``default`` is the loader rule: ``model_ema`` when the checkpoint has it, else ``model`` (or a bare
+    state dict)."""
+    has_ema = isinstance(ckpt, dict) and isinstance(ckpt.get('model_ema'), dict)
+    if which == 'default':
+        which = 'model_ema' if has_ema else 'model'
+    if which == 'model_ema':
+        if not has_ema:
+            raise CheckpointError(f'{path} holds no EMA weights (no "model_ema"); use --weights model')
+        return utils.checkpoint_state_dict({'model': ckpt['model_ema']}, path), 'model_ema'
+    sd = utils.checkpoint_state_dict(ckpt, path)
+    return sd, 'model' if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict) else 'state dict'
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file."""
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            h.update(block)
+    return h.hexdigest()
+
+
+def eval_numbers(ckpt: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """Accuracy figures recorded with the checkpoint: its ``max_accuracy`` and ``epoch``, and the test
+    metrics of that epoch from the ``log.txt`` beside it (when there is one)."""
+    out: Dict[str, Any] = {k: ckpt[k] for k in ('epoch', 'max_accuracy') if isinstance(ckpt.get(k), (int, float))}
+    log = os.path.join(os.path.dirname(os.path.abspath(path)), 'log.txt')
+    if 'epoch' in out and os.path.isfile(log):
+        with open(log) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and row.get('epoch') == out['epoch']:
+                    out.update({k: v for k, v in row.items() if k.startswith('test_') and isinstance(v, (int, float))
+                                and not k.endswith(('_n', '_seen'))})  # image counts are not accuracies
+    return out
+
+
+def model_card(info: Dict[str, Any]) -> str:
+    """Markdown model card for a released file."""
+    n_cls = info['num_classes']
+    file = os.path.basename(info['file'])
+    overlay = f"file='{file}'"
+    if n_cls != 1000:
+        overlay += f', num_classes={n_cls}'
+    if info['input_size'] != 224:
+        overlay += f", input_size=(3, {info['input_size']}, {info['input_size']}), crop_pct={info['crop_pct']}"
+    kw = f', num_classes={n_cls}' if n_cls != 1000 else ''
+    size = info['input_size']
+    if size > 32:
+        how = f"resize to {int(size / info['crop_pct'])} bicubic, centre crop, crop_pct {info['crop_pct']}"
+    else:  # DeiT's rule for small inputs: resize to the input size, no crop
+        how = f'resize to {size}x{size} bicubic, no crop'
+    lines = [
+        f"# {info['name']}",
+        '',
+        f"- Model: `{info['model']}` (NaLaFormer), {n_cls} classes",
+        f"- Input size: {size}x{size} (eval: {how}; ImageNet mean/std)",
+        f"- Parameters: {info['params'] / 1e6:.2f}M ({info['params']})",
+    ]
+    if info.get('gflops') is not None:
+        lines.append(f"- FLOPs: {info['gflops']:.3f} G (fvcore multiply-adds, 1x3x{size}x{size})")
+    ev = info['eval']
+    if ev:
+        lines.append('- Evaluation recorded in the checkpoint: ' + ', '.join(
+            f'{k} {v:.2f}' if isinstance(v, float) else f'{k} {v}' for k, v in ev.items()))
+    else:
+        lines.append('- Evaluation: none recorded in the checkpoint')
+    if info.get('data_set'):
+        lines.append(f"- Trained on: `{info['data_set']}`")
+    lines += [
+        f"- Source: `{info['source']}`, weights `{info['weights']}`",
+        f"- SHA-256: `{info['sha256']}`",
+        f"- License: {info['license']}",
+        '',
+        '## Use',
+        '',
+        '```python',
+        'import timm, models  # models/ of the NaLaFormer repository registers the variants',
+        f"model = timm.create_model('{info['model']}', pretrained=True{kw},",
+        f'                          pretrained_cfg_overlay=dict({overlay})).eval()',
+        '```',
+        '',
+        '```bash',
+        f"python -m tools.predict IMAGES --model {info['model']} --checkpoint {file} --input-size {info['input_size']}",
+        '```',
+        '',
+    ]
+    return '\n'.join(lines)
+
+
+def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Optional[str] = None,
+            model_name: Optional[str] = None, flops: bool = True,
+            license_line: str = 'see the LICENSE of the NaLaFormer repository and the terms of the training data') \
+        -> Dict[str, Any]:
+    """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written."""
+    from safetensors.torch import save_file
+    ckpt = utils.load_checkpoint_file(checkpoint)
+    args = ckpt.get('args') if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
+    model_name = model_name or args.get('model')
+    if not model_name:
+        raise UserError(f'{checkpoint} does not record its model (no args.model); pass --model NAME')
+    if not timm.is_model(model_name):
+        raise UserError(f'unknown model {model_name!r}; pass --model with a NaLaFormer variant')
+    sd, taken = select_weights(ckpt, weights, checkpoint)
+    input_size = int(args.get('input_size', 224))
+    crop_pct = float(args.get('eval_crop_ratio', 0.875))
+
+    clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
+    num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
+    model = timm.create_model(model_name, num_classes=num_classes)
+    msg = utils.describe_mismatch(model, sd, model_name, checkpoint, candidates=timm.list_models('NALAFORMER_*'))
+    if msg:
+        raise CheckpointError(msg)
+    model.load_state_dict(sd, strict=True)
+
+    os.makedirs(output_dir, exist_ok=True)
+    name = name or f'{model_name.lower()}_{input_size}'
+    tmp = os.path.join(output_dir, f'.{name}.safetensors.tmp')
+    tensors = {k: v.detach().to('cpu').contiguous().clone() for k, v in sd.items()}
+    meta = {'format': 'pt', 'model': model_name, 'num_classes': str(num_classes), 'input_size': str(input_size),
+            'crop_pct': str(crop_pct), 'source_weights': taken}
+    save_file(tensors, tmp, metadata=meta)
+    digest = sha256_file(tmp)
+    final = os.path.join(output_dir, f'{name}-{digest[:8]}.safetensors')
+    os.replace(tmp, final)
+
+    info = dict(name=os.path.basename(final)[:-len('.safetensors')], model=model_name, num_classes=num_classes,
+                input_size=input_size, crop_pct=crop_pct, params=sum(p.numel() for p in model.parameters()),
+                gflops=None, eval=eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {},
+                data_set=args.get('data_set'), source=checkpoint, weights=taken, sha256=digest,
+                license=license_line, file=final)
+    if flops:
+        from tools.flops import count_flops
+        info['gflops'] = count_flops(model, (3, input_size, input_size)) / 1e9
+    card = final[:-len('.safetensors')] + '.md'
+    with open(card, 'w') as f:
+        f.write(model_card(info))
+    info['card'] = card
+    return info
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('checkpoint', help='training checkpoint (.pth) or a bare state dict')
+    parser.add_argument('--output-dir', '--output_dir', dest='output_dir', required=True)
+    parser.add_argument('--weights', choices=WEIGHT_CHOICES, default='default',
+                        help='default: the EMA weights when the checkpoint has them, else the model weights')
+    parser.add_argument('--name', default=None, help='file name stem (default: <model>_<input size>)')
+    parser.add_argument('--model', default=None, help='model name (default: the one recorded in the checkpoint)')
+    parser.add_argument('--no-flops', dest='flops', action='store_false', help='leave FLOPs out of the model card')
+    parser.add_argument('--license', dest='license_line',
+                        default='see the LICENSE of the NaLaFormer repository and the terms of the training data')
+    args = parser.parse_args(argv)
+    try:
+        info = release(args.checkpoint, args.output_dir, args.weights, args.name, args.model, args.flops,
+                       args.license_line)
+    except UserError as e:
+        parser.exit(2, f'{parser.prog}: error: {e}\n')
+    print(f"{info['file']}  ({info['weights']} weights of {info['source']}, sha256 {info['sha256']})")
+    print(info['card'])
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
