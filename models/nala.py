@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import depthwise_conv_same
+from .ops import autocast_off, depthwise_conv_same, use_plain_ops
 
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
@@ -290,19 +290,20 @@ class GatedAttention(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        if self.fast:
+        if self.fast and not use_plain_ops():
             return self.forward_tokens(x.permute(0, 2, 3, 1), sin, cos).permute(0, 3, 1, 2)
         batch, channels, height, width = x.shape
         tokens = x.flatten(2).transpose(1, 2)                                   # (B, N, C)
         qkvg = self.qkvg(tokens)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x):
             q, k, v, g = qkvg.float().chunk(4, dim=-1)
             v_map = v.transpose(1, 2).reshape(batch, channels, height, width)
             lepe = F.conv2d(v_map, self.lepe.weight.float(), self.lepe.bias.float(),
                             padding=2, groups=channels).flatten(2).transpose(1, 2)
             heads = [t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for t in (q, k, v)]
             o = self.core(*heads, sin, cos).transpose(1, 2).flatten(2)            # (B, N, C)
-            y = F.layer_norm(o + lepe, (channels,), self.ln.weight.float(), self.ln.bias.float(),
+            # the normalised shape from the module, not x.shape: a traced size is not a constant
+            y = F.layer_norm(o + lepe, self.ln.normalized_shape, self.ln.weight.float(), self.ln.bias.float(),
                              self.ln.eps) * F.silu(g)
         out = self.out_proj(y.to(qkvg.dtype))
         return out.transpose(1, 2).reshape(batch, channels, height, width)
@@ -347,7 +348,7 @@ class NaLaAttention(GatedAttention):
         self.fast = name != 'plain'
 
     def core(self, q, k, v, sin, cos):
-        return NALA_IMPLS[self._attn_impl](q, k, v, sin, cos)
+        return NALA_IMPLS['plain' if use_plain_ops() else self._attn_impl](q, k, v, sin, cos)
 
 
 class SoftmaxAttention(GatedAttention):
@@ -359,6 +360,6 @@ class SoftmaxAttention(GatedAttention):
         self.fast = fast
 
     def core(self, q, k, v, sin, cos):
-        if self.fast:
+        if self.fast and not use_plain_ops():
             return softmax_attention_fast(q, k, v, sin, cos)
         return softmax_attention_plain(q, k, v, sin, cos)

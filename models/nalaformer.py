@@ -18,7 +18,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 
 from .nala import NALA_IMPLS, NaLaAttention, RoPE, SoftmaxAttention
-from .ops import depthwise_conv_same
+from .ops import depthwise_conv_same, use_plain_ops
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn']
 
@@ -30,8 +30,8 @@ def conv_plus_identity(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     one pass over x instead of two, and no stored sum. The result differs only by rounding.
     Runs in autocast's dtype under autocast, as F.conv2d would."""
     kh, kw = conv.kernel_size
-    identity = torch.zeros(kh, kw, dtype=conv.weight.dtype, device=conv.weight.device)
-    identity[kh // 2, kw // 2] = 1
+    # a 1 at the kernel centre, padded out without item assignment (which FX cannot trace)
+    identity = F.pad(conv.weight.new_ones(1, 1, 1, 1), (kw // 2, kw // 2, kh // 2, kh // 2))
     weight, bias = conv.weight + identity, conv.bias
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -105,7 +105,7 @@ class NaLaBlock(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        if self.fast:
+        if self.fast and not use_plain_ops():
             return self.forward_fast(x, sin, cos)
         x = x + self.cpe1(x)
         x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x), sin, cos))
