@@ -66,8 +66,9 @@ def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.T
 
 def _safe_norm_divisor(norm: torch.Tensor) -> torch.Tensor:
     """The query norm with exact zeros replaced by 1: identical for every non-zero query, and a
-    zero query then maps to the zero direction instead of 0/0."""
-    return torch.where(norm > 0, norm, torch.ones_like(norm))
+    zero query then maps to the zero direction instead of 0/0. (A scalar 1, not ones_like: the legacy
+    ONNX exporter would freeze ones_like's shape at the traced size.)"""
+    return torch.where(norm > 0, norm, 1.0)
 
 
 def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +94,7 @@ def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v: (B, h, N, d) float32; sin, cos: (N, d). Returns (B, h, N, d). Linear in N: the N x N
     attention matrix is never formed.
     """
-    n_tokens, head_dim = q.shape[-2], q.shape[-1]
+    head_dim = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q, k)
     # step 8: RoPE on each d-wide half of the numerator features, with the same tables
     q_rope = torch.cat([apply_rope(q_feat[..., :head_dim], sin, cos),
@@ -102,7 +103,9 @@ def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         apply_rope(k_feat[..., head_dim:], sin, cos)], dim=-1)
     # step 9: normaliser from the un-rotated features, numerator as Q~ ((K~^T N^-1/2)(V N^-1/2))
     z = 1 / (q_feat @ k_feat.mean(dim=-2, keepdim=True).transpose(-2, -1) + NALA_EPS)
-    scale = n_tokens ** -0.5
+    # N^-1/2 from a sum over the token axis of q: the legacy ONNX exporter freezes N (and anything made
+    # from it, ones_like included) at the traced size, and torch.export cannot serialise it as a float
+    scale = (q[..., :1] * 0 + 1).sum(dim=-2, keepdim=True).rsqrt()           # (B, h, 1, 1)
     kv = (k_rope.transpose(-2, -1) * scale) @ (v * scale)
     return (q_rope @ kv) * z
 

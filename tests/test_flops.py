@@ -4,7 +4,6 @@ import logging
 import os
 import warnings
 
-import pytest
 import torch
 
 import timm
