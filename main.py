@@ -304,35 +304,15 @@ def seed_everything(seed):
     random.seed(seed)
 
 
-def flop_handles():
-    """fvcore handles for fused ops it cannot see into (the fast NaLa path, SDPA), from tools/flops.py when
-    present; without them fvcore would count fewer FLOPs than the reference model has."""
-    try:
-        from tools.flops import FAST_PATH_HANDLES
-        return dict(FAST_PATH_HANDLES)
-    except Exception:  # noqa: BLE001 - an optional refinement
-        return {}
-
-
 def count_flops(model, input_size, device):
-    """fvcore FLOPs (multiply-adds) of one image, model in eval mode, warnings silenced."""
-    import logging
-    logging.getLogger('fvcore').setLevel(logging.ERROR)
-    was_training = model.training
-    model.eval()
-    try:  # fork_rng: counting FLOPs must not change the random stream of the run
-        with warnings.catch_warnings(), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            warnings.simplefilter('ignore')  # fvcore imports deprecated torch.jit APIs and warns per unsupported op
-            from fvcore.nn import FlopCountAnalysis
-            x = torch.zeros(1, 3, input_size, input_size, device=device)
-            fca = FlopCountAnalysis(model, x).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
-            fca.set_op_handle(**flop_handles())
-            return fca.total()
+    """fvcore FLOPs (multiply-adds) of one image (models.flops.count_flops); None if fvcore fails.
+    The model is counted where it is (``device`` is unused: kept for callers)."""
+    from models.flops import count_flops as fvcore_flops
+    try:
+        return fvcore_flops(model, input_size)
     except Exception as e:  # noqa: BLE001 - FLOPs are information only
         print(f'(fvcore FLOP count failed: {utils.first_line(e)})')
         return None
-    finally:
-        model.train(was_training)
 
 
 def build_loaders(args, dataset_train, dataset_val):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import depthwise_conv_same
+from .ops import autocast_off, depthwise_conv_same, use_plain_ops
 
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
@@ -66,8 +66,9 @@ def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.T
 
 def _safe_norm_divisor(norm: torch.Tensor) -> torch.Tensor:
     """The query norm with exact zeros replaced by 1: identical for every non-zero query, and a
-    zero query then maps to the zero direction instead of 0/0."""
-    return torch.where(norm > 0, norm, torch.ones_like(norm))
+    zero query then maps to the zero direction instead of 0/0. (A scalar 1, not ones_like: the legacy
+    ONNX exporter would freeze ones_like's shape at the traced size.)"""
+    return torch.where(norm > 0, norm, 1.0)
 
 
 def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +94,7 @@ def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v: (B, h, N, d) float32; sin, cos: (N, d). Returns (B, h, N, d). Linear in N: the N x N
     attention matrix is never formed.
     """
-    n_tokens, head_dim = q.shape[-2], q.shape[-1]
+    head_dim = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q, k)
     # step 8: RoPE on each d-wide half of the numerator features, with the same tables
     q_rope = torch.cat([apply_rope(q_feat[..., :head_dim], sin, cos),
@@ -102,7 +103,9 @@ def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         apply_rope(k_feat[..., head_dim:], sin, cos)], dim=-1)
     # step 9: normaliser from the un-rotated features, numerator as Q~ ((K~^T N^-1/2)(V N^-1/2))
     z = 1 / (q_feat @ k_feat.mean(dim=-2, keepdim=True).transpose(-2, -1) + NALA_EPS)
-    scale = n_tokens ** -0.5
+    # N^-1/2 from a sum over the token axis of q: the legacy ONNX exporter freezes N (and anything made
+    # from it, ones_like included) at the traced size, and torch.export cannot serialise it as a float
+    scale = (q[..., :1] * 0 + 1).sum(dim=-2, keepdim=True).rsqrt()           # (B, h, 1, 1)
     kv = (k_rope.transpose(-2, -1) * scale) @ (v * scale)
     return (q_rope @ kv) * z
 
@@ -290,19 +293,20 @@ class GatedAttention(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        if self.fast:
+        if self.fast and not use_plain_ops():
             return self.forward_tokens(x.permute(0, 2, 3, 1), sin, cos).permute(0, 3, 1, 2)
         batch, channels, height, width = x.shape
         tokens = x.flatten(2).transpose(1, 2)                                   # (B, N, C)
         qkvg = self.qkvg(tokens)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x):
             q, k, v, g = qkvg.float().chunk(4, dim=-1)
             v_map = v.transpose(1, 2).reshape(batch, channels, height, width)
             lepe = F.conv2d(v_map, self.lepe.weight.float(), self.lepe.bias.float(),
                             padding=2, groups=channels).flatten(2).transpose(1, 2)
             heads = [t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for t in (q, k, v)]
             o = self.core(*heads, sin, cos).transpose(1, 2).flatten(2)            # (B, N, C)
-            y = F.layer_norm(o + lepe, (channels,), self.ln.weight.float(), self.ln.bias.float(),
+            # the normalised shape from the module, not x.shape: a traced size is not a constant
+            y = F.layer_norm(o + lepe, self.ln.normalized_shape, self.ln.weight.float(), self.ln.bias.float(),
                              self.ln.eps) * F.silu(g)
         out = self.out_proj(y.to(qkvg.dtype))
         return out.transpose(1, 2).reshape(batch, channels, height, width)
@@ -347,7 +351,7 @@ class NaLaAttention(GatedAttention):
         self.fast = name != 'plain'
 
     def core(self, q, k, v, sin, cos):
-        return NALA_IMPLS[self._attn_impl](q, k, v, sin, cos)
+        return NALA_IMPLS['plain' if use_plain_ops() else self._attn_impl](q, k, v, sin, cos)
 
 
 class SoftmaxAttention(GatedAttention):
@@ -359,6 +363,6 @@ class SoftmaxAttention(GatedAttention):
         self.fast = fast
 
     def core(self, q, k, v, sin, cos):
-        if self.fast:
+        if self.fast and not use_plain_ops():
             return softmax_attention_fast(q, k, v, sin, cos)
         return softmax_attention_plain(q, k, v, sin, cos)

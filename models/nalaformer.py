@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -18,7 +19,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 
 from .nala import NALA_IMPLS, NaLaAttention, RoPE, SoftmaxAttention
-from .ops import depthwise_conv_same
+from .ops import depthwise_conv_same, use_plain_ops
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn']
 
@@ -30,8 +31,8 @@ def conv_plus_identity(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     one pass over x instead of two, and no stored sum. The result differs only by rounding.
     Runs in autocast's dtype under autocast, as F.conv2d would."""
     kh, kw = conv.kernel_size
-    identity = torch.zeros(kh, kw, dtype=conv.weight.dtype, device=conv.weight.device)
-    identity[kh // 2, kw // 2] = 1
+    # a 1 at the kernel centre, padded out without item assignment (which FX cannot trace)
+    identity = F.pad(conv.weight.new_ones(1, 1, 1, 1), (kw // 2, kw // 2, kh // 2, kh // 2))
     weight, bias = conv.weight + identity, conv.bias
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -105,7 +106,7 @@ class NaLaBlock(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        if self.fast:
+        if self.fast and not use_plain_ops():
             return self.forward_fast(x, sin, cos)
         x = x + self.cpe1(x)
         x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x), sin, cos))
@@ -141,7 +142,13 @@ class Downsample(nn.Module):
 
 
 class NaLaStage(nn.Module):
-    """One stage: RoPE tables, blocks, and (except the last stage) a downsample."""
+    """One stage: RoPE tables, blocks, and (except the last stage) a downsample.
+
+    The downsample is held here (the reference checkpoints' layout) but run at the start of the next
+    stage (``link_input``), so that every stage's output is its feature map: feature extractors
+    that read a stage's output (timm's 'hook', 'dict' and 'fx' feature classes, torchvision's
+    create_feature_extractor) get the pre-downsample maps ``feature_info`` describes.
+    """
 
     def __init__(self, dim: int, out_dim: Optional[int], depth: int, num_heads: int, mlp_ratio: float,
                  linear: bool, drop_path: Sequence[float], layer_scale_init: float,
@@ -153,6 +160,11 @@ class NaLaStage(nn.Module):
             for i in range(depth)])
         self.downsample = Downsample(dim, out_dim) if out_dim is not None else None
         self.grad_checkpointing = False
+        self._input_stage: Tuple['NaLaStage', ...] = ()  # a tuple: not a submodule, no state-dict keys
+
+    def link_input(self, previous: 'NaLaStage') -> None:
+        """Run ``previous.downsample`` on this stage's input, ahead of the blocks."""
+        self._input_stage = (previous,)
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's blocks, without the downsample: the stage's feature map."""
@@ -167,8 +179,18 @@ class NaLaStage(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_blocks(x)
-        return self.downsample(x) if self.downsample is not None else x
+        """The linked previous stage's downsample, then the blocks: this stage's feature map."""
+        downsample = self._input_stage[0].downsample if self._input_stage else None
+        if downsample is not None and is_fx_symbolic_tracing():
+            # FX names a module call after the module's path (layers.{i-1}.downsample); run as
+            # functions, its ops are named after this stage, so layers.{i-1} ends with its feature map.
+            # (The traced graph does not count num_batches_tracked, which a fixed momentum ignores.)
+            bn = downsample.norm
+            x = F.batch_norm(downsample.reduction.forward(x), bn.running_mean, bn.running_var, bn.weight,
+                             bn.bias, bn.training, bn.momentum, bn.eps)
+        elif downsample is not None:
+            x = downsample(x)
+        return self.forward_blocks(x)
 
 
 def _stem(in_chans: int, dim: int) -> nn.Sequential:
@@ -238,7 +260,10 @@ class NaLaFormer(nn.Module):
                 mlp_ratio, linear=i < num_linear_stages, drop_path=dpr[start:start + depth],
                 layer_scale_init=layer_scale_init[i], attn_impl=attn_impl))
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=4 * 2 ** i, module=f'layers.{i}'))
-        self.layers = nn.ModuleList(stages)
+        for previous, stage in zip(stages, stages[1:]):
+            stage.link_input(previous)
+        # Sequential (same keys as a list): timm's 'dict'/'hook' extractors run its stages one by one
+        self.layers = nn.Sequential(*stages)
 
         self.proj = nn.Linear(embed_dims[-1], HEAD_HIDDEN)
         self.norm = nn.BatchNorm2d(HEAD_HIDDEN)
@@ -325,13 +350,11 @@ class NaLaFormer(nn.Module):
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
         intermediates = []
         x = self.patch_embed(x)
-        stages = self.layers[:max_index + 1] if stop_early else self.layers
+        stages = self.layers[:max_index + 1] if stop_early or intermediates_only else self.layers
         for i, stage in enumerate(stages):
-            x = stage.forward_blocks(x)
+            x = stage(x)
             if i in take_indices:
                 intermediates.append(x)
-            if stage.downsample is not None and (not intermediates_only or i < max_index):
-                x = stage.downsample(x)
         if intermediates_only:
             return intermediates
         return x, intermediates
@@ -430,7 +453,7 @@ def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) ->
     return build_model_with_cfg(
         NaLaFormer, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'),
+        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter', flatten_sequential=True),
         **{**arch, **kwargs},
     )
 

@@ -1,10 +1,33 @@
-"""Custom ops of the fast path that torch.compile must not look into (see their docstrings)."""
-from typing import Tuple
+"""Custom ops of the fast path that torch.compile must not look into (see their docstrings), and the
+switch that sends tracers and exporters to the plain path instead."""
+import contextlib
+from typing import ContextManager, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-__all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward']
+__all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward', 'use_plain_ops', 'autocast_off']
+
+
+def use_plain_ops() -> bool:
+    """True while a tracer or exporter records the model: torch.jit.trace (also fvcore and the legacy
+    ONNX exporter), FX symbolic tracing, torch.export (also the dynamo ONNX exporter).
+
+    The fast path's autograd Function and custom op are opaque to these tools (fvcore counts no FLOPs
+    in them, ONNX has no translation for them, a traced graph cannot be saved), so the model takes
+    the plain path, which computes the same numbers from standard ops. torch.compile is not affected.
+    """
+    return (torch.jit.is_tracing() or is_fx_symbolic_tracing() or torch.compiler.is_exporting()
+            or torch.onnx.is_in_onnx_export())
+
+
+def autocast_off(x: torch.Tensor) -> ContextManager:
+    """A region where autocast is off on x's device. While FX traces, x is a Proxy without a device
+    and a graph cannot record a context manager, so the region is a no-op there."""
+    if is_fx_symbolic_tracing():
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=x.device.type, enabled=False)
 
 
 @torch.library.custom_op('nalaformer::depthwise_conv_same', mutates_args=())

@@ -133,7 +133,7 @@ def test_hooks_capture_the_layers_q_and_k(tiny_model, images):
     captured = aa.capture(tiny_model, images, batch_size=1)
     assert sorted(captured) == [(s, b) for s in range(4) for b in range(2)]
     with torch.no_grad():                                        # stage 1, block 0 (2 heads) by hand
-        x = tiny_model.layers[0](tiny_model.patch_embed(images))
+        x = tiny_model.layers[0].downsample(tiny_model.layers[0](tiny_model.patch_embed(images)))
         block = tiny_model.layers[1].blocks[0]
         x = x + block.cpe1(x)
         tokens = block.norm1(x).flatten(2).transpose(1, 2)
@@ -144,7 +144,7 @@ def test_hooks_capture_the_layers_q_and_k(tiny_model, images):
     torch.testing.assert_close(rec['k'][:, 0], k[..., :32], rtol=1e-4, atol=1e-5)
     assert aa.stage_kind(tiny_model, 1) == 'nala' and aa.stage_kind(tiny_model, 2) == 'softmax'
     # hooks are removed afterwards
-    assert not block.attn.qkvg._forward_hooks and not tiny_model.layers[1]._forward_pre_hooks
+    assert not block.attn.qkvg._forward_hooks and not tiny_model.layers[1].blocks[0]._forward_pre_hooks
     sin, cos = tiny_model.layers[1].RoPE((4, 4))
     torch.testing.assert_close(rec['sin'], sin)
     # both model frames (reference layout 'plain' and the default) hand over the same q, k

@@ -20,7 +20,7 @@ SHARED_REFERENCE = os.path.join(os.path.dirname(REPO), 'shared', 'reference')
 # Copies of the reference key lists (SPEC section 6), so the layout tests never depend on ../shared.
 KEYS_DIR = os.path.join(REPO, 'tests', 'reference')
 sys.path.insert(0, REPO)
-from tools.flops import count_flops, count_params  # noqa: E402
+from models.flops import count_flops, count_params  # noqa: E402
 
 
 def keys_file(variant):

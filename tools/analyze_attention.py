@@ -175,7 +175,7 @@ def record_qk(model: nn.Module) -> Iterator[Dict[Tuple[int, int], List[Dict[str,
     (B, heads, N, d) taken from the ``attn.qkvg`` output and the map size (H, W).
 
     The qkvg output is (B, N, 4C) in the reference-layout frame and (B, H, W, 4C) in the channels-last
-    one; for the former (H, W) comes from a pre-hook on the stage (its input map)."""
+    one; for the former (H, W) comes from a pre-hook on the stage's first block (its input map)."""
     records: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
     stage_hw: Dict[int, Tuple[int, int]] = {}
     handles = []
@@ -183,7 +183,7 @@ def record_qk(model: nn.Module) -> Iterator[Dict[Tuple[int, int], List[Dict[str,
         def stage_hook(module: nn.Module, args: Tuple[Any, ...], s=s) -> None:
             stage_hw[s] = tuple(args[0].shape[-2:])
 
-        handles.append(stage.register_forward_pre_hook(stage_hook))
+        handles.append(stage.blocks[0].register_forward_pre_hook(stage_hook))
     for s, b, attn in attention_layers(model):
         key = (s, b)
         records[key] = []

@@ -4,79 +4,20 @@
     python tools/flops.py --model NALAFORMER_T --input-size 384
 
 FLOPs are fvcore's default count (one multiply-add = one FLOP) of matmul, linear, conv, einsum and
-norm layers, measured on the model in eval mode with batch 1, as the reference figures are.
+norm layers, measured on the model in eval mode with batch 1, as the reference figures are
+(``models.flops.count_flops``).
 """
 import argparse
-import logging
 import os
 import sys
-import warnings
-from math import prod
-from typing import List, Sequence, Tuple
-
-import torch
-import torch.nn as nn
+from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
 import models  # noqa: E402,F401  (registers the variants)
 from models import PAPER_FIGURES, VARIANTS  # noqa: E402
-
-
-def count_params(model: nn.Module) -> int:
-    """Number of trainable parameters."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def _shape(value) -> List[int]:
-    return value.type().sizes()
-
-
-def nala_fast_flop_jit(inputs, outputs) -> int:
-    """``NaLaFastFunction`` (q, k, v (B, h, N, d), table): the multiply-adds of the plain path's three
-    products, Q.mean(K) (N x 2d x 1), R(K)^T V (2d x N x d) and R(Q) (K^T V) (N x 2d x d), per head."""
-    batch, heads, tokens, head_dim = _shape(inputs[0])
-    return batch * heads * tokens * 2 * head_dim * (1 + 2 * head_dim)
-
-
-def sdpa_flop_jit(inputs, outputs) -> int:
-    """``scaled_dot_product_attention``: q k^T and attn v, as fvcore counts the two matmuls."""
-    *lead, tokens, head_dim = _shape(inputs[0])
-    keys, value_dim = _shape(inputs[2])[-2:]
-    return int(prod(lead)) * tokens * keys * (head_dim + value_dim)
-
-
-def depthwise_conv_flop_jit(inputs, outputs) -> int:
-    """``nalaformer::depthwise_conv_same`` (x, weight (C, 1, kh, kw), bias): as fvcore counts a conv."""
-    return int(prod(_shape(outputs[0]))) * int(prod(_shape(inputs[1])[1:]))
-
-
-#: Handles for the fast path's ops that fvcore cannot see into, so that its totals equal the plain path's.
-FAST_PATH_HANDLES = {
-    'prim::PythonOp.NaLaFastFunction': nala_fast_flop_jit,
-    'aten::scaled_dot_product_attention': sdpa_flop_jit,
-    'nalaformer::depthwise_conv_same': depthwise_conv_flop_jit,
-}
-
-
-def count_flops(model: nn.Module, input_size: Tuple[int, int, int] = (3, 224, 224)) -> int:
-    """fvcore FLOPs (multiply-adds) of one forward pass at batch 1, with the model in eval mode."""
-    with warnings.catch_warnings():  # fvcore's own import scripts a loss with the deprecated torch.jit
-        warnings.simplefilter('ignore', FutureWarning)
-        from fvcore.nn import FlopCountAnalysis
-    was_training = model.training
-    model.eval()
-    param = next(model.parameters())
-    x = torch.zeros(1, *input_size, device=param.device, dtype=param.dtype)
-    logging.getLogger('fvcore').setLevel(logging.ERROR)
-    with torch.no_grad():
-        analysis = FlopCountAnalysis(model, x)
-        analysis.set_op_handle(**FAST_PATH_HANDLES)
-        analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
-        total = analysis.total()
-    model.train(was_training)
-    return int(total)
+from models.flops import count_flops, count_params  # noqa: E402,F401  (count_* re-exported for tools)
 
 
 def main(argv: Sequence[str] = None) -> None:

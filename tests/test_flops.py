@@ -1,0 +1,65 @@
+"""FLOP counting: plain fvcore sees the same model as models.flops, and tracers take the plain path."""
+import ast
+import logging
+import os
+import warnings
+
+import torch
+
+import timm
+import models  # noqa: F401  (registers the variants)
+from models.flops import count_flops, count_params
+from models.ops import use_plain_ops
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def raw_fvcore(model, x):
+    """FlopCountAnalysis as a user would call it: no custom handles."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        from fvcore.nn import FlopCountAnalysis
+        logging.getLogger('fvcore').setLevel(logging.ERROR)
+        return FlopCountAnalysis(model.eval(), x).total()
+
+
+def test_plain_fvcore_counts_the_fast_model_like_the_plain_one():
+    x = torch.zeros(1, 3, 64, 96)
+    model = timm.create_model('NALAFORMER_XT')
+    assert model.attn_impl == 'fast'
+    fast = raw_fvcore(model, x)
+    model.set_attn_impl('plain')
+    assert raw_fvcore(model, x) == fast == count_flops(model, (64, 96))
+
+
+def test_count_flops_accepts_a_side_or_a_shape_and_restores_the_model():
+    model = timm.create_model('NALAFORMER_XT')
+    state = torch.random.get_rng_state()
+    assert count_flops(model, 64) == count_flops(model, (64, 64)) == count_flops(model, (3, 64, 64)) > 0
+    assert model.training and torch.equal(state, torch.random.get_rng_state())
+    assert count_params(model) == sum(p.numel() for p in model.parameters())
+
+
+class _Probe(torch.nn.Module):
+    """Returns x + 1 when the model would take its plain path, else x."""
+
+    def forward(self, x):
+        return x + 1 if use_plain_ops() else x
+
+
+def test_use_plain_ops_under_every_tracer():
+    x = torch.zeros(2)
+    probe = _Probe()
+    assert torch.equal(probe(x), x)                                        # eager: fast path
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)                     # torch.jit is deprecated
+        assert torch.equal(torch.jit.trace(probe, x, check_trace=False)(x), x + 1)
+    assert torch.equal(torch.fx.symbolic_trace(probe)(x), x + 1)
+    assert torch.equal(torch.export.export(probe, (x,)).module()(x), x + 1)
+
+
+def test_main_counts_flops_without_tools():
+    tree = ast.parse(open(os.path.join(REPO, 'main.py')).read())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert imported and not [m for m in imported if m and m.split('.')[0] == 'tools']

@@ -1,0 +1,159 @@
+"""Export a NaLaFormer to ONNX, TorchScript or a torch.export program, and check it against PyTorch.
+
+    python -m tools.export --model NALAFORMER_XT --format onnx --output xt.onnx --dynamic
+    python -m tools.export --model NALAFORMER_XT --checkpoint ckpt.pth --format torchscript --output xt.pt
+    python -m tools.export --model NALAFORMER_XT --format exported-program --output xt.pt2 --dynamic
+
+Exporters and tracers record the model's plain path (standard ops only; ``models.ops.use_plain_ops``),
+which computes the same numbers as the fast path PyTorch runs. The model is exported in eval mode from
+a random input of ``--input-size``; with ``--dynamic`` batch, height and width stay free (batch 2 is
+traced, so that the batch is not specialised to 1). The exported file is then loaded and run
+(ONNX with ONNX Runtime) on that input and, with ``--dynamic``, on a second batch size and resolution;
+the largest absolute difference from the PyTorch model's output is printed. Exit status 1 if it is
+above ``--tolerance``.
+"""
+import argparse
+import os
+import sys
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import timm  # noqa: E402
+from timm.models import load_state_dict  # noqa: E402
+from models import VARIANTS  # noqa: E402  (importing models registers the variants)
+
+FORMATS = ('onnx', 'torchscript', 'exported-program')
+INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
+
+
+def build_model(name: str, checkpoint: Optional[str] = None) -> nn.Module:
+    """The variant in eval mode; with a checkpoint (a state dict or a training checkpoint, EMA weights
+    preferred), its weights, loaded strictly, with the number of classes of its head."""
+    if not checkpoint:
+        return timm.create_model(name).eval()
+    state = load_state_dict(checkpoint, use_ema=True)
+    num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 0
+    model = timm.create_model(name, num_classes=num_classes)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def example_inputs(input_size: int, dynamic: bool) -> List[torch.Tensor]:
+    """The export input (batch 2 when dynamic, else 1) and, when dynamic, a check input with another
+    batch size and a non-square resolution."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2 if dynamic else 1, 3, input_size, input_size, generator=gen)]
+    if dynamic:
+        inputs.append(torch.randn(3, 3, input_size + 32, input_size, generator=gen))
+    return inputs
+
+
+def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic: bool = False,
+                 legacy_onnx: bool = False) -> None:
+    """Write ``model`` traced on ``x`` to ``path`` as ``fmt`` (one of ``FORMATS``); with ``dynamic``,
+    batch, height and width are free. ``legacy_onnx`` selects the TorchScript-based ONNX exporter."""
+    batch_hw = {0: 'batch', 2: 'height', 3: 'width'}
+    dims = {i: torch.export.Dim.DYNAMIC for i in batch_hw}
+    with torch.no_grad(), warnings.catch_warnings():
+        # TorchScript and the legacy ONNX exporter are deprecated by PyTorch but still what many
+        # deployments read; their warnings (and the tracer's notes on Python numbers) are expected here.
+        warnings.simplefilter('ignore', FutureWarning)
+        warnings.simplefilter('ignore', DeprecationWarning)
+        warnings.simplefilter('ignore', torch.jit.TracerWarning)
+        if fmt == 'onnx' and legacy_onnx:
+            axes = {INPUT_NAME: batch_hw, OUTPUT_NAME: {0: 'batch'}} if dynamic else None
+            torch.onnx.export(model, (x,), path, dynamo=False, input_names=[INPUT_NAME],
+                              output_names=[OUTPUT_NAME], dynamic_axes=axes)
+        elif fmt == 'onnx':
+            torch.onnx.export(model, (x,), path, dynamo=True, verbose=False, input_names=[INPUT_NAME],
+                              output_names=[OUTPUT_NAME], dynamic_shapes=(dims,) if dynamic else None)
+        elif fmt == 'torchscript':
+            torch.jit.save(torch.jit.trace(model, x), path)
+        elif fmt == 'exported-program':
+            torch.export.save(torch.export.export(model, (x,), dynamic_shapes=(dims,) if dynamic else None), path)
+        else:
+            raise ValueError(f'unknown format {fmt!r}; choose one of {FORMATS}')
+
+
+def run_exported(fmt: str, path: str, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Load the exported file and run it on each input (ONNX with ONNX Runtime on the CPU)."""
+    if fmt == 'onnx':
+        import onnxruntime
+        session = onnxruntime.InferenceSession(path, providers=['CPUExecutionProvider'])
+        return [torch.from_numpy(session.run(None, {INPUT_NAME: x.numpy()})[0]) for x in inputs]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)  # torch.jit.load is deprecated, see export_model
+        module = torch.jit.load(path) if fmt == 'torchscript' else torch.export.load(path).module()
+        return [module(x) for x in inputs]
+
+
+def check_export(model: nn.Module, fmt: str, path: str, input_size: int = 224, dynamic: bool = False,
+                 legacy_onnx: bool = False) -> List[Tuple[Tuple[int, ...], float]]:
+    """Export, reload, run, and return (input shape, max |exported - PyTorch|) for each check input."""
+    inputs = example_inputs(input_size, dynamic)
+    export_model(model, inputs[0], fmt, path, dynamic, legacy_onnx)
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    got = run_exported(fmt, path, inputs)
+    return [(tuple(x.shape), (g - e).abs().max().item()) for x, g, e in zip(inputs, got, expected)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--model', default='NALAFORMER_XT', help='variant (default NALAFORMER_XT)')
+    parser.add_argument('--checkpoint', default=None, help='weights: a state dict or a training checkpoint')
+    parser.add_argument('--format', required=True, choices=FORMATS)
+    parser.add_argument('--output', required=True, help='file to write')
+    parser.add_argument('--dynamic', action='store_true', help='free batch size, height and width')
+    parser.add_argument('--input-size', type=int, default=224, help='side of the export input (default 224)')
+    parser.add_argument('--legacy-onnx', action='store_true',
+                        help='ONNX through the TorchScript-based exporter instead of torch.export')
+    parser.add_argument('--tolerance', type=float, default=1e-4,
+                        help='largest accepted |exported - PyTorch| (default 1e-4)')
+    args = parser.parse_args(argv)
+    if args.model.upper() not in VARIANTS:
+        parser.error(f'unknown --model {args.model}; choose one of {list(VARIANTS)}')
+    if args.input_size < 32:
+        parser.error(f'--input-size must be at least 32 (the network has stride 32), got {args.input_size}')
+    if args.format == 'exported-program' and not args.output.endswith('.pt2'):
+        parser.error(f'--output {args.output}: an exported program is saved as a .pt2 file; name it *.pt2')
+    if args.legacy_onnx and args.format != 'onnx':
+        parser.error('--legacy-onnx applies to --format onnx only')
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        parser.error(f'--output {args.output}: directory {out_dir} does not exist; create it first')
+    if args.checkpoint and not os.path.isfile(args.checkpoint):
+        parser.error(f'--checkpoint {args.checkpoint}: no such file')
+    if args.format == 'onnx':
+        missing = [m for m in ('onnx', 'onnxscript', 'onnxruntime') if not _importable(m)]
+        if missing:
+            parser.error(f'--format onnx needs {", ".join(missing)}: pip install {" ".join(missing)}')
+    try:
+        model = build_model(args.model, args.checkpoint)
+    except (RuntimeError, KeyError, ValueError) as e:
+        parser.error(f'cannot load --checkpoint {args.checkpoint} into {args.model}: '
+                     f'{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}')
+    results = check_export(model, args.format, args.output, args.input_size, args.dynamic, args.legacy_onnx)
+    worst = max(err for _, err in results)
+    print(f'wrote {args.output} ({args.format}{", legacy exporter" if args.legacy_onnx else ""}'
+          f'{", dynamic batch/height/width" if args.dynamic else ""})')
+    for shape, err in results:
+        print(f'input {"x".join(map(str, shape))}: max |exported - PyTorch| = {err:.2e}')
+    if worst > args.tolerance:
+        print(f'error: the exported model differs from PyTorch by {worst:.2e} > --tolerance {args.tolerance:g}')
+        return 1
+    return 0
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+if __name__ == '__main__':
+    sys.exit(main())
