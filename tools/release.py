@@ -171,7 +171,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
                 data_set=args.get('data_set'), source=checkpoint, weights=taken, sha256=digest,
                 license=license_line, file=final)
     if flops:
-        from tools.flops import count_flops
+        from models.flops import count_flops
         info['gflops'] = count_flops(model, (3, input_size, input_size)) / 1e9
     card = final[:-len('.safetensors')] + '.md'
     with open(card, 'w') as f:
