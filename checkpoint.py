@@ -30,6 +30,7 @@ import re
 import shutil
 import stat
 import tempfile
+import zipfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -238,8 +239,8 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
         if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
             raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
                                   f'refusing to unpickle it (weights_only=True)') from e
-        if (is_zip and ('central directory' in msg or 'zip archive' in msg or 'failed reading' in msg)) \
-                or isinstance(e, EOFError) or 'EOF' in msg:
+        if (is_zip and (not zipfile.is_zipfile(path) or 'central directory' in msg or 'zip archive' in msg
+                        or 'failed reading' in msg)) or isinstance(e, EOFError) or 'EOF' in msg:
             raise CheckpointError(f'checkpoint {path} is truncated or corrupt ({os.path.getsize(path)} bytes); '
                                   f'{other_checkpoints_hint(path)}') from e
         raise CheckpointError(f'{path} is not a PyTorch checkpoint ({utils.first_line(e)})') from e
@@ -718,7 +719,8 @@ class TrainingCheckpoints:
                     group[k] = want[k]
         if changed:
             print('Note: optimizer settings changed since the checkpoint ('
-                  + ', '.join(f'{k}: ' + ', '.join(f'{a} -> {b}' for a, b in pairs[:3]) for k, pairs in changed.items())
+                  + ', '.join(f'{k}: ' + ', '.join(f'{a} -> {b}' for a, b in changed[k][:3])
+                              for k in FOLLOWED_OPTIMIZER_KEYS if k in changed)
                   + '); following the command line')
 
     def _repair_files(self, path: str, ckpt: Dict[str, Any]) -> None:
