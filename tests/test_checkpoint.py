@@ -366,29 +366,11 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_eval_reports_model_and_ema_and_which_is_best(data, tmp_path):
-    out = str(tmp_path / 'out')
-    run_main(BASE[:-1] + ['1', '--data-path', data, '--output_dir', out])
-    log = json.loads(open(os.path.join(out, 'log.txt')).readline())
-    ck = torch.load(os.path.join(out, 'best.pth'), weights_only=True)
-    best = 'model_ema' if log['test_ema_acc1'] >= log['test_acc1'] else 'model'
-    assert ck['best_weights'] == best and ck['max_accuracy'] == max(log['test_acc1'], log['test_ema_acc1'])
-    assert ck['acc1'] == {'model': log['test_acc1'], 'model_ema': log['test_ema_acc1']} and ck['log'] == log
-    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
-                  '--num_workers', '0', '--no-flops', '--eval', '--resume', os.path.join(out, 'best.pth'),
-                  '--data-path', data])
-    lines = [x for x in p.stdout.splitlines() if x.startswith('Accuracy of the network')]
-    assert lines == [f"Accuracy of the network (model) on the 15 test images: {log['test_acc1']:.2f}%",
-                     f"Accuracy of the network (EMA) on the 15 test images: {log['test_ema_acc1']:.2f}%"]
-    assert f"from the {'EMA' if best == 'model_ema' else 'model'} weights" in p.stdout
-
-
-@pytest.mark.slow
 def test_killed_between_the_writes_then_resumed(data, tmp_path):
     """The process dies right after checkpoint.pth of epoch 0 (always a new best) is renamed into place:
-    best.pth and the log line of epoch 0 are missing. The same command repairs both and goes on."""
+    best.pth and the log line of epoch 0 are missing. The same command repairs both."""
     out = tmp_path / 'out'
-    args = BASE + ['--data-path', data, '--output_dir', str(out), '--no-model-ema']
+    args = BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(out), '--no-model-ema']
     script = tmp_path / 'inject.py'
     script.write_text(
         'import os, sys, checkpoint, main\n'
@@ -405,11 +387,8 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
     ck = torch.load(out / 'checkpoint.pth', weights_only=True)
     assert ck['epoch'] == 0 and ck['files'] == ['checkpoint.pth', 'best.pth'] and ck['best_epoch'] == 0
     assert sorted(os.listdir(out)) == ['checkpoint.pth']
-    p = run_main(args)  # the same command
+    p = run_main(args)  # the same command: nothing left to train, the state is repaired
     assert re.search(r'Repaired \S+best\.pth: it was missing', p.stdout), p.stdout[-3000:]
     assert 'added the line of epoch 0' in p.stdout
-    assert [json.loads(x)['epoch'] for x in open(out / 'log.txt')] == [0, 1]
-    best = torch.load(out / 'best.pth', weights_only=True)
-    final = torch.load(out / 'checkpoint.pth', weights_only=True)
-    assert best['epoch'] == final['best_epoch'] and best['max_accuracy'] == final['max_accuracy']
-    assert json.loads(open(out / 'log.txt').readline()) == ck['log']
+    assert (out / 'best.pth').read_bytes() == (out / 'checkpoint.pth').read_bytes()
+    assert [json.loads(x) for x in open(out / 'log.txt')] == [ck['log']]
