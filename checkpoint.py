@@ -39,7 +39,6 @@ import utils
 from utils import CheckpointError, CheckpointWriteError, UserError
 
 TMP_PREFIX = '.tmp-'
-RUN_FILES = ('checkpoint.pth', 'best.pth', 'log.txt')
 NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
 
 #: timm.models.load_state_dict's order (use_ema=True): the weights a single-weights loader takes.

@@ -452,6 +452,7 @@ def main(args, parser):
             print(f'{resume_path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
                                               'take the EMA weights' if ema_sd is not None else ''))
         return 0
+    resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
 
     # ---------------- train ----------------
     checkpoint.check_room(output_dir, run_ckpt.estimate_bytes(resume_path), device)
@@ -570,7 +571,9 @@ def run(argv=None):
     except BadSampleError as e:  # --strict-data: raised in a loader worker, re-raised here
         # from a worker, the message is the last line of the worker's traceback
         utils.eprint(f"error: {str(e).strip().splitlines()[-1].split('BadSampleError: ', 1)[-1]}")
-        code = 1
+        # the failing loader's worker ignores SIGTERM and may outlive its iterator: leave at once, as below
+        sys.stdout.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         utils.eprint('interrupted')
         code = 130

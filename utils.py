@@ -303,7 +303,8 @@ class MetricLogger:
 # --------------------------------------------------------------------------------------------------
 # Random-number state (torch, CUDA, numpy, python) as weights_only-loadable plain objects
 # --------------------------------------------------------------------------------------------------
-def get_rng_state():
+def get_rng_state() -> dict:
+    """torch, numpy and python RNG state (and this process's CUDA device's) as plain objects."""
     np_state = np.random.get_state()
     state = {
         'torch': torch.get_rng_state(),
@@ -317,7 +318,8 @@ def get_rng_state():
     return state
 
 
-def set_rng_state(state):
+def set_rng_state(state: dict) -> None:
+    """Restore get_rng_state()'s result; the CUDA state goes to this process's current device."""
     torch.set_rng_state(state['torch'])
     n = state['numpy']
     np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'], n['cached_gaussian']))
