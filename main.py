@@ -21,8 +21,9 @@ import warnings
 import numpy as np
 import torch
 
+import checkpoint
 import utils
-from utils import UserError, CheckpointError
+from utils import UserError
 
 DATASETS = ('CIFAR', 'IMNET', 'INAT', 'INAT19', 'DIGITS')
 
@@ -168,6 +169,11 @@ def get_args_parser():
                    help='seconds a collective waits for a silent peer before the run stops')
     p.add_argument('--local_rank', '--local-rank', dest='local_rank', default=None, type=int,
                    help=argparse.SUPPRESS)
+
+    # Output directory
+    p.add_argument('--overwrite', action='store_true',
+                   help='start a new run in an --output_dir that holds one: its checkpoints and log.txt are '
+                        'deleted (without it such a run is refused; relaunching without flags resumes it)')
     return p
 
 
@@ -342,37 +348,6 @@ def build_loaders(args, dataset_train, dataset_val):
     return sampler_train, loader_train, loader_val
 
 
-def load_model_weights(model, path, model_name, strict_msg=True):
-    ckpt = utils.load_checkpoint_file(path)
-    sd = utils.checkpoint_state_dict(ckpt, path)
-    msg = utils.describe_mismatch(model, sd, model_name, path, candidates=known_models())
-    if msg:
-        raise CheckpointError(msg)
-    model.load_state_dict(sd, strict=True)
-    return ckpt
-
-
-def finetune_from(model, path, model_name):
-    ckpt = utils.load_checkpoint_file(path)
-    sd = utils.checkpoint_state_dict(ckpt, path)
-    own = model.state_dict()
-    clf = utils.classifier_keys(model)
-    dropped = [k for k in sd if k in own and k in clf and tuple(sd[k].shape) != tuple(own[k].shape)]
-    rest = {k: v for k, v in sd.items() if k not in dropped}
-    wrong = [k for k in rest if k in own and tuple(rest[k].shape) != tuple(own[k].shape)]
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    if wrong or unexpected or (set(missing) - clf):
-        msg = utils.describe_mismatch(model, rest, model_name, path, candidates=known_models())
-        raise CheckpointError(msg or f'{path} does not match {model_name}')
-    model.load_state_dict(rest, strict=False)
-    if dropped:
-        shapes = ', '.join(f'{k} {tuple(sd[k].shape)} -> {tuple(own[k].shape)}' for k in dropped)
-        print(f'Finetune: loaded {path}; classifier re-initialised (shape differs): {shapes}')
-    else:
-        print(f'Finetune: loaded {path} (all {len(own)} tensors, classifier kept)')
-
-
 # --------------------------------------------------------------------------------------------------
 def main(args, parser):
     validate_args(args, parser)
@@ -402,12 +377,7 @@ def main(args, parser):
     engine.set_tf32(device, args.tf32)
 
     output_dir = args.output_dir
-    if output_dir and utils.is_main_process():
-        try:
-            os.makedirs(output_dir, exist_ok=True)
-        except OSError as e:
-            raise UserError(f'cannot create --output_dir {output_dir}: {e.strerror}') from e
-        utils.remove_stale_tmp(output_dir)
+    checkpoint.prepare_output_dir(args, device)
 
     # ---------------- data ----------------
     try:
@@ -441,9 +411,9 @@ def main(args, parser):
     print(f'Drop path rate: {drop_path_rate(model):.3g} '
           + ('(--drop-path)' if args.drop_path is not None else f"({args.model}'s default)"))
     if args.finetune:
-        finetune_from(model, args.finetune, args.model)
+        checkpoint.finetune_from(model, args.finetune, args.model)
     if args.attn_only:
-        clf = utils.classifier_keys(model)
+        clf = checkpoint.classifier_keys(model)
         for name, p in model.named_parameters():
             p.requires_grad = ('.attn.' in name) or name in clf
     n_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -488,65 +458,24 @@ def main(args, parser):
     teacher_model = None
     if args.distillation_type != 'none':
         teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)
-        load_model_weights(teacher_model, args.teacher_path, args.teacher_model)
+        checkpoint.load_model_weights(teacher_model, args.teacher_path, args.teacher_model)
         teacher_model.to(device).eval()
     criterion = DistillationLoss(criterion, teacher_model, args.distillation_type, args.distillation_alpha,
                                  args.distillation_tau)
 
     # ---------------- resume ----------------
-    max_accuracy = 0.0
-    start_epoch, start_step = args.start_epoch, 0
-    resume_rng = epoch_rng = loss_meter = None
-    carry = engine.TrainCarry()  # consecutive skipped steps survive epochs and resumes
-    resume_path = args.resume
-    if not resume_path and args.auto_resume and output_dir and os.path.isfile(os.path.join(output_dir, 'checkpoint.pth')):
-        resume_path = os.path.join(output_dir, 'checkpoint.pth')
-    if resume_path:
-        ckpt = load_model_weights(model_without_ddp, resume_path, args.model)
-        print(f'Loaded weights from {resume_path}')
-        if not args.eval and isinstance(ckpt, dict) and all(k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch')):
-            try:
-                optimizer.load_state_dict(ckpt['optimizer'])
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f'the optimizer state in {resume_path} does not fit this run ({utils.first_line(e)}); '
-                                      f'were --opt/--attn-only different? use --finetune to start from its weights') from e
-            saved, fresh = ckpt['lr_scheduler'], lr_scheduler.state_dict()
-            changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
-            if changed:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
-                print('Note: the LR schedule flags changed since the checkpoint ('
-                      + ', '.join(f'{k}: {saved[k]} -> {fresh[k]}' for k in changed[:4]) + '); following the command line')
-            else:
-                lr_scheduler.load_state_dict(saved)
-            if model_ema is not None:
-                if 'model_ema' in ckpt:
-                    model_ema.module.load_state_dict(ckpt['model_ema'], strict=True)
-                else:
-                    print('Warning: the checkpoint has no EMA weights; the EMA restarts from the model weights')
-                    model_ema.module.load_state_dict(model_without_ddp.state_dict())
-            if loss_scaler is not None and ckpt.get('scaler'):
-                loss_scaler.load_state_dict(ckpt['scaler'])
-            max_accuracy = float(ckpt.get('max_accuracy', 0.0))
-            carry = engine.TrainCarry.from_state(ckpt.get('train_carry'))
-            if ckpt.get('step'):
-                start_epoch, start_step = int(ckpt['epoch']), int(ckpt['step'])
-                loss_meter = ckpt.get('loss_meter')
-            else:
-                start_epoch = int(ckpt['epoch']) + 1
-            rng = ckpt.get('rng_state')
-            if isinstance(rng, list) and len(rng) == world:
-                resume_rng = rng[rank]
-                if start_step:
-                    epoch_rng = ckpt['epoch_rng_state'][rank]
-                else:
-                    utils.set_rng_state(resume_rng)
-            else:
-                print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "an unknown number of"} '
-                      f'process(es), this run has {world}: random-number state not restored')
-            where = f'epoch {start_epoch} step {start_step}' if start_step else f'epoch {start_epoch}'
-            print(f'Resumed from {resume_path}: continuing at {where}, best accuracy so far {max_accuracy:.2f}%')
+    run_ckpt = checkpoint.TrainingCheckpoints(args, model_without_ddp, model_ema, optimizer, lr_scheduler,
+                                              loss_scaler, n_parameters, device)
+    resume_path = checkpoint.find_resume_path(args)
+    resumed = run_ckpt.resume(resume_path, eval_only=args.eval)
+    start_epoch, start_step = resumed.start_epoch, resumed.start_step
+    resume_rng, epoch_rng, loss_meter = resumed.resume_rng, resumed.epoch_rng, resumed.loss_meter
+    max_accuracy = run_ckpt.max_accuracy
+    # consecutive skipped steps survive epochs and resumes
+    carry = engine.TrainCarry.from_state(resumed.ckpt.get('train_carry') if isinstance(resumed.ckpt, dict) else None)
 
-    def accuracy_line(stats, tag=''):
-        line = f"Accuracy of the {tag}network on the {stats['n']} test images: {stats['acc1']:.2f}%"
+    def accuracy_line(stats, tag='', label=''):
+        line = f"Accuracy of the {tag}network{label} on the {stats['n']} test images: {stats['acc1']:.2f}%"
         if stats['n'] != len(dataset_val) or stats.get('seen', stats['n']) != len(dataset_val):
             line += f" (evaluated {stats['n']} of {len(dataset_val)} images; undecodable ones excluded)"
         return line
@@ -558,54 +487,39 @@ def main(args, parser):
         print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
               f'evaluating it (raise --epochs to train longer)')
     if args.eval or start_epoch >= args.epochs:
-        test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
-                                     sum_over_ranks=sum_over_ranks)
-        print(accuracy_line(test_stats))
-        for name, ds in eval_sets:  # build_loaders: only its validation loader is used
-            stats = engine.evaluate(build_loaders(args, ds, ds)[2], model_without_ddp, device, amp_dtype,
-                                    args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks)
-            print(f"{name}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% on {stats['n']} of {len(ds)} images")
-        if real is not None:
-            stats = datasets.evaluate_real(build_loaders(args, dataset_val, datasets.WithIndex(dataset_val))[2],
-                                           model_without_ddp, real, device, amp_dtype, args.channels_last, sum_over_ranks)
-            print(f"ImageNet-ReaL: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% on {stats['n']} images with a ReaL label")
+        # a checkpoint with an EMA is measured twice, one labelled line per set of weights and data set
+        ema_sd = None
+        if isinstance(resumed.ckpt, dict) and isinstance(resumed.ckpt.get('model_ema'), dict):
+            ema_sd = checkpoint.select_weights(resumed.ckpt, resume_path, 'model_ema')[1]
+        for label, weights in ((' (model)', None), (' (EMA)', ema_sd)) if ema_sd is not None else (('', None),):
+            if weights is not None:
+                checkpoint.load_weights_into(model_without_ddp, weights, args.model, resume_path)
+            test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last,
+                                         args.print_freq, sum_over_ranks=sum_over_ranks)
+            print(accuracy_line(test_stats, label=label))
+            for name, ds in eval_sets:  # build_loaders: only its validation loader is used
+                stats = engine.evaluate(build_loaders(args, ds, ds)[2], model_without_ddp, device, amp_dtype,
+                                        args.channels_last, args.print_freq, header=f'{name}:',
+                                        sum_over_ranks=sum_over_ranks)
+                print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
+                      f"on {stats['n']} of {len(ds)} images")
+            if real is not None:
+                stats = datasets.evaluate_real(build_loaders(args, dataset_val, datasets.WithIndex(dataset_val))[2],
+                                               model_without_ddp, real, device, amp_dtype, args.channels_last,
+                                               sum_over_ranks)
+                print(f"ImageNet-ReaL{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
+                      f"on {stats['n']} images with a ReaL label")
+        best = checkpoint.describe_best(resumed.ckpt)
+        if best:
+            print(f'{resume_path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
+                                              'take the EMA weights' if ema_sd is not None else ''))
         return 0
+    resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
 
     # ---------------- train ----------------
-    def save(state_epoch, extra, names):
-        err = None
-        if utils.is_main_process() and output_dir:
-            state = {
-                'model': model_without_ddp.state_dict(),
-                'optimizer': optimizer.state_dict(),
-                'lr_scheduler': lr_scheduler.state_dict(),
-                'epoch': state_epoch,
-                'scaler': loss_scaler.state_dict() if loss_scaler is not None else None,
-                'args': utils.args_to_dict(args),
-                'max_accuracy': max_accuracy,
-                'n_parameters': n_parameters,
-            }
-            if model_ema is not None:
-                state['model_ema'] = model_ema.module.state_dict()
-            state.update(extra)
-            try:
-                for name in names:
-                    utils.save_atomic(state, os.path.join(output_dir, name))
-            except utils.CheckpointWriteError as e:
-                err = e
-        if args.distributed:
-            failed, = utils.all_reduce_max([1.0 if err else 0.0], device)
-            if failed and err is None:
-                raise utils.CheckpointWriteError('rank 0 could not write a checkpoint (see its error); stopped')
-        if err is not None:
-            raise err
-
-    def gather_rng(state):
-        if not args.distributed:
-            return [state]
-        out = [None] * world
-        torch.distributed.all_gather_object(out, state)
-        return out
+    checkpoint.check_room(output_dir, run_ckpt.estimate_bytes(resume_path), device)
+    save = run_ckpt.save
+    gather_rng = checkpoint.gather_rng
 
     tb = None
     if args.log_dir and utils.is_main_process():
@@ -668,9 +582,8 @@ def main(args, parser):
             print(accuracy_line(test_stats))
             if ema_stats:
                 print(accuracy_line(ema_stats, 'EMA '))
-            best_now = max(test_stats['acc1'], ema_stats['acc1'] if ema_stats else float('-inf'))
-            improved = best_now > max_accuracy
-            max_accuracy = max(max_accuracy, best_now)
+            improved = run_ckpt.record_accuracy(epoch, test_stats['acc1'], ema_stats['acc1'] if ema_stats else None)
+            max_accuracy = run_ckpt.max_accuracy
         print(f'Max accuracy: {max_accuracy:.2f}%' + (f'  (undecodable training images so far: {bad})' if bad else ''))
 
         names = ['checkpoint.pth']
@@ -678,16 +591,16 @@ def main(args, parser):
             names.append('best.pth')
         if args.save_freq and (epoch + 1) % args.save_freq == 0:
             names.append(f'checkpoint_{epoch:04d}.pth')
-        save(epoch, {'rng_state': gather_rng(utils.get_rng_state()), 'train_carry': carry.state_dict()}, names)
-
         log_stats = {**{f'train_{k}': v for k, v in res.stats.items()},
                      **({f'test_{k}': v for k, v in test_stats.items() if k != 'aborted'} if not eval_aborted else {}),
                      **({f'test_ema_{k}': v for k, v in ema_stats.items() if k != 'aborted'}
                         if ema_stats and not eval_aborted else {}),
                      'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
                      'bad_train_images': bad}
-        if output_dir and utils.is_main_process():
-            utils.write_json_line(os.path.join(output_dir, 'log.txt'), log_stats)
+        # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
+        save(epoch, {'rng_state': gather_rng(utils.get_rng_state()), 'train_carry': carry.state_dict(),
+                     'log': log_stats}, names)
+        run_ckpt.append_log(log_stats)
         if tb is not None:
             tb.log_epoch(log_stats, epoch)
         if stop_now:
@@ -731,7 +644,9 @@ def run(argv=None):
     except BadSampleError as e:  # --strict-data: raised in a loader worker, re-raised here
         # from a worker, the message is the last line of the worker's traceback
         utils.eprint(f"error: {str(e).strip().splitlines()[-1].split('BadSampleError: ', 1)[-1]}")
-        code = 1
+        # the failing loader's worker ignores SIGTERM and may outlive its iterator: leave at once, as below
+        sys.stdout.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         utils.eprint('interrupted')
         code = 130

@@ -1,11 +1,10 @@
-"""Helpers of the training engine: distributed setup, progress logging, checkpoints, RNG state, signals.
+"""Helpers of the training engine: distributed setup, progress logging, RNG state, signals (the
+checkpoint format lives in checkpoint.py).
 
 Everything here is independent of the model: the engine only needs `import models` to register the
 NaLaFormer variants in timm.
 """
 import datetime
-import errno
-import glob
 import json
 import math
 import os
@@ -13,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict, deque
 
@@ -306,7 +304,8 @@ class MetricLogger:
 # --------------------------------------------------------------------------------------------------
 # Random-number state (torch, CUDA, numpy, python) as weights_only-loadable plain objects
 # --------------------------------------------------------------------------------------------------
-def get_rng_state():
+def get_rng_state() -> dict:
+    """torch, numpy and python RNG state (and this process's CUDA device's) as plain objects."""
     np_state = np.random.get_state()
     state = {
         'torch': torch.get_rng_state(),
@@ -315,18 +314,25 @@ def get_rng_state():
         'python': _to_plain(random.getstate()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state['cuda'] = torch.cuda.get_rng_state_all()
+        # this process's own device only: another launch may see fewer GPUs per process
+        state['cuda'] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
-def set_rng_state(state):
+def set_rng_state(state: dict) -> None:
+    """Restore get_rng_state()'s result; the CUDA state goes to this process's current device."""
     torch.set_rng_state(state['torch'])
     n = state['numpy']
     np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'], n['cached_gaussian']))
     py = state['python']
     random.setstate((py[0], tuple(py[1]), py[2]))
-    if 'cuda' in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
+    cuda = state.get('cuda')
+    if cuda is not None and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state
+            cuda = cuda[device] if device < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
 
 
 class preserved_rng:
@@ -355,176 +361,6 @@ def _to_plain(obj):
 
 def args_to_dict(args):
     return _to_plain(dict(vars(args)))
-
-
-# --------------------------------------------------------------------------------------------------
-# Checkpoints: atomic writes, safe loads, clear errors
-# --------------------------------------------------------------------------------------------------
-TMP_PREFIX = '.tmp-'
-
-
-def save_atomic(obj, path):
-    """torch.save to a temporary file in the same directory, fsync, then os.replace: a crash at any
-    moment leaves either the previous file or the new one, never a half-written one."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + '.', dir=directory)
-        with os.fdopen(fd, 'wb') as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        try:
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
-    except OSError as e:
-        reason = os.strerror(e.errno) if e.errno else first_line(e)
-        if e.errno == errno.ENOSPC:
-            reason = 'no space left on device'
-        raise CheckpointWriteError(f'could not write checkpoint {path}: {reason}; '
-                                   f'the previous {os.path.basename(path)} (if any) is kept') from e
-    except RuntimeError as e:  # torch.save wraps some write failures (e.g. file too large) in RuntimeError
-        raise CheckpointWriteError(f'could not write checkpoint {path}: {first_line(e)}; '
-                                   f'the previous {os.path.basename(path)} (if any) is kept') from e
-    finally:
-        if tmp is not None:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-
-
-def remove_stale_tmp(directory):
-    """Temporary files left by a process killed mid-write (kill -9)."""
-    for p in glob.glob(os.path.join(glob.escape(directory), TMP_PREFIX + '*')):
-        try:
-            os.remove(p)
-        except OSError:
-            pass
-
-
-def load_checkpoint_file(path):
-    """torch.load(weights_only=True) with one-line errors for missing, truncated, foreign and unsafe files."""
-    path = os.fspath(path)
-    if path.startswith(('http://', 'https://')):
-        raise CheckpointError(f'{path}: downloading checkpoints is disabled; download it yourself and pass the local file')
-    if not os.path.exists(path):
-        raise CheckpointError(f'checkpoint {path} does not exist')
-    if os.path.isdir(path):
-        raise CheckpointError(f'checkpoint {path} is a directory, expected a .pth file')
-    if os.path.getsize(path) == 0:
-        raise CheckpointError(f'checkpoint {path} is empty (0 bytes)')
-    with open(path, 'rb') as f:
-        magic = f.read(4)
-    is_zip, is_legacy = magic[:2] == b'PK', magic[:1] == b'\x80'  # torch.save zip format / legacy pickle format
-    if not (is_zip or is_legacy):
-        raise CheckpointError(f'{path} is not a PyTorch checkpoint (unknown file format)')
-    try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        msg = str(e)
-        if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
-            raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
-                                  f'refusing to unpickle it (weights_only=True)') from e
-        if (is_zip and ('central directory' in msg or 'zip archive' in msg or 'failed reading' in msg)) \
-                or isinstance(e, EOFError) or 'EOF' in msg:
-            raise CheckpointError(f'checkpoint {path} is truncated or corrupt ({os.path.getsize(path)} bytes); '
-                                  f'use a backup checkpoint') from e
-        raise CheckpointError(f'{path} is not a PyTorch checkpoint ({first_line(e)})') from e
-    return ckpt
-
-
-def checkpoint_state_dict(ckpt, path):
-    """The model weights of a loaded checkpoint: 'model' (training checkpoints), 'state_dict', or a bare state dict."""
-    if isinstance(ckpt, dict):
-        for key in ('model', 'state_dict', 'model_ema'):
-            if key in ckpt and isinstance(ckpt[key], dict):
-                sd = ckpt[key]
-                break
-        else:
-            sd = ckpt
-        if sd and all(isinstance(v, torch.Tensor) for v in sd.values()):
-            return {k[7:] if k.startswith('module.') else k: v for k, v in sd.items()}
-    raise CheckpointError(f'{path} is a torch file but holds no model weights '
-                          f'(expected a dict with a "model" state dict)')
-
-
-def classifier_keys(model):
-    """State-dict keys of the classifier (those re-initialised by --finetune)."""
-    keys = set()
-    get = getattr(model, 'get_classifier', None)
-    clf = get() if callable(get) else None
-    if isinstance(clf, torch.nn.Module):
-        ids = {id(p) for p in clf.parameters()}
-        for name, p in model.named_parameters():
-            if id(p) in ids:
-                keys.add(name)
-    return keys
-
-
-def guess_variant(sd, candidates, num_classes):
-    """Name of the registered model whose key/shape set matches `sd` best (ignoring the classifier)."""
-    import timm
-    best, best_score = None, -1.0
-    target = {k: tuple(v.shape) for k, v in sd.items()}
-    for name in sorted(candidates, key=lambda n: (-len(n), n)):
-        if best_score > 0.98:
-            break
-        m = None
-        try:
-            with torch.device('meta'):  # no memory, no init: shapes only
-                m = timm.create_model(name, num_classes=num_classes)
-        except Exception:  # noqa: BLE001 - some models compute with tensors while building
-            pass
-        if m is None:
-            try:
-                with torch.no_grad():
-                    m = timm.create_model(name, num_classes=num_classes)
-            except Exception:  # noqa: BLE001
-                continue
-        ref = {k: tuple(v.shape) for k, v in m.state_dict().items()}
-        del m
-        common = set(ref) | set(target)
-        score = sum(1 for k in common if k in ref and k in target and ref[k] == target[k]) / max(len(common), 1)
-        if score > best_score:
-            best, best_score = name, score
-    return best, best_score
-
-
-def describe_mismatch(model, sd, model_name, path, candidates=()):
-    """One line explaining why `sd` does not load into `model` strictly (None if it does)."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if not (missing or unexpected or wrong):
-        return None
-    clf = classifier_keys(model)
-    if not missing and not unexpected and wrong and set(wrong) <= clf:
-        k = sorted(wrong)[0]
-        n_ckpt = sd[k].shape[0]
-        return (f'{path} has a {n_ckpt}-class classifier but the model has {own[k].shape[0]} classes; '
-                f'to start from it with a new head use --finetune {path}')
-    guess, score = guess_variant(sd, [c for c in candidates if c != model_name], num_classes=1000)
-    if guess is not None and score > 0.9:
-        return f'{path} looks like a {guess} checkpoint, not {model_name}; pass --model {guess}'
-    detail = []
-    if missing:
-        detail.append(f'{len(missing)} missing keys (e.g. {missing[0]})')
-    if unexpected:
-        detail.append(f'{len(unexpected)} unexpected keys (e.g. {unexpected[0]})')
-    if wrong:
-        k = wrong[0]
-        detail.append(f'{len(wrong)} shape mismatches (e.g. {k}: {tuple(sd[k].shape)} vs {tuple(own[k].shape)})')
-    return f'{path} does not match {model_name}: ' + ', '.join(detail)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -396,14 +396,12 @@ class NaLaFormer(nn.Module):
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[str, torch.Tensor]:
-    """Accept a bare reference state dict or a training checkpoint (``model_ema`` preferred, as timm's
-    ``load_checkpoint`` does), with or without a DDP ``module.`` prefix. Keys are not renamed: the
-    reference layout is ours."""
-    for key in ('model_ema', 'state_dict_ema', 'model', 'state_dict'):
-        if isinstance(state_dict.get(key), dict):
-            state_dict = state_dict[key]
-            break
-    return {(k[len('module.'):] if k.startswith('module.') else k): v for k, v in state_dict.items()}
+    """Accept a bare reference state dict or a training checkpoint, with or without a DDP ``module.``
+    prefix. A training checkpoint gives the weights of the one loader rule (checkpoint.select_weights:
+    ``model_ema`` when present, as timm's ``load_checkpoint`` does). Keys are not renamed: the reference
+    layout is ours."""
+    from checkpoint import select_weights  # the repository root module that owns the checkpoint format
+    return select_weights(state_dict, 'the pretrained weights')[1]
 
 
 #: Architecture of every variant; drop_path is the stochastic-depth rate the recipe trains the variant with,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import checkpoint  # noqa: E402
 import timm  # noqa: E402
 import models  # noqa: E402,F401
 from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain  # noqa: E402
@@ -227,8 +228,8 @@ def test_cli_with_checkpoint_and_images(tmp_path, capsys):
     loaded, meta = aa.load_model('NALAFORMER_XT', str(ckpt))
     assert meta['input_size'] == 32 and loaded.head.weight.shape[0] == 10
     torch.testing.assert_close(loaded.layers[0].blocks[0].attn.qkvg.weight, model.layers[0].blocks[0].attn.qkvg.weight)
-    with pytest.raises(ValueError, match='model_ema'):
-        aa.load_model('NALAFORMER_XT', str(ckpt), ema=True)
+    with pytest.raises(checkpoint.CheckpointError, match='model_ema'):
+        aa.load_model('NALAFORMER_XT', str(ckpt), weights='model_ema')
 
 
 def test_cli_digits_smoke(tmp_path):

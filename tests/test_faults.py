@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import main
 import utils
 from test_runs import (BASE, LAUNCH, PY, REPO, TORCHRUN, accuracy_line, assert_same_weights, env, free_port, load,
@@ -50,33 +51,33 @@ def test_not_a_checkpoint(tmp_path):
     p = tmp_path / 'notes.pth'
     p.write_text('these are not weights\n')
     with pytest.raises(utils.CheckpointError, match=r'is not a PyTorch checkpoint'):
-        main.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
+        checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
 
 
 def test_truncated_checkpoint(xt_ckpt, tmp_path):
     p = tmp_path / 'cut.pth'
     p.write_bytes(xt_ckpt.read_bytes()[: xt_ckpt.stat().st_size // 2])
     with pytest.raises(utils.CheckpointError, match=r'truncated or corrupt'):
-        main.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
+        checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
 
 
 def test_arbitrary_objects_are_never_unpickled(xt_ckpt, tmp_path):
     p = tmp_path / 'obj.pth'
     torch.save({'model': load(xt_ckpt)['model'], 'extra': fractions.Fraction(1, 3)}, p)
     with pytest.raises(utils.CheckpointError, match=r'refusing to unpickle'):
-        main.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
+        checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
 
 
 def test_checkpoint_of_another_variant_names_it(xt_ckpt):
     import timm
     t = timm.create_model('NALAFORMER_T', num_classes=3)
     with pytest.raises(utils.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
-        main.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
+        checkpoint.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
 
 
 def test_other_number_of_classes_points_to_finetune(xt_ckpt):
     with pytest.raises(utils.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
-        main.load_model_weights(_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
+        checkpoint.load_model_weights(_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
 
 
 def test_bad_checkpoint_ends_in_one_line_and_non_zero_exit(data, tmp_path):
@@ -112,17 +113,17 @@ def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, dat
     line = one_line_error(p)
     assert f'could not write checkpoint {ck}' in line and 'previous checkpoint.pth' in line
     assert open(ck, 'rb').read() == before
-    assert not [f for f in os.listdir(out) if f.startswith(utils.TMP_PREFIX)]
+    assert not [f for f in os.listdir(out) if f.startswith(checkpoint.TMP_PREFIX)]
 
 
 def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
     script = (
-        'import sys, torch, utils\n'
+        'import sys, torch, checkpoint\n'
         'state = {"model": {"w%d" % i: torch.randn(256, 256) for i in range(16)}}\n'
         'print("ready", flush=True)\n'
         'e = 0\n'
         'while True:\n'
-        '    state["epoch"] = e; utils.save_atomic(state, sys.argv[1]); e += 1\n')
+        '    state["epoch"] = e; checkpoint.save_atomic(state, sys.argv[1]); e += 1\n')
     path = tmp_path / 'checkpoint.pth'
     for delay in (0.3, 0.77):
         proc = subprocess.Popen([PY, '-c', script, str(path)], cwd=REPO, env=env(), stdout=subprocess.PIPE, text=True)
@@ -132,7 +133,7 @@ def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
         proc.wait()
         ck = load(path)  # whatever moment the kill hit, the file is a complete checkpoint
         assert ck['model']['w15'].shape == (256, 256)
-        utils.remove_stale_tmp(str(tmp_path))
+        checkpoint.remove_stale_tmp(str(tmp_path))
         assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 

@@ -139,8 +139,15 @@ def test_eval_of_a_saved_checkpoint(one_epoch, data):
     p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
                   '--num_workers', '0', '--no-flops', '--eval', '--resume', os.path.join(out, 'checkpoint.pth'),
                   '--data-path', data])
-    (line,) = accuracy_line(p.stdout)
-    assert line == f"Accuracy of the network on the 15 test images: {log['test_acc1']:.2f}%"
+    assert accuracy_line(p.stdout) == [  # the checkpoint holds an EMA: both are measured
+        f"Accuracy of the network (model) on the 15 test images: {log['test_acc1']:.2f}%",
+        f"Accuracy of the network (EMA) on the 15 test images: {log['test_ema_acc1']:.2f}%"]
+    # and it records which of them gave its best accuracy
+    ck = load(os.path.join(out, 'checkpoint.pth'))
+    best = 'model_ema' if log['test_ema_acc1'] >= log['test_acc1'] else 'model'
+    assert ck['best_weights'] == best and ck['best_epoch'] == 0 and ck['log'] == log
+    assert ck['acc1'] == ck['best_acc1'] == {'model': log['test_acc1'], 'model_ema': log['test_ema_acc1']}
+    assert f"from the {'EMA' if best == 'model_ema' else 'model'} weights" in p.stdout
 
 
 def test_resume_gives_the_same_weights_as_a_straight_run(one_epoch, straight, data, tmp_path):
@@ -217,9 +224,9 @@ def test_evaluation_states_how_many_images_it_could_evaluate(one_epoch, data, tm
     p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
                   '--num_workers', '0', '--no-flops', '--eval', '--resume', os.path.join(out, 'checkpoint.pth'),
                   '--data-path', str(bad)])
-    (line,) = accuracy_line(p.stdout)
-    assert line.startswith('Accuracy of the network on the 14 test images: ')
-    assert line.endswith('(evaluated 14 of 15 images; undecodable ones excluded)')
+    for line, label in zip(accuracy_line(p.stdout), ('model', 'EMA'), strict=True):
+        assert line.startswith(f'Accuracy of the network ({label}) on the 14 test images: ')
+        assert line.endswith('(evaluated 14 of 15 images; undecodable ones excluded)')
 
 
 def test_a_corrupt_training_image_is_counted_once_across_ranks(data, tmp_path):
@@ -242,7 +249,7 @@ def test_a_corrupt_training_image_is_counted_once_across_ranks(data, tmp_path):
     with open(out / 'log.txt') as f:
         (entry,) = [json.loads(line) for line in f]
     assert entry['bad_train_images'] == 1
-    p = run_main(args + ['--strict-data', '--no-auto-resume'], check=False)
+    p = run_main(args + ['--strict-data', '--no-auto-resume', '--overwrite'], check=False)
     assert p.returncode != 0 and victim in p.stdout + p.stderr
 
 

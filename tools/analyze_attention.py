@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import pickle
 import sys
 from argparse import Namespace
 from contextlib import contextmanager
@@ -52,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
 import models  # noqa: E402,F401  (registers the variants)
-from models import checkpoint_filter_fn  # noqa: E402
+import checkpoint  # noqa: E402
 from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms  # noqa: E402
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -456,43 +455,27 @@ def plot_attention_maps(image: np.ndarray, maps: List[Dict[str, Any]], query: Tu
 # ---------------------------------------------------------------------------------------------
 # Model and images
 # ---------------------------------------------------------------------------------------------
-def load_checkpoint_file(path: str) -> Dict[str, Any]:
-    """torch.load with weights_only (argparse.Namespace allowed for a training checkpoint's args);
-    falls back to a full unpickle only for checkpoints that hold other objects."""
-    try:
-        with torch.serialization.safe_globals([Namespace]):
-            return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError:
-        return torch.load(path, map_location='cpu', weights_only=False)
+def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 'default',
+               num_classes: Optional[int] = None, seed: int = 0) -> Tuple[nn.Module, Dict[str, Any]]:
+    """Build ``name``; load ``checkpoint_path`` (training dict or bare state dict) with strict=True.
 
-
-def load_model(name: str, checkpoint: Optional[str] = None, ema: bool = False, num_classes: Optional[int] = None,
-               seed: int = 0) -> Tuple[nn.Module, Dict[str, Any]]:
-    """Build ``name``; load ``checkpoint`` (training dict or bare state dict) with strict=True.
-
-    The number of classes comes from the checkpoint's ``head.weight``; ``ema`` picks ``model_ema``.
-    Without a checkpoint the weights are the untrained initialisation under ``seed``."""
-    meta: Dict[str, Any] = {'checkpoint': checkpoint, 'ema': ema}
-    if checkpoint is None:
+    ``weights`` picks the weights as checkpoint.select_weights does: 'default' is the one loader rule
+    (the EMA when the file has one, as timm's checkpoint_path loader), 'model' or 'model_ema' ask for
+    those. The number of classes comes from the checkpoint's ``head.weight``, the input size from its
+    ``args``. Without a checkpoint the weights are the untrained initialisation under ``seed``."""
+    meta: Dict[str, Any] = {'checkpoint': checkpoint_path, 'weights': None}
+    if checkpoint_path is None:
         torch.manual_seed(seed)
         model = timm.create_model(name, num_classes=num_classes or 1000)
         return model.eval(), meta
-    ckpt = load_checkpoint_file(checkpoint)
-    if not isinstance(ckpt, dict):
-        raise ValueError(f'{checkpoint}: not a state dict or training checkpoint')
-    if ema:
-        if not isinstance(ckpt.get('model_ema'), dict):
-            raise ValueError(f'{checkpoint}: no model_ema in the checkpoint')
-        state = ckpt['model_ema']
-    else:
-        state = ckpt['model'] if isinstance(ckpt.get('model'), dict) else ckpt
-    state = checkpoint_filter_fn(state, None)
+    ckpt = checkpoint.load_checkpoint_file(checkpoint_path)
+    key, state = checkpoint.select_weights(ckpt, checkpoint_path, weights)
     if 'head.weight' not in state:
-        raise ValueError(f'{checkpoint}: no head.weight; not a NaLaFormer checkpoint')
+        raise checkpoint.CheckpointError(f'{checkpoint_path}: no head.weight; not a NaLaFormer checkpoint')
     model = timm.create_model(name, num_classes=int(state['head.weight'].shape[0]))
-    model.load_state_dict(state, strict=True)
-    ck_args = ckpt.get('args')
-    meta['input_size'] = getattr(ck_args, 'input_size', None) if ck_args is not None else None
+    checkpoint.load_weights_into(model, state, name, checkpoint_path)
+    meta['weights'] = key or 'state dict'
+    meta['input_size'] = checkpoint.saved_args(ckpt).get('input_size')
     meta['epoch'] = ckpt.get('epoch')
     return model.eval(), meta
 
@@ -558,7 +541,11 @@ def get_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default='NALAFORMER_XT', help='timm name of a NaLaFormer variant')
     p.add_argument('--checkpoint', default=None, help='training checkpoint or state dict (default: untrained)')
-    p.add_argument('--ema', action='store_true', help="analyse the checkpoint's model_ema weights")
+    p.add_argument('--weights', choices=['default', 'model', 'model_ema'], default='default',
+                   help="which weights of a training checkpoint: default = model_ema when the file has one, "
+                        "else model (the rule of every single-weights loader, timm's checkpoint_path included)")
+    p.add_argument('--ema', dest='weights', action='store_const', const='model_ema',
+                   help='same as --weights model_ema')
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument('--images', default=None, help='folder of images (searched recursively)')
     src.add_argument('--data-set', choices=['DIGITS'], default=None, help='the bundled digits (val split)')
@@ -580,7 +567,10 @@ def get_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = get_parser().parse_args(argv)
-    model, meta = load_model(args.model, args.checkpoint, args.ema, seed=args.seed)
+    try:
+        model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f'analyze_attention: error: {e}') from None
     input_size = args.input_size or meta.get('input_size') or (64 if args.data_set else 224)
     if not 0 <= args.stage < len(model.layers):
         raise SystemExit(f'analyze_attention: error: --stage {args.stage} out of range 0..{len(model.layers) - 1}')
@@ -590,13 +580,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     kinds = {s: stage_kind(model, s) for s in range(len(model.layers))}
 
     result = analyse_stage(captured, args.stage)
-    result.update(model=args.model, checkpoint=args.checkpoint, ema=args.ema, kind=kinds[args.stage],
+    result.update(model=args.model, checkpoint=args.checkpoint, weights=meta['weights'], kind=kinds[args.stage],
                   input_size=input_size, n_images=len(images),
                   source=args.images or args.data_set, seed=None if args.checkpoint else args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     weights = (os.path.join(os.path.basename(os.path.dirname(os.path.abspath(args.checkpoint))),
                             os.path.basename(args.checkpoint))
-               + (f" (epoch {meta['epoch']})" if meta.get('epoch') is not None else '') + (' EMA' if args.ema else '')
+               + (f" (epoch {meta['epoch']})" if meta.get('epoch') is not None else '')
+               + (' EMA' if meta['weights'] == 'model_ema' else '')
                if args.checkpoint else f'untrained (seed {args.seed})')
     title = (f"{args.model}, {weights}, stage {args.stage} ({'NaLa' if kinds[args.stage] == 'nala' else 'softmax'} "
              f"layer), {result['n_tokens']} tokens, {len(images)} images at {input_size}px - RoPE off "

@@ -1,0 +1,774 @@
+"""The checkpoint format of NaLaFormer training runs: what a checkpoint holds, how it is written and read.
+
+A training checkpoint is a dict in the reference layout, loadable with ``torch.load(weights_only=True)``:
+
+    model, model_ema         state dicts without a ``module.`` prefix (model_ema only with an EMA)
+    optimizer, lr_scheduler  their state dicts
+    scaler                   the fp16 GradScaler's state dict, or None
+    epoch                    the last finished epoch (or, with ``step``, the epoch stopped in the middle)
+    args                     the command line as a plain dict
+    max_accuracy             best top-1 so far, max over the model and the EMA
+    n_parameters             trainable parameters
+
+and ours: ``best_weights`` ('model' or 'model_ema': which weights gave max_accuracy), ``best_epoch``,
+``best_acc1`` (the two accuracies of that epoch), ``acc1`` (this epoch's two accuracies), ``log`` (the
+epoch's log.txt record), ``files`` (the names this state was written to), ``rng_state`` (one entry per
+process), mid-epoch stops add ``step``, ``epoch_rng_state`` and ``loss_meter``, and ``checksum`` (a
+sha256 of every part, verified on load).
+
+Every loader that takes a single set of weights from a checkpoint uses one rule, the rule of timm's own
+``checkpoint_path`` loader: ``state_dict_ema``, else ``model_ema``, else ``state_dict``, else ``model``,
+else the file is a bare state dict (``select_weights``).
+"""
+import argparse
+import errno
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import zipfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import utils
+from utils import CheckpointError, CheckpointWriteError, UserError
+
+TMP_PREFIX = '.tmp-'
+NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
+
+#: timm.models.load_state_dict's order (use_ema=True): the weights a single-weights loader takes.
+DEFAULT_WEIGHTS_ORDER = ('state_dict_ema', 'model_ema', 'state_dict', 'model')
+_WEIGHTS_ORDER = {'default': DEFAULT_WEIGHTS_ORDER, 'model': ('state_dict', 'model'),
+                  'model_ema': ('state_dict_ema', 'model_ema')}
+#: optimizer settings that come from the command line (the LR comes from the schedule)
+FOLLOWED_OPTIMIZER_KEYS = ('weight_decay', 'betas', 'eps', 'momentum', 'lr_scale')
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+def _chain(e: BaseException):
+    """The exception and everything it was raised from or while handling."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _write_failure_reason(e: BaseException) -> str:
+    """The cause of a failed write: the OSError anywhere in the chain (torch.save reports a failed
+    write as 'unexpected pos'), else the first line of the error."""
+    for c in _chain(e):
+        if isinstance(c, OSError) and c.errno:
+            return 'no space left on device' if c.errno == errno.ENOSPC else os.strerror(c.errno)
+    return utils.first_line(e)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checksums
+# --------------------------------------------------------------------------------------------------
+def _hash_into(h, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f'T{t.dtype}{tuple(t.shape)}'.encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, dict):
+        h.update(b'{')
+        for k in sorted(obj, key=repr):
+            h.update(repr(k).encode())
+            _hash_into(h, obj[k])
+        h.update(b'}')
+    elif isinstance(obj, (list, tuple)):
+        h.update(b'[' if isinstance(obj, list) else b'(')
+        for v in obj:
+            _hash_into(h, v)
+        h.update(b']')
+    else:
+        h.update(repr(obj).encode())
+
+
+def checksums(state: Dict[str, Any]) -> Dict[str, str]:
+    """sha256 of every top-level part of a checkpoint (tensor bytes, shapes, dtypes and plain values)."""
+    out = {}
+    for key in sorted(state):
+        if key != 'checksum':
+            h = hashlib.sha256()
+            _hash_into(h, state[key])
+            out[key] = h.hexdigest()
+    return out
+
+
+def verify_checksum(ckpt: Any, path: str) -> None:
+    """Raise CheckpointError when a checkpoint that carries a checksum no longer matches it.
+    Files without one (older or foreign checkpoints) pass."""
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get('checksum'), dict):
+        return
+    want = ckpt['checksum'].get('sha256') or {}
+    got = checksums({k: v for k, v in ckpt.items() if k in want})
+    bad = sorted(k for k in want if got.get(k) != want[k])
+    if bad:
+        raise CheckpointError(f'checkpoint {path} is corrupt: the checksum of {", ".join(bad)} does not match '
+                              f'(the file changed after it was written); {other_checkpoints_hint(path)}')
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+def _new_file_mode(path: str) -> int:
+    """The mode a plain open(path, 'wb') would give: the existing file's, else 0666 minus the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+def _write_atomic(path: str, write) -> None:
+    """Call write(file) on a temporary file in path's directory, fsync, then rename it to path: a crash
+    at any moment leaves either the previous file or the new one. A KeyboardInterrupt passes through
+    (the previous file is kept); other failures become one-line CheckpointWriteErrors."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + '.', dir=directory)
+        os.fchmod(fd, _new_file_mode(path))  # mkstemp creates 0600
+        with os.fdopen(fd, 'wb') as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        try:
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+    except (OSError, RuntimeError) as e:  # torch.save wraps write failures and interrupts in RuntimeError
+        if any(isinstance(c, KeyboardInterrupt) for c in _chain(e)):
+            raise KeyboardInterrupt from e
+        raise CheckpointWriteError(f'could not write checkpoint {path}: {_write_failure_reason(e)}; '
+                                   f'the previous {os.path.basename(path)} (if any) is kept') from e
+    finally:
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+
+
+def save_atomic(obj: Any, path: str) -> None:
+    """torch.save(obj) to path atomically (see _write_atomic)."""
+    _write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def copy_atomic(src: str, dst: str) -> None:
+    """Copy a checkpoint file atomically."""
+    def write(f):
+        with open(src, 'rb') as s:
+            shutil.copyfileobj(s, f, 1 << 24)
+    _write_atomic(dst, write)
+
+
+def remove_stale_tmp(directory: str) -> None:
+    """Temporary files left by a process killed mid-write (kill -9)."""
+    for p in glob.glob(os.path.join(glob.escape(directory), TMP_PREFIX + '*')):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+def run_checkpoints(directory: str) -> List[str]:
+    """The checkpoint files of a run directory: checkpoint.pth, best.pth, then numbered ones, newest first."""
+    numbered = sorted((p for p in glob.glob(os.path.join(glob.escape(directory), 'checkpoint_*.pth'))
+                       if NUMBERED.search(p)), key=lambda p: -int(NUMBERED.search(p).group(1)))
+    return [p for p in (os.path.join(directory, n) for n in ('checkpoint.pth', 'best.pth')) if os.path.isfile(p)] \
+        + numbered
+
+
+def other_checkpoints_hint(path: str) -> str:
+    """What to do instead of loading a damaged `path`: the other checkpoints next to it."""
+    directory = os.path.dirname(os.path.abspath(path)) if path else '.'
+    shown = os.path.dirname(path) or '.'
+    others = [os.path.join(shown, os.path.basename(p)) for p in run_checkpoints(directory)
+              if os.path.basename(p) != os.path.basename(path)]
+    alt = (f'resume from another checkpoint of the run ({", ".join("--resume " + p for p in others[:4])})'
+           if others else f'there is no other checkpoint in {shown}')
+    return f'{alt}, or start a new run with --no-auto-resume --overwrite'
+
+
+def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> Any:
+    """torch.load(weights_only=True) with one-line errors for missing, truncated, corrupt, foreign and
+    unsafe files. argparse.Namespace is accepted (reference checkpoints store their args as one).
+    A checkpoint with a checksum is verified unless verify=False."""
+    path = os.fspath(path)
+    if path.startswith(('http://', 'https://')):
+        raise CheckpointError(f'{path}: downloading checkpoints is disabled; download it yourself and pass the local file')
+    if not os.path.exists(path):
+        raise CheckpointError(f'checkpoint {path} does not exist')
+    if os.path.isdir(path):
+        raise CheckpointError(f'checkpoint {path} is a directory, expected a .pth file')
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f'checkpoint {path} is empty (0 bytes); {other_checkpoints_hint(path)}')
+    with open(path, 'rb') as f:
+        magic = f.read(4)
+    is_zip, is_legacy = magic[:2] == b'PK', magic[:1] == b'\x80'  # torch.save zip format / legacy pickle format
+    if not (is_zip or is_legacy):
+        raise CheckpointError(f'{path} is not a PyTorch checkpoint (unknown file format)')
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=mmap and is_zip)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
+            raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
+                                  f'refusing to unpickle it (weights_only=True)') from e
+        if (is_zip and (not zipfile.is_zipfile(path) or 'central directory' in msg or 'zip archive' in msg
+                        or 'failed reading' in msg)) or isinstance(e, EOFError) or 'EOF' in msg:
+            raise CheckpointError(f'checkpoint {path} is truncated or corrupt ({os.path.getsize(path)} bytes); '
+                                  f'{other_checkpoints_hint(path)}') from e
+        raise CheckpointError(f'{path} is not a PyTorch checkpoint ({utils.first_line(e)})') from e
+    if verify:
+        verify_checksum(ckpt, path)
+    return ckpt
+
+
+def saved_args(ckpt: Any) -> Dict[str, Any]:
+    """The command line stored in a checkpoint as a dict (ours store a dict, the reference's a Namespace)."""
+    args = ckpt.get('args') if isinstance(ckpt, dict) else None
+    if isinstance(args, argparse.Namespace):
+        return dict(vars(args))
+    return dict(args) if isinstance(args, dict) else {}
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def select_weights(ckpt: Any, path: str = 'the checkpoint', which: str = 'default') -> Tuple[str, Dict[str, torch.Tensor]]:
+    """(key, state dict) of the one set of weights a loader takes from a loaded checkpoint.
+
+    which='default' is timm's rule (``timm.create_model(checkpoint_path=...)``): ``state_dict_ema``,
+    else ``model_ema``, else ``state_dict``, else ``model``, else the file itself as a bare state dict
+    (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed."""
+    from timm.models import clean_state_dict
+    if which not in _WEIGHTS_ORDER:
+        raise ValueError(f"which must be one of {', '.join(_WEIGHTS_ORDER)}, got {which!r}")
+    if isinstance(ckpt, dict):
+        for key in _WEIGHTS_ORDER[which]:
+            if _is_state_dict(ckpt.get(key)):
+                return key, clean_state_dict(ckpt[key])
+        if which == 'model_ema':
+            raise CheckpointError(f'{path} has no EMA weights (model_ema)')
+        if _is_state_dict(ckpt) and not any(k in ckpt for k in DEFAULT_WEIGHTS_ORDER):
+            return '', clean_state_dict(ckpt)
+    raise CheckpointError(f'{path} is a torch file but holds no model weights '
+                          f'(expected a state dict or a dict with "model")')
+
+
+def classifier_keys(model: torch.nn.Module) -> set:
+    """State-dict keys of the classifier (those re-initialised by --finetune)."""
+    keys = set()
+    get = getattr(model, 'get_classifier', None)
+    clf = get() if callable(get) else None
+    if isinstance(clf, torch.nn.Module):
+        ids = {id(p) for p in clf.parameters()}
+        for name, p in model.named_parameters():
+            if id(p) in ids:
+                keys.add(name)
+    return keys
+
+
+def guess_variant(sd: Dict[str, torch.Tensor], candidates: Sequence[str], num_classes: int) -> Tuple[Optional[str], float]:
+    """Name of the registered model whose key/shape set matches `sd` best (ignoring the classifier)."""
+    import timm
+    best, best_score = None, -1.0
+    target = {k: tuple(v.shape) for k, v in sd.items()}
+    for name in sorted(candidates, key=lambda n: (-len(n), n)):
+        if best_score > 0.98:
+            break
+        m = None
+        try:
+            with torch.device('meta'):  # no memory, no init: shapes only
+                m = timm.create_model(name, num_classes=num_classes)
+        except Exception:  # noqa: BLE001 - some models compute with tensors while building
+            pass
+        if m is None:
+            try:
+                with torch.no_grad():
+                    m = timm.create_model(name, num_classes=num_classes)
+            except Exception:  # noqa: BLE001
+                continue
+        ref = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        del m
+        common = set(ref) | set(target)
+        score = sum(1 for k in common if k in ref and k in target and ref[k] == target[k]) / max(len(common), 1)
+        if score > best_score:
+            best, best_score = name, score
+    return best, best_score
+
+
+def _candidates() -> List[str]:
+    import timm
+    return sorted(set(timm.list_models('NALAFORMER_*')))
+
+
+def describe_mismatch(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str, path: str,
+                      candidates: Optional[Sequence[str]] = None) -> Optional[str]:
+    """One line explaining why `sd` does not load into `model` strictly (None if it does)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    wrong = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
+    if not (missing or unexpected or wrong):
+        return None
+    clf = classifier_keys(model)
+    if not missing and not unexpected and wrong and set(wrong) <= clf:
+        k = sorted(wrong)[0]
+        n_ckpt = sd[k].shape[0]
+        return (f'{path} has a {n_ckpt}-class classifier but the model has {own[k].shape[0]} classes; '
+                f'to start from it with a new head use --finetune {path}')
+    candidates = _candidates() if candidates is None else candidates
+    guess, score = guess_variant(sd, [c for c in candidates if c != model_name], num_classes=1000)
+    if guess is not None and score > 0.9:
+        return f'{path} looks like a {guess} checkpoint, not {model_name}; pass --model {guess}'
+    detail = []
+    if missing:
+        detail.append(f'{len(missing)} missing keys (e.g. {missing[0]})')
+    if unexpected:
+        detail.append(f'{len(unexpected)} unexpected keys (e.g. {unexpected[0]})')
+    if wrong:
+        k = wrong[0]
+        detail.append(f'{len(wrong)} shape mismatches (e.g. {k}: {tuple(sd[k].shape)} vs {tuple(own[k].shape)})')
+    return f'{path} does not match {model_name}: ' + ', '.join(detail)
+
+
+def load_weights_into(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str, path: str) -> None:
+    """load_state_dict(strict=True) with a one-line CheckpointError naming the mismatch."""
+    msg = describe_mismatch(model, sd, model_name, path)
+    if msg:
+        raise CheckpointError(msg)
+    model.load_state_dict(sd, strict=True)
+
+
+def load_model_weights(model: torch.nn.Module, path: str, model_name: str, which: str = 'default') -> Any:
+    """Load one set of weights of checkpoint `path` into `model` (strict); returns the loaded checkpoint."""
+    ckpt = load_checkpoint_file(path)
+    _, sd = select_weights(ckpt, path, which)
+    load_weights_into(model, sd, model_name, path)
+    return ckpt
+
+
+def finetune_from(model: torch.nn.Module, path: str, model_name: str) -> None:
+    """Start from the weights of `path` (the default rule: the EMA when present), re-initialising a
+    classifier whose shape differs; every other tensor must match."""
+    ckpt = load_checkpoint_file(path)
+    key, sd = select_weights(ckpt, path)
+    own = model.state_dict()
+    clf = classifier_keys(model)
+    dropped = [k for k in sd if k in own and k in clf and tuple(sd[k].shape) != tuple(own[k].shape)]
+    rest = {k: v for k, v in sd.items() if k not in dropped}
+    wrong = [k for k in rest if k in own and tuple(rest[k].shape) != tuple(own[k].shape)]
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    if wrong or unexpected or (set(missing) - clf):
+        msg = describe_mismatch(model, rest, model_name, path)
+        raise CheckpointError(msg or f'{path} does not match {model_name}')
+    model.load_state_dict(rest, strict=False)
+    what = f'{path} ({key} weights)' if key else path
+    if dropped:
+        shapes = ', '.join(f'{k} {tuple(sd[k].shape)} -> {tuple(own[k].shape)}' for k in dropped)
+        print(f'Finetune: loaded {what}; classifier re-initialised (shape differs): {shapes}')
+    else:
+        print(f'Finetune: loaded {what} (all {len(own)} tensors, classifier kept)')
+
+
+# --------------------------------------------------------------------------------------------------
+# The output directory of a run
+# --------------------------------------------------------------------------------------------------
+def _agree(err: Optional[str], device: Any) -> None:
+    """Raise UserError(err) on every rank when any rank (in practice rank 0) found a problem."""
+    failed = bool(err)
+    if utils.is_dist_avail_and_initialized():
+        failed = utils.all_reduce_max([1.0 if err else 0.0], device)[0] > 0
+    if failed:
+        raise UserError(err or 'rank 0 could not prepare --output_dir (see its error); stopped')
+
+
+def _same_dir(path: str, directory: str) -> bool:
+    try:
+        return os.path.samefile(os.path.dirname(os.path.abspath(path)), directory)
+    except OSError:
+        return False
+
+
+def find_resume_path(args: argparse.Namespace) -> str:
+    """--resume, else (auto-resume, no --overwrite) output_dir/checkpoint.pth when it exists, else ''."""
+    if args.resume:
+        return args.resume
+    auto = os.path.join(args.output_dir, 'checkpoint.pth') if args.output_dir else ''
+    if auto and args.auto_resume and not getattr(args, 'overwrite', False) and os.path.isfile(auto):
+        return auto
+    return ''
+
+
+def previous_run_files(directory: str) -> List[str]:
+    """Names of the files of an earlier run in `directory` (checkpoints, a non-empty log.txt)."""
+    names = [os.path.basename(p) for p in run_checkpoints(directory)]
+    log = os.path.join(directory, 'log.txt')
+    if os.path.isfile(log) and os.path.getsize(log) > 0:
+        names.append('log.txt')
+    return names
+
+
+def _check_previous_run(args: argparse.Namespace) -> Optional[str]:
+    out = args.output_dir
+    resume = find_resume_path(args)
+    old = previous_run_files(out)
+    if not old or (resume and _same_dir(resume, out)):
+        return None  # an empty directory, or continuing the run it holds
+    if getattr(args, 'overwrite', False):
+        for name in old:
+            os.remove(os.path.join(out, name))
+        print(f'--overwrite: removed the previous run from {out} ({", ".join(old)}); starting a new run')
+        return None
+    listed = ', '.join(old[:5]) + (', ...' if len(old) > 5 else '')
+    if resume:
+        return (f'--output_dir {out} already holds another run ({listed}); resuming {resume} there would mix the two '
+                f'runs: choose another --output_dir, or pass --overwrite to delete those files first')
+    first = next((n for n in old if n.endswith('.pth')), None)
+    cont = (' relaunch without --no-auto-resume to continue it,' if first == 'checkpoint.pth' else
+            f' pass --resume {os.path.join(out, first)} to continue it,' if first else '')
+    return (f'--output_dir {out} already holds a run ({listed}):{cont} choose another --output_dir, '
+            f'or pass --overwrite to delete those files and start a new run there')
+
+
+def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
+    """Create --output_dir and remove temporaries of killed writes. A training run that would start over
+    in a directory holding another run stops with one line, unless --overwrite (which deletes that
+    run's checkpoints and log.txt, nothing is moved)."""
+    if not args.output_dir:
+        return
+    err = None
+    if utils.is_main_process():
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+        except OSError as e:
+            err = f'cannot create --output_dir {args.output_dir}: {e.strerror}'
+        else:
+            remove_stale_tmp(args.output_dir)
+            if not args.eval:
+                try:
+                    err = _check_previous_run(args)
+                except OSError as e:
+                    err = f'cannot clear --output_dir {args.output_dir}: {e.strerror} ({e.filename})'
+    _agree(err, device)
+
+
+def check_room(directory: str, nbytes: int, device: Any) -> None:
+    """Before training: `directory` is writable and has room for two checkpoints of about `nbytes`
+    (the new one is written next to the previous one, then renamed)."""
+    err = None
+    if directory and utils.is_main_process():
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + 'probe.', dir=directory)
+            os.close(fd)
+            os.remove(tmp)
+        except OSError as e:
+            err = (f'cannot write to --output_dir {directory}: {_write_failure_reason(e)}; '
+                   f'make it writable or choose another --output_dir')
+        else:
+            free = shutil.disk_usage(directory).free
+            if free < 2 * nbytes:
+                err = (f'--output_dir {directory} has {free / 2**20:.0f} MiB free, but a checkpoint takes about '
+                       f'{nbytes / 2**20:.0f} MiB and two must fit while one replaces the other; free some space '
+                       f'or choose another --output_dir')
+    _agree(err, device)
+
+
+def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every rank's RNG state, in rank order (collective under torch.distributed)."""
+    if not utils.is_dist_avail_and_initialized():
+        return [state]
+    out = [None] * utils.get_world_size()
+    torch.distributed.all_gather_object(out, state)
+    return out
+
+
+def describe_best(ckpt: Any) -> str:
+    """Which weights a checkpoint records as its best, in words."""
+    if not isinstance(ckpt, dict) or 'max_accuracy' not in ckpt:
+        return ''
+    which = ckpt.get('best_weights')
+    if which not in ('model', 'model_ema'):
+        return f'the checkpoint does not record which weights gave its best accuracy ({float(ckpt["max_accuracy"]):.2f}%)'
+    epoch = f' at epoch {ckpt["best_epoch"]}' if ckpt.get('best_epoch') is not None else ''
+    return (f'the checkpoint records its best accuracy, {float(ckpt["max_accuracy"]):.2f}%{epoch}, from the '
+            f'{"EMA" if which == "model_ema" else "model"} weights')
+
+
+def _order(ckpt: Dict[str, Any]) -> Tuple[int, float]:
+    """(epoch, step) of a checkpoint, a finished epoch after every step inside it."""
+    return int(ckpt.get('epoch', -1)), float(ckpt['step']) if ckpt.get('step') else float('inf')
+
+
+def _plain(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving and resuming a training run
+# --------------------------------------------------------------------------------------------------
+class Resume:
+    """Where a resumed run continues: epoch, step inside it, and the RNG / loss-meter state for it."""
+
+    def __init__(self, start_epoch: int = 0):
+        self.start_epoch, self.start_step = start_epoch, 0
+        self.resume_rng = self.epoch_rng = self.loss_meter = None
+        self.ckpt: Any = None
+        self.path = ''
+
+
+class TrainingCheckpoints:
+    """Writes the checkpoints of one training run and restores a run from one.
+
+    Rank 0 writes; a failed write stops every rank. ``record_accuracy`` keeps the best accuracy and
+    which weights gave it; ``save`` writes the state to the given names in order (checkpoint.pth first),
+    ``append_log`` adds the epoch's line to log.txt. ``resume`` restores everything and repairs what a
+    crash between those writes left behind."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, model_ema: Any, optimizer: Any,
+                 lr_scheduler: Any, loss_scaler: Any, n_parameters: int, device: Any):
+        self.args, self.model, self.model_ema = args, model, model_ema
+        self.optimizer, self.lr_scheduler, self.loss_scaler = optimizer, lr_scheduler, loss_scaler
+        self.n_parameters, self.device = n_parameters, device
+        self.output_dir = args.output_dir
+        self.max_accuracy = 0.0
+        self.best: Dict[str, Any] = {'best_weights': None, 'best_epoch': None, 'best_acc1': None}
+        self._acc1: Tuple[Optional[int], Optional[Dict[str, Any]]] = (None, None)
+
+    # ---- best accuracy
+    def record_accuracy(self, epoch: int, acc1: float, ema_acc1: Optional[float] = None) -> bool:
+        """Note epoch's accuracies (model, EMA); True when they beat the best so far."""
+        acc = {'model': float(acc1), 'model_ema': None if ema_acc1 is None else float(ema_acc1)}
+        self._acc1 = (epoch, acc)
+        use_ema = ema_acc1 is not None and ema_acc1 >= acc1  # on a tie, the EMA: what checkpoint_path= loads
+        best_now = float(ema_acc1 if use_ema else acc1)
+        if best_now <= self.max_accuracy:
+            return False
+        self.max_accuracy = best_now
+        self.best = {'best_weights': 'model_ema' if use_ema else 'model', 'best_epoch': epoch, 'best_acc1': acc}
+        return True
+
+    # ---- writing
+    def state(self, epoch: int, names: Sequence[str], extra: Dict[str, Any]) -> Dict[str, Any]:
+        state = {
+            'model': self.model.state_dict(),
+            'optimizer': self.optimizer.state_dict(),
+            'lr_scheduler': self.lr_scheduler.state_dict(),
+            'epoch': epoch,
+            'scaler': self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            'args': utils.args_to_dict(self.args),
+            'max_accuracy': self.max_accuracy,
+            'n_parameters': self.n_parameters,
+            **self.best,
+            'acc1': self._acc1[1] if self._acc1[0] == epoch and not extra.get('step') else None,
+            'files': list(names),
+        }
+        if self.model_ema is not None:
+            state['model_ema'] = self.model_ema.module.state_dict()
+        state.update(extra)
+        state['checksum'] = {'sha256': checksums(state)}
+        return state
+
+    def save(self, epoch: int, extra: Dict[str, Any], names: Sequence[str]) -> None:
+        """Write the run's state after `epoch` to each of `names` in --output_dir (nothing without one)."""
+        err = None
+        if utils.is_main_process() and self.output_dir:
+            state = self.state(epoch, names, extra)
+            try:
+                for name in names:
+                    save_atomic(state, os.path.join(self.output_dir, name))
+            except CheckpointWriteError as e:
+                err = e
+        if utils.is_dist_avail_and_initialized():
+            failed, = utils.all_reduce_max([1.0 if err else 0.0], self.device)
+            if failed and err is None:
+                raise CheckpointWriteError('rank 0 could not write a checkpoint (see its error); stopped')
+        if err is not None:
+            raise err
+
+    def append_log(self, record: Dict[str, Any]) -> None:
+        """Append the epoch's record to log.txt (rank 0). The record is also in the checkpoint, so a line
+        lost to a crash or a full disk is written at the next resume."""
+        if not (self.output_dir and utils.is_main_process()):
+            return
+        path = os.path.join(self.output_dir, 'log.txt')
+        try:
+            utils.write_json_line(path, record)
+        except OSError as e:
+            raise UserError(f'could not append to {path}: {_write_failure_reason(e)}; the checkpoint of epoch '
+                            f'{record.get("epoch")} holds the line, it is added when the run resumes') from e
+
+    def estimate_bytes(self, resume_path: str = '') -> int:
+        """Size of one checkpoint: the resumed file's, else weights (+ EMA) + two optimizer buffers per
+        trainable parameter (AdamW's moments; an upper bound for SGD)."""
+        if resume_path and os.path.isfile(resume_path):
+            return os.path.getsize(resume_path)
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        trainable = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        return weights * (2 if self.model_ema is not None else 1) + 2 * trainable
+
+    # ---- resuming
+    def resume(self, path: str, eval_only: bool = False) -> Resume:
+        """Load `path`: the model weights always; for training also the optimizer (with the command
+        line's settings), schedule, EMA, scaler, best accuracy, epoch/step and RNG state."""
+        args = self.args
+        r = Resume(args.start_epoch)
+        if not path:
+            return r
+        ckpt = load_checkpoint_file(path)
+        _, sd = select_weights(ckpt, path, 'model')
+        load_weights_into(self.model, sd, args.model, path)
+        r.ckpt, r.path = ckpt, path
+        print(f'Loaded weights from {path}')
+        if eval_only or not (isinstance(ckpt, dict) and all(k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch'))):
+            return r
+        self._load_optimizer(ckpt, path)
+        saved, fresh = ckpt['lr_scheduler'], self.lr_scheduler.state_dict()
+        changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
+        if changed:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
+            print('Note: the LR schedule flags changed since the checkpoint ('
+                  + ', '.join(f'{k}: {saved[k]} -> {fresh[k]}' for k in changed[:4]) + '); following the command line')
+        else:
+            self.lr_scheduler.load_state_dict(saved)
+        if self.model_ema is not None:
+            if isinstance(ckpt.get('model_ema'), dict):
+                load_weights_into(self.model_ema.module, select_weights(ckpt, path, 'model_ema')[1], args.model, path)
+            else:
+                print('Warning: the checkpoint has no EMA weights; the EMA restarts from the model weights')
+                self.model_ema.module.load_state_dict(self.model.state_dict())
+        if self.loss_scaler is not None and ckpt.get('scaler'):
+            self.loss_scaler.load_state_dict(ckpt['scaler'])
+        self.max_accuracy = float(ckpt.get('max_accuracy', 0.0))
+        self.best = {k: ckpt.get(k) for k in self.best}
+        if ckpt.get('step'):
+            r.start_epoch, r.start_step = int(ckpt['epoch']), int(ckpt['step'])
+            r.loss_meter = ckpt.get('loss_meter')
+        else:
+            r.start_epoch = int(ckpt['epoch']) + 1
+        world, rank = utils.get_world_size(), utils.get_rank()
+        rng = ckpt.get('rng_state')
+        if isinstance(rng, list) and len(rng) == world:
+            r.resume_rng = rng[rank]
+            if r.start_step:
+                r.epoch_rng = ckpt['epoch_rng_state'][rank]
+            else:
+                utils.set_rng_state(r.resume_rng)
+        else:
+            print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "an unknown number of"} '
+                  f'process(es), this run has {world}: random-number state not restored')
+        if utils.is_main_process() and self.output_dir and _same_dir(path, self.output_dir):
+            self._repair_files(path, ckpt)
+            self._repair_log(ckpt.get('log'))
+        where = f'epoch {r.start_epoch} step {r.start_step}' if r.start_step else f'epoch {r.start_epoch}'
+        print(f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%')
+        return r
+
+    def _load_optimizer(self, ckpt: Dict[str, Any], path: str) -> None:
+        """Load the optimizer state, refusing one of another optimizer, then apply the command line's
+        weight decay, betas, eps, momentum and layer-wise LR scale (as the LR schedule follows it)."""
+        fresh = [{k: v for k, v in g.items() if k != 'params'} for g in self.optimizer.param_groups]
+        groups = ckpt['optimizer'].get('param_groups') or [{}]
+        saved_opt = saved_args(ckpt).get('opt')
+        kind = {k for k in ('betas', 'momentum') if k in groups[0]}
+        if (saved_opt and str(saved_opt).lower() != str(self.args.opt).lower()) \
+                or kind != {k for k in ('betas', 'momentum') if k in fresh[0]}:
+            was = f'--opt {saved_opt}' if saved_opt else f'an optimizer with {", ".join(sorted(kind)) or "other settings"}'
+            raise CheckpointError(f'the optimizer state in {path} is from {was}, this run has --opt {self.args.opt}: '
+                                  f'relaunch with --opt {saved_opt or "as before"}, or start a new run from its weights '
+                                  f'with --finetune {path} in another --output_dir')
+        try:
+            self.optimizer.load_state_dict(ckpt['optimizer'])
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f'the optimizer state in {path} does not fit this run ({utils.first_line(e)}); '
+                                  f'were --opt/--attn-only different? use --finetune to start from its weights') from e
+        changed: Dict[str, List[Tuple[Any, Any]]] = {}
+        for group, want in zip(self.optimizer.param_groups, fresh):
+            for k in FOLLOWED_OPTIMIZER_KEYS:
+                if k in want and _plain(group.get(k)) != _plain(want[k]):
+                    pair = (_plain(group.get(k)), _plain(want[k]))
+                    if pair not in changed.setdefault(k, []):
+                        changed[k].append(pair)
+                    group[k] = want[k]
+        if changed:
+            print('Note: optimizer settings changed since the checkpoint ('
+                  + ', '.join(f'{k}: ' + ', '.join(f'{a} -> {b}' for a, b in changed[k][:3])
+                              for k in FOLLOWED_OPTIMIZER_KEYS if k in changed)
+                  + '); following the command line')
+
+    def _repair_files(self, path: str, ckpt: Dict[str, Any]) -> None:
+        """The other files this state was meant to be written to (best.pth, checkpoint_NNNN.pth) that a
+        crash left missing, unreadable or older: copy the resumed file there."""
+        for name in ckpt.get('files') or []:
+            target = os.path.join(self.output_dir, name)
+            if os.path.exists(target) and os.path.samefile(target, path):
+                continue
+            reason = None
+            if not os.path.exists(target):
+                reason = 'missing'
+            else:
+                try:
+                    other = load_checkpoint_file(target, verify=False, mmap=True)
+                except CheckpointError:
+                    reason = 'unreadable'
+                else:
+                    if not isinstance(other, dict) or (other.get('checksum') != ckpt.get('checksum')
+                                                       and _order(other) < _order(ckpt)):
+                        reason = f'older (epoch {other.get("epoch") if isinstance(other, dict) else "?"})'
+            if reason:
+                copy_atomic(path, target)
+                print(f'Repaired {target}: it was {reason}, but the state of epoch {ckpt.get("epoch")} in {path} '
+                      f'was meant to be written there too (the run was stopped between the writes); copied it')
+
+    def _repair_log(self, record: Any) -> None:
+        """Add the resumed epoch's log line when a crash (or a full disk) kept it out of log.txt; a
+        half-written last line is dropped first."""
+        if not isinstance(record, dict) or 'epoch' not in record:
+            return
+        path = os.path.join(self.output_dir, 'log.txt')
+        text = ''
+        if os.path.isfile(path):
+            with open(path) as f:
+                text = f.read()
+        if text and not text.endswith('\n'):
+            keep = text[:text.rfind('\n') + 1]
+            with open(path, 'r+') as f:
+                f.truncate(len(keep.encode()))
+            print(f'Repaired {path}: dropped a half-written last line')
+            text = keep
+        epochs = set()
+        for line in text.splitlines():
+            try:
+                epochs.add(json.loads(line).get('epoch'))
+            except (ValueError, AttributeError):
+                continue
+        if record['epoch'] not in epochs:
+            self.append_log(record)
+            print(f'Repaired {path}: added the line of epoch {record["epoch"]}, which the run saved in its '
+                  f'checkpoint but was stopped before logging')

@@ -1,0 +1,394 @@
+"""The checkpoint format (checkpoint.py): which weights every loader takes, checksums, atomic writes and
+their error messages, crash repair on resume, optimizer flags on resume, the output-directory checks and
+the per-device CUDA RNG state. Fast tests build tiny models in-process; the real-process runs are slow."""
+import errno
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+from argparse import Namespace
+
+import pytest
+import timm
+import torch
+
+import checkpoint
+import main
+import utils
+from test_runs import BASE, PY, REPO, env, make_imagefolder, run_main
+from tools import analyze_attention as aa
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _xt(seed, num_classes=3):
+    torch.manual_seed(seed)
+    return timm.create_model('NALAFORMER_XT', num_classes=num_classes)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.norm = torch.nn.LayerNorm(3)
+
+
+def _run(tmp_path, argv=(), model=None, with_state=False):
+    """A TrainingCheckpoints for a tiny model and the optimizer/schedule main.py builds from `argv`."""
+    from timm.optim import create_optimizer_v2
+    args = main.get_args_parser().parse_args(['--output_dir', str(tmp_path), '--epochs', '4', *argv])
+    model = model or _Tiny()
+    opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                              momentum=args.momentum, eps=args.opt_eps,
+                              **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+    run = checkpoint.TrainingCheckpoints(args, model, None, opt, main.build_lr_scheduler(args, opt), None, 7, 'cpu')
+    if with_state:
+        model.norm(model.fc(torch.randn(2, 4))).sum().backward()
+        opt.step()  # the optimizer has its moments
+    return run
+
+
+# ------------------------------------------------------------------------------------------ one loader rule
+@pytest.mark.parametrize('with_ema', [True, False])
+def test_every_single_weights_loader_takes_the_same_weights(tmp_path, with_ema, capsys):
+    raw, ema = _xt(1), _xt(2)
+    ckpt = {'model': raw.state_dict(), 'epoch': 3, 'args': {'input_size': 40, 'model': 'NALAFORMER_XT'}}
+    if with_ema:
+        ckpt['model_ema'] = {'module.' + k: v for k, v in ema.state_dict().items()}  # a DDP prefix, too
+    path = tmp_path / 'best.pth'
+    torch.save(ckpt, path)
+    want = (ema if with_ema else raw).state_dict()
+
+    key, sd = checkpoint.select_weights(torch.load(path, weights_only=True), str(path))
+    assert key == ('model_ema' if with_ema else 'model') and _same(sd, want)
+    loaded = {
+        'timm checkpoint_path': timm.create_model('NALAFORMER_XT', num_classes=3, checkpoint_path=str(path)),
+        'timm pretrained file': timm.create_model('NALAFORMER_XT', num_classes=3, pretrained=True,
+                                                  pretrained_cfg_overlay=dict(file=str(path), num_classes=3)),
+        'analyze_attention': aa.load_model('NALAFORMER_XT', str(path))[0],
+    }
+    finetuned = _xt(9)
+    checkpoint.finetune_from(finetuned, str(path), 'NALAFORMER_XT')  # main.py --finetune
+    teacher = _xt(9)
+    checkpoint.load_model_weights(teacher, str(path), 'NALAFORMER_XT')  # main.py --teacher-path
+    loaded.update({'--finetune': finetuned, '--teacher-path': teacher})
+    for name, model in loaded.items():
+        assert _same(model.state_dict(), want), name
+    assert aa.load_model('NALAFORMER_XT', str(path))[1]['input_size'] == 40  # args stored as a dict
+    assert _same(aa.load_model('NALAFORMER_XT', str(path), weights='model')[0].state_dict(), raw.state_dict())
+    # a reference checkpoint stores args as a Namespace: it loads without unpickling anything else
+    ckpt['args'] = Namespace(input_size=48)
+    torch.save(ckpt, path)
+    assert aa.load_model('NALAFORMER_XT', str(path))[1]['input_size'] == 48
+
+
+def test_select_weights_errors():
+    sd = _Tiny().state_dict()
+    with pytest.raises(checkpoint.CheckpointError, match=r'x\.pth has no EMA weights'):
+        checkpoint.select_weights({'model': sd}, 'x.pth', 'model_ema')
+    with pytest.raises(checkpoint.CheckpointError, match='holds no model weights'):
+        checkpoint.select_weights({'epoch': 1}, 'x.pth')
+    assert checkpoint.select_weights(sd, 'x.pth') == ('', sd)
+    assert checkpoint.select_weights({'model': sd, 'model_ema': None}, 'x.pth')[0] == 'model'
+
+
+# ------------------------------------------------------------------------------------------ checksums
+def _write_state(tmp_path, name='checkpoint.pth', **extra):
+    run = _run(tmp_path, with_state=True)
+    run.save(0, {'rng_state': [utils.get_rng_state()], **extra}, [name])
+    return tmp_path / name
+
+
+def test_corruption_inside_a_checkpoint_is_detected(tmp_path):
+    path = _write_state(tmp_path, big=torch.randn(64, 1024))  # 256 KiB of tensor data in the middle
+    assert checkpoint.load_checkpoint_file(str(path))['epoch'] == 0
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4096] = b'\x7f' * 4096  # float32 0x7f7f7f7f = 3.4e38
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_checkpoint_file(str(path))
+    msg = str(e.value)
+    assert 'checkpoint.pth is corrupt: the checksum of big does not match' in msg and '\n' not in msg
+    assert torch.load(path, weights_only=True)['big'].max() > 1e30  # what an unchecked load would use
+
+
+def test_checkpoints_without_checksum_still_load(tmp_path):
+    sd = _Tiny().state_dict()
+    torch.save({'model': sd, 'epoch': 2}, tmp_path / 'old.pth')
+    assert checkpoint.load_checkpoint_file(str(tmp_path / 'old.pth'))['epoch'] == 2
+
+
+def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
+    path = _write_state(tmp_path)
+    for name in ('best.pth', 'checkpoint_0004.pth', 'checkpoint_0009.pth'):
+        shutil.copy(path, tmp_path / name)
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_checkpoint_file(str(path))
+    msg = str(e.value)
+    assert 'is truncated or corrupt (5000 bytes)' in msg
+    best, newest, older = (os.path.join(str(tmp_path), n) for n in ('best.pth', 'checkpoint_0009.pth', 'checkpoint_0004.pth'))
+    assert f'--resume {best}, --resume {newest}, --resume {older}' in msg
+    assert '--no-auto-resume --overwrite' in msg
+
+
+# ------------------------------------------------------------------------------------------ writing
+class _FailingFile(io.RawIOBase):
+    """A file that fails with `exc` once more than `limit` bytes were written."""
+
+    def __init__(self, real, exc, limit=1000):
+        self.real, self.exc, self.limit, self.n = real, exc, limit, 0
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.n += len(b)
+        if self.n > self.limit:
+            raise self.exc
+        return self.real.write(b)
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def flush(self):
+        if not self.real.closed:
+            self.real.flush()
+
+    def close(self):
+        super().close()
+        self.real.close()
+
+
+def _failing_fdopen(monkeypatch, exc):
+    real = os.fdopen
+    monkeypatch.setattr(checkpoint.os, 'fdopen', lambda fd, mode: _FailingFile(real(fd, mode), exc))
+
+
+def test_disk_full_names_the_cause_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / 'checkpoint.pth'
+    checkpoint.save_atomic({'w': torch.zeros(10)}, str(path))
+    before = path.read_bytes()
+    _failing_fdopen(monkeypatch, OSError(errno.ENOSPC, 'No space left on device'))
+    with pytest.raises(utils.CheckpointWriteError) as e:
+        checkpoint.save_atomic({'w': torch.zeros(100000)}, str(path))
+    assert str(e.value) == (f'could not write checkpoint {path}: no space left on device; '
+                            f'the previous checkpoint.pth (if any) is kept')
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ['checkpoint.pth']
+
+
+def test_ctrl_c_during_a_save_is_an_interrupt_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / 'checkpoint.pth'
+    checkpoint.save_atomic({'w': torch.zeros(10)}, str(path))
+    before = path.read_bytes()
+    _failing_fdopen(monkeypatch, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_atomic({'w': torch.zeros(100000)}, str(path))
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ['checkpoint.pth']
+
+
+def test_checkpoints_get_the_mode_of_a_normal_write(tmp_path):
+    old = os.umask(0o027)
+    try:
+        checkpoint.save_atomic({'w': torch.zeros(1)}, str(tmp_path / 'a.pth'))
+        with open(tmp_path / 'log.txt', 'w'):
+            pass
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / 'a.pth').st_mode & 0o777 == os.stat(tmp_path / 'log.txt').st_mode & 0o777 == 0o640
+    os.chmod(tmp_path / 'a.pth', 0o604)  # an existing file keeps its mode, as open(path, 'wb') does
+    checkpoint.save_atomic({'w': torch.zeros(1)}, str(tmp_path / 'a.pth'))
+    assert os.stat(tmp_path / 'a.pth').st_mode & 0o777 == 0o604
+
+
+def test_a_full_disk_during_the_log_append_is_one_line(tmp_path, monkeypatch):
+    run = _run(tmp_path)
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(utils, 'write_json_line', full)
+    with pytest.raises(utils.UserError, match=r'could not append to .*log\.txt: no space left on device; the '
+                                              r'checkpoint of epoch 3 holds the line'):
+        run.append_log({'epoch': 3})
+
+
+# ------------------------------------------------------------------------------------------ best weights
+def test_best_records_which_weights_and_both_accuracies(tmp_path):
+    run = _run(tmp_path)
+    assert run.record_accuracy(0, 40.0, 55.0) and run.max_accuracy == 55.0
+    assert not run.record_accuracy(1, 50.0, 54.0)
+    assert run.record_accuracy(2, 60.0, 58.0)
+    state = run.state(2, ['checkpoint.pth', 'best.pth'], {})
+    assert state['best_weights'] == 'model' and state['best_epoch'] == 2 and state['max_accuracy'] == 60.0
+    assert state['best_acc1'] == state['acc1'] == {'model': 60.0, 'model_ema': 58.0}
+    assert 'EMA' not in checkpoint.describe_best(state) and '60.00% at epoch 2' in checkpoint.describe_best(state)
+
+
+# ------------------------------------------------------------------------------------------ crash repair
+def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, monkeypatch, capsys):
+    run = _run(tmp_path, with_state=True)
+    run.record_accuracy(0, 30.0, None)
+    log0 = {'epoch': 0, 'test_acc1': 30.0}
+    run.save(0, {'log': log0}, ['checkpoint.pth', 'best.pth'])
+    run.append_log(log0)
+    run.record_accuracy(1, 45.0, None)
+    real = checkpoint.save_atomic
+
+    def dies_after_the_first_file(state, path):
+        if os.path.basename(path) != 'checkpoint.pth':
+            raise SystemExit('killed')
+        real(state, path)
+    monkeypatch.setattr(checkpoint, 'save_atomic', dies_after_the_first_file)
+    with pytest.raises(SystemExit):
+        run.save(1, {'log': {'epoch': 1, 'test_acc1': 45.0}}, ['checkpoint.pth', 'best.pth'])
+    monkeypatch.undo()
+    with open(tmp_path / 'log.txt', 'a') as f:
+        f.write('{"epoch": 1, "test_a')  # a half-written line too
+    assert torch.load(tmp_path / 'best.pth', weights_only=True)['epoch'] == 0  # stale
+
+    resumed = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
+    out = capsys.readouterr().out
+    assert resumed.start_epoch == 2
+    assert re.search(r'Repaired .*best\.pth: it was older \(epoch 0\)', out), out
+    assert (tmp_path / 'best.pth').read_bytes() == (tmp_path / 'checkpoint.pth').read_bytes()
+    assert [json.loads(x)['epoch'] for x in open(tmp_path / 'log.txt')] == [0, 1]
+    # a second resume finds nothing to repair
+    _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
+    assert 'Repaired' not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ optimizer on resume
+def test_resume_follows_the_optimizer_flags_of_the_command_line(tmp_path, capsys):
+    _write_state(tmp_path)
+    run = _run(tmp_path, ['--weight-decay', '0.1', '--opt-betas', '0.9', '0.95'])
+    run.resume(str(tmp_path / 'checkpoint.pth'))
+    decays = sorted({g['weight_decay'] for g in run.optimizer.param_groups})
+    assert decays == [0.0, 0.1]
+    assert all(tuple(g['betas']) == (0.9, 0.95) for g in run.optimizer.param_groups)
+    assert run.optimizer.state  # the moments were loaded
+    out = capsys.readouterr().out
+    assert 'optimizer settings changed since the checkpoint (weight_decay: 0.05 -> 0.1, betas: (0.9, 0.999) -> ' \
+           '(0.9, 0.95)); following the command line' in out
+
+
+def test_resume_with_another_optimizer_is_refused(tmp_path):
+    _write_state(tmp_path)
+    with pytest.raises(utils.CheckpointError) as e:
+        _run(tmp_path, ['--opt', 'sgd']).resume(str(tmp_path / 'checkpoint.pth'))
+    assert 'is from --opt adamw, this run has --opt sgd: relaunch with --opt adamw' in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ output directory
+def _args(tmp_path, *argv):
+    return main.get_args_parser().parse_args(['--output_dir', str(tmp_path), *argv])
+
+
+def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
+    for name in ('checkpoint.pth', 'best.pth', 'checkpoint_0049.pth'):
+        (tmp_path / name).write_bytes(b'x')
+    (tmp_path / 'log.txt').write_text('{"epoch": 0}\n')
+    (tmp_path / 'notes.md').write_text('mine')
+    with pytest.raises(utils.UserError) as e:
+        checkpoint.prepare_output_dir(_args(tmp_path, '--no-auto-resume'), 'cpu')
+    assert 'already holds a run (checkpoint.pth, best.pth, checkpoint_0049.pth, log.txt): relaunch without ' \
+           '--no-auto-resume to continue it' in str(e.value) and '--overwrite' in str(e.value)
+    checkpoint.prepare_output_dir(_args(tmp_path), 'cpu')  # resuming it is fine
+    checkpoint.prepare_output_dir(_args(tmp_path, '--eval'), 'cpu')  # so is evaluating
+    assert len(os.listdir(tmp_path)) == 5
+    checkpoint.prepare_output_dir(_args(tmp_path, '--overwrite'), 'cpu')
+    assert os.listdir(tmp_path) == ['notes.md']
+    assert checkpoint.find_resume_path(_args(tmp_path, '--overwrite')) == ''
+
+
+def test_an_unwritable_or_full_output_dir_is_found_before_training(tmp_path, monkeypatch):
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, 'Read-only file system')
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.tempfile, 'mkstemp', read_only)
+        with pytest.raises(utils.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
+            checkpoint.check_room(str(tmp_path), 100, 'cpu')
+    monkeypatch.setattr(checkpoint.shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(10 << 30, 0, 150 << 20))
+    checkpoint.check_room(str(tmp_path), 70 << 20, 'cpu')
+    with pytest.raises(utils.UserError, match=r'has 150 MiB free, but a checkpoint takes about 80 MiB'):
+        checkpoint.check_room(str(tmp_path), 80 << 20, 'cpu')
+    run = _run(tmp_path)
+    n = sum(p.numel() for p in run.model.parameters())
+    assert run.estimate_bytes() == 4 * n * 3  # weights + two optimizer moments, fp32
+
+
+# ------------------------------------------------------------------------------------------ RNG
+class _FakeCuda:
+    def __init__(self, device, n_devices):
+        self.device, self.states, self.set = device, [torch.tensor([i], dtype=torch.uint8) for i in range(n_devices)], []
+
+    def install(self, monkeypatch):
+        c = torch.cuda
+        monkeypatch.setattr(c, 'is_available', lambda: True)
+        monkeypatch.setattr(c, 'is_initialized', lambda: True)
+        monkeypatch.setattr(c, 'current_device', lambda: self.device)
+        monkeypatch.setattr(c, 'get_rng_state', lambda device='cuda': self.states[device])
+        monkeypatch.setattr(c, 'set_rng_state', lambda state, device='cuda': self.set.append((int(state[0]), device)))
+        monkeypatch.setattr(c, 'get_rng_state_all', lambda: pytest.fail('every device saved'))
+        monkeypatch.setattr(c, 'set_rng_state_all', lambda s: pytest.fail('every device restored'))
+
+
+def test_cuda_rng_state_is_the_own_device_only(monkeypatch):
+    saved = utils.get_rng_state()
+    cuda = _FakeCuda(device=3, n_devices=8)
+    cuda.install(monkeypatch)
+    state = utils.get_rng_state()
+    assert torch.equal(state['cuda'], torch.tensor([3], dtype=torch.uint8))
+    one = _FakeCuda(device=0, n_devices=1)  # resumed with one visible GPU per process
+    one.install(monkeypatch)
+    utils.set_rng_state(state)
+    assert one.set == [(3, 0)]
+    old = dict(state, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)])  # older list form
+    utils.set_rng_state(old)
+    assert one.set[-1] == (0, 0)
+    few = _FakeCuda(device=2, n_devices=4)
+    few.install(monkeypatch)
+    utils.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
+    assert few.set == []
+    monkeypatch.undo()
+    utils.set_rng_state(saved)
+
+
+# ------------------------------------------------------------------------------------------ real runs
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return make_imagefolder(tmp_path_factory.mktemp('tinyc'))
+
+
+@pytest.mark.slow
+def test_killed_between_the_writes_then_resumed(data, tmp_path):
+    """The process dies right after checkpoint.pth of epoch 0 (always a new best) is renamed into place:
+    best.pth and the log line of epoch 0 are missing. The same command repairs both."""
+    out = tmp_path / 'out'
+    args = BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(out), '--no-model-ema']
+    script = tmp_path / 'inject.py'
+    script.write_text(
+        'import os, sys, checkpoint, main\n'
+        'real = checkpoint.save_atomic\n'
+        'def save(state, path):\n'
+        '    real(state, path)\n'
+        '    if path.endswith("checkpoint.pth"):\n'
+        '        os._exit(9)\n'
+        'checkpoint.save_atomic = save\n'
+        'sys.exit(main.run(sys.argv[1:]))\n')
+    p = subprocess.run([PY, str(script)] + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 9, p.stderr[-2000:]
+    ck = torch.load(out / 'checkpoint.pth', weights_only=True)
+    assert ck['epoch'] == 0 and ck['files'] == ['checkpoint.pth', 'best.pth'] and ck['best_epoch'] == 0
+    assert sorted(os.listdir(out)) == ['checkpoint.pth']
+    p = run_main(args)  # the same command: nothing left to train, the state is repaired
+    assert re.search(r'Repaired \S+best\.pth: it was missing', p.stdout), p.stdout[-3000:]
+    assert 'added the line of epoch 0' in p.stdout
+    assert (out / 'best.pth').read_bytes() == (out / 'checkpoint.pth').read_bytes()
+    assert [json.loads(x) for x in open(out / 'log.txt')] == [ck['log']]
