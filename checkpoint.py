@@ -274,7 +274,7 @@ def select_weights(ckpt: Any, path: str = 'the checkpoint', which: str = 'defaul
             if _is_state_dict(ckpt.get(key)):
                 return key, clean_state_dict(ckpt[key])
         if which == 'model_ema':
-            raise CheckpointError(f'{path} has no EMA weights (model_ema)')
+            raise CheckpointError(f'{path} has no EMA weights (model_ema); take its model weights instead (--weights model)')
         if _is_state_dict(ckpt) and not any(k in ckpt for k in DEFAULT_WEIGHTS_ORDER):
             return '', clean_state_dict(ckpt)
     raise CheckpointError(f'{path} is a torch file but holds no model weights '

@@ -10,6 +10,7 @@ import torch
 
 import main
 import engine
+import checkpoint
 import utils
 
 
@@ -100,7 +101,7 @@ def _state():
 def test_checkpoint_round_trip_weights_only(tmp_path):
     st = _state()
     p = tmp_path / 'checkpoint.pth'
-    utils.save_atomic(st, p)
+    checkpoint.save_atomic(st, p)
     back = torch.load(p, weights_only=True)
     assert back['epoch'] == 4 and back['max_accuracy'] == 12.5 and isinstance(back['args'], dict)
     assert back['args']['output_dir'] == 'x'
@@ -111,7 +112,7 @@ def test_checkpoint_round_trip_weights_only(tmp_path):
 
 def test_failing_write_keeps_previous_checkpoint_and_names_the_path(tmp_path, monkeypatch):
     p = tmp_path / 'checkpoint.pth'
-    utils.save_atomic({'model': {'w': torch.ones(2)}, 'epoch': 1}, p)
+    checkpoint.save_atomic({'model': {'w': torch.ones(2)}, 'epoch': 1}, p)
     before = p.read_bytes()
     real_save = torch.save
 
@@ -121,16 +122,16 @@ def test_failing_write_keeps_previous_checkpoint_and_names_the_path(tmp_path, mo
 
     monkeypatch.setattr(torch, 'save', half_then_disk_full)
     with pytest.raises(utils.CheckpointWriteError) as ei:
-        utils.save_atomic({'model': {'w': torch.zeros(2)}, 'epoch': 2}, p)
+        checkpoint.save_atomic({'model': {'w': torch.zeros(2)}, 'epoch': 2}, p)
     assert str(p) in str(ei.value) and 'no space left' in str(ei.value)
     assert p.read_bytes() == before
     assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 
 def test_stale_temporary_files_are_removed(tmp_path):
-    (tmp_path / (utils.TMP_PREFIX + 'checkpoint.pth.abc')).write_bytes(b'partial')
+    (tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.abc')).write_bytes(b'partial')
     (tmp_path / 'checkpoint.pth').write_bytes(b'keep')
-    utils.remove_stale_tmp(str(tmp_path))
+    checkpoint.remove_stale_tmp(str(tmp_path))
     assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 
@@ -138,7 +139,7 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
     torch.manual_seed(1)
     np.random.seed(2)
     random.seed(3)
-    utils.save_atomic({'rng': utils.get_rng_state()}, tmp_path / 'r.pth')
+    checkpoint.save_atomic({'rng': utils.get_rng_state()}, tmp_path / 'r.pth')
     want = (torch.rand(3), np.random.rand(3), random.random())
     torch.manual_seed(9)
     np.random.seed(9)

@@ -29,6 +29,7 @@ import timm
 from PIL import Image, UnidentifiedImageError
 
 import models  # noqa: F401  (registers the variants)
+import checkpoint
 import utils
 from tools.release import WEIGHT_CHOICES, select_weights
 from utils import CheckpointError, UserError
@@ -74,7 +75,7 @@ def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.T
         if meta.get('crop_pct'):
             info['crop_pct'] = float(meta['crop_pct'])
         return sd, info
-    ckpt = utils.load_checkpoint_file(path)
+    ckpt = checkpoint.load_checkpoint_file(path)
     sd, _ = select_weights(ckpt, weights, path)
     args = ckpt.get('args') if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
     info = {}
@@ -94,7 +95,7 @@ def build_model(model_name: str, sd: Dict[str, torch.Tensor], path: str) -> torc
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
     model = timm.create_model(model_name, num_classes=num_classes)
-    msg = utils.describe_mismatch(model, sd, model_name, path, candidates=timm.list_models('NALAFORMER_*'))
+    msg = checkpoint.describe_mismatch(model, sd, model_name, path, candidates=timm.list_models('NALAFORMER_*'))
     if msg:
         raise CheckpointError(msg)
     model.load_state_dict(sd, strict=True)

@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import timm  # noqa: E402
 
 import models  # noqa: E402,F401  (registers the variants)
+import checkpoint  # noqa: E402
+from checkpoint import describe_mismatch, load_checkpoint_file  # noqa: E402
 import utils  # noqa: E402
 from utils import CheckpointError, UserError  # noqa: E402
 
@@ -34,19 +36,10 @@ WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 
 
 def select_weights(ckpt: Any, which: str, path: str) -> Tuple[Dict[str, torch.Tensor], str]:
-    """The state dict to release and the checkpoint entry it came from.
-
-    ``default`` is the loader rule: ``model_ema`` when the checkpoint has it, else ``model`` (or a bare
-    state dict)."""
-    has_ema = isinstance(ckpt, dict) and isinstance(ckpt.get('model_ema'), dict)
-    if which == 'default':
-        which = 'model_ema' if has_ema else 'model'
-    if which == 'model_ema':
-        if not has_ema:
-            raise CheckpointError(f'{path} holds no EMA weights (no "model_ema"); use --weights model')
-        return utils.checkpoint_state_dict({'model': ckpt['model_ema']}, path), 'model_ema'
-    sd = utils.checkpoint_state_dict(ckpt, path)
-    return sd, 'model' if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict) else 'state dict'
+    """The state dict to release and the checkpoint entry it came from, by the repo's one loader rule
+    (checkpoint.select_weights): ``default`` takes the EMA weights when the checkpoint has them."""
+    key, sd = checkpoint.select_weights(ckpt, path, which)
+    return sd, key or 'state dict'
 
 
 def sha256_file(path: str) -> str:
@@ -135,7 +128,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
         -> Dict[str, Any]:
     """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written."""
     from safetensors.torch import save_file
-    ckpt = utils.load_checkpoint_file(checkpoint)
+    ckpt = load_checkpoint_file(checkpoint)
     args = ckpt.get('args') if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
     model_name = model_name or args.get('model')
     if not model_name:
@@ -149,7 +142,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
     model = timm.create_model(model_name, num_classes=num_classes)
-    msg = utils.describe_mismatch(model, sd, model_name, checkpoint, candidates=timm.list_models('NALAFORMER_*'))
+    msg = describe_mismatch(model, sd, model_name, checkpoint, candidates=timm.list_models('NALAFORMER_*'))
     if msg:
         raise CheckpointError(msg)
     model.load_state_dict(sd, strict=True)
