@@ -36,15 +36,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import utils
+from models.weights import weights_key
 from utils import CheckpointError, CheckpointWriteError, UserError
 
 TMP_PREFIX = '.tmp-'
 NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
 
 #: timm.models.load_state_dict's order (use_ema=True): the weights a single-weights loader takes.
-DEFAULT_WEIGHTS_ORDER = ('state_dict_ema', 'model_ema', 'state_dict', 'model')
-_WEIGHTS_ORDER = {'default': DEFAULT_WEIGHTS_ORDER, 'model': ('state_dict', 'model'),
-                  'model_ema': ('state_dict_ema', 'model_ema')}
 #: optimizer settings that come from the command line (the LR comes from the schedule)
 FOLLOWED_OPTIMIZER_KEYS = ('weight_decay', 'betas', 'eps', 'momentum', 'lr_scale')
 
@@ -256,10 +254,6 @@ def saved_args(ckpt: Any) -> Dict[str, Any]:
     return dict(args) if isinstance(args, dict) else {}
 
 
-def _is_state_dict(obj: Any) -> bool:
-    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
-
-
 def select_weights(ckpt: Any, path: str = 'the checkpoint', which: str = 'default') -> Tuple[str, Dict[str, torch.Tensor]]:
     """(key, state dict) of the one set of weights a loader takes from a loaded checkpoint.
 
@@ -267,18 +261,13 @@ def select_weights(ckpt: Any, path: str = 'the checkpoint', which: str = 'defaul
     else ``model_ema``, else ``state_dict``, else ``model``, else the file itself as a bare state dict
     (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed."""
     from timm.models import clean_state_dict
-    if which not in _WEIGHTS_ORDER:
-        raise ValueError(f"which must be one of {', '.join(_WEIGHTS_ORDER)}, got {which!r}")
-    if isinstance(ckpt, dict):
-        for key in _WEIGHTS_ORDER[which]:
-            if _is_state_dict(ckpt.get(key)):
-                return key, clean_state_dict(ckpt[key])
+    key = weights_key(ckpt, which)
+    if key is None:
         if which == 'model_ema':
             raise CheckpointError(f'{path} has no EMA weights (model_ema); take its model weights instead (--weights model)')
-        if _is_state_dict(ckpt) and not any(k in ckpt for k in DEFAULT_WEIGHTS_ORDER):
-            return '', clean_state_dict(ckpt)
-    raise CheckpointError(f'{path} is a torch file but holds no model weights '
-                          f'(expected a state dict or a dict with "model")')
+        raise CheckpointError(f'{path} is a torch file but holds no model weights '
+                              f'(expected a state dict or a dict with "model")')
+    return key, clean_state_dict(ckpt[key] if key else ckpt)
 
 
 def classifier_keys(model: torch.nn.Module) -> set:

@@ -20,6 +20,7 @@ from timm.models._features import feature_take_indices
 
 from .nala import NALA_IMPLS, NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
+from .weights import weights_key
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn']
 
@@ -397,11 +398,14 @@ class NaLaFormer(nn.Module):
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[str, torch.Tensor]:
     """Accept a bare reference state dict or a training checkpoint, with or without a DDP ``module.``
-    prefix. A training checkpoint gives the weights of the one loader rule (checkpoint.select_weights:
-    ``model_ema`` when present, as timm's ``load_checkpoint`` does). Keys are not renamed: the reference
-    layout is ours."""
-    from checkpoint import select_weights  # the repository root module that owns the checkpoint format
-    return select_weights(state_dict, 'the pretrained weights')[1]
+    prefix. A training checkpoint gives the weights of the repository's one loader rule
+    (models/weights.py: ``model_ema`` when present, as timm's ``load_checkpoint`` does). Keys are not
+    renamed: the reference layout is ours."""
+    from timm.models import clean_state_dict
+    key = weights_key(state_dict)
+    if key is None:
+        raise ValueError('the pretrained file holds no model weights (expected a state dict or a dict with "model")')
+    return clean_state_dict(state_dict[key] if key else state_dict)
 
 
 #: Architecture of every variant; drop_path is the stochastic-depth rate the recipe trains the variant with,
