@@ -627,7 +627,11 @@ def main(args, parser):
               f'evaluating it (raise --epochs to train longer)')
     if args.eval or start_epoch >= args.epochs:
         test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last, args.print_freq,
-                                     sum_over_ranks=sum_over_ranks)
+                                     sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
+        if test_stats['aborted']:
+            print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
+                  f'{test_stats["seen"]} of {len(dataset_val)} images: no accuracy reported')
+            return 128 + int(stop_flag.signum or signal.SIGTERM)
         print(accuracy_line(test_stats))
         return 0
 

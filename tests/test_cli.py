@@ -1,6 +1,9 @@
 """The command line of main.py: flags that would crash or quietly do harm end in an argparse-style error
 (exit 2) naming the flag, before any work; sensible values still pass."""
+import os
 import re
+import shutil
+import signal
 
 import pytest
 
@@ -75,3 +78,41 @@ def test_world_size_matching_the_launcher_passes(monkeypatch):
     monkeypatch.setenv('RANK', '0')
     monkeypatch.setenv('WORLD_SIZE', '4')
     assert parse_and_validate(['--world_size', '4']).world_size == 4
+
+
+# ------------------------------------------------------------------------------------------ signals
+SIG_RUN = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+           '--num_workers', '0', '--no-flops', '--unscale-lr', '--lr', '2e-3', '--warmup-epochs', '0', '--epochs', '1',
+           '--mixup', '0', '--cutmix', '0', '--no-model-ema']
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A finished 1-epoch run whose validation set is long enough (300 images, one per batch) to signal."""
+    from test_runs import make_imagefolder, run_main
+    data = make_imagefolder(tmp_path_factory.mktemp('sig'), n_train=4, n_val=100)
+    out = str(tmp_path_factory.mktemp('sigrun') / 'out')
+    run_main(SIG_RUN + ['--data-path', data, '--output_dir', out])
+    return data, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode, sig', [('eval', signal.SIGTERM), ('nothing-to-train', signal.SIGINT)])
+def test_signal_stops_evaluation_at_the_next_batch(trained, mode, sig, tmp_path):
+    from test_faults import _signal_when, _start
+    from test_runs import PY
+    data, out = trained
+    flags = ['--batch-size', '1', '--print-freq', '1', '--data-path', data]
+    if mode == 'eval':
+        cmd = [PY, 'main.py'] + SIG_RUN + flags + ['--eval', '--resume', os.path.join(out, 'checkpoint.pth')]
+    else:  # the same command again after the last epoch: the checkpoint is evaluated
+        shutil.copytree(out, tmp_path / 'out')
+        cmd = [PY, 'main.py'] + SIG_RUN + flags + ['--output_dir', str(tmp_path / 'out')]
+    proc = _start(cmd)
+    stdout, stderr, waited = _signal_when(proc, r'Test: \[ *2/300\]', sig)
+    assert proc.returncode == 128 + sig, stdout[-2000:] + stderr[-2000:]
+    assert 'Traceback' not in stderr, stderr[-3000:]
+    m = re.search(rf'Evaluation stopped by {sig.name} after (\d+) of 300 images', stdout)
+    assert m and int(m.group(1)) < 300, stdout[-3000:]
+    assert 'Accuracy of the network' not in stdout
+    assert waited < 30
