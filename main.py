@@ -697,8 +697,8 @@ def main(args, parser):
             # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
             # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
             utils.broadcast_tensors_(list(model_without_ddp.buffers()))
-            if model_ema is not None:
-                utils.broadcast_tensors_(list(model_ema.module.state_dict().values()))
+            if model_ema is not None:  # a CPU EMA (--model-ema-force-cpu) goes through the device under NCCL
+                utils.broadcast_tensors_(list(model_ema.module.state_dict().values()), device=device)
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
         bad = datasets.bad_sample_count_all_ranks(dataset_train, device)
 
@@ -707,9 +707,10 @@ def main(args, parser):
                                          args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
             ema_stats = None
             if model_ema is not None and not test_stats['aborted']:
-                ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
-                                            args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks,
-                                            stop_flag=stop_flag)
+                with utils.moved_to(model_ema.module, device):  # a CPU EMA is evaluated where the data is
+                    ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
+                                                args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks,
+                                                stop_flag=stop_flag)
         # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
         flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
                  float(stop_flag.requested or res.stopped)]
