@@ -126,8 +126,9 @@ def _slurm_master_addr():
 
 
 def init_distributed_mode(args):
-    """Start the process group if a launcher asked for several processes; sets args.rank,
-    args.world_size, args.gpu, args.distributed, args.dist_backend and args.device."""
+    """Start the process group when a launcher (torchrun, srun with several tasks) started this process, also
+    for one process; sets args.rank, args.world_size, args.gpu, args.distributed, args.dist_backend and
+    args.device."""
     rank, world_size, local_rank, launcher = launch_env()
     if args.local_rank is not None and launcher == 'none':
         # old `torch.distributed.launch` without --use_env passes --local-rank; the rest is in env
@@ -138,10 +139,10 @@ def init_distributed_mode(args):
     gpu = local_rank % torch.cuda.device_count() if use_cuda else local_rank
     args.rank, args.world_size, args.gpu, args.launcher = rank, world_size, gpu, launcher
     if use_cuda:
-        args.device = f'cuda:{gpu}' if world_size > 1 else (args.device if ':' in str(args.device) else 'cuda')
+        args.device = f'cuda:{gpu}' if launcher != 'none' else (args.device if ':' in str(args.device) else 'cuda')
     else:
         args.device = 'cpu'
-    if world_size == 1:
+    if launcher == 'none':  # a launcher starts a process group even for one process (DDP paths on one GPU)
         args.distributed = False
         args.dist_backend = None
         return
