@@ -94,3 +94,18 @@ def test_slurm_task_seeing_only_its_own_gpu_uses_cuda_0(monkeypatch):
     assert chosen == [0] and args.gpu == 0 and args.device == 'cuda:0'
     assert joined['device_id'] == torch.device('cuda', 0) and joined['backend'] == 'nccl'
     assert (args.rank, args.world_size, args.launcher) == (3, 4, 'slurm')
+
+
+def test_one_process_under_torchrun_joins_a_process_group(monkeypatch):
+    """torchrun --nproc_per_node=1 runs the DDP code paths (as DeiT does), e.g. to try them on one GPU."""
+    for k in ('SLURM_PROCID', 'SLURM_NTASKS', 'LOCAL_RANK'):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.setenv('WORLD_SIZE', '1')
+    joined = {}
+    monkeypatch.setattr(utils.dist, 'init_process_group', lambda **kw: joined.update(kw))
+    monkeypatch.setattr(utils, 'barrier', lambda: None)
+    monkeypatch.setattr(utils, 'setup_for_distributed', lambda is_master: None)
+    args = argparse.Namespace(device='cpu', local_rank=None, dist_url='env://', dist_timeout=60)
+    utils.init_distributed_mode(args)
+    assert args.distributed and args.dist_backend == 'gloo' and joined['world_size'] == 1
