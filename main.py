@@ -60,7 +60,6 @@ def ranged(kind=float, lo=None, hi=None, lo_open=False, hi_open=False):
             raise argparse.ArgumentTypeError(f'expected {expected}, got {text}')
         return value
 
-    parse.__name__ = expected  # argparse names the type by this in some messages
     return parse
 
 
