@@ -118,8 +118,10 @@ def run_row(row: Row, device: str, data: str, work: str, extra: list[str], timeo
             try:
                 proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
                                       timeout=timeout, check=False)
-            except subprocess.TimeoutExpired:
-                return 'failed', time.time() - t0, f'timed out after {timeout:.0f} s'
+            except subprocess.TimeoutExpired as e:
+                for part in (e.stdout, e.stderr):
+                    log.write(part.decode(errors='replace') if isinstance(part, bytes) else part or '')
+                return 'failed', time.time() - t0, f'timed out after {timeout:.0f} s (--timeout)'
             log.write(proc.stdout + proc.stderr)
             if proc.returncode != 0:
                 return 'failed', time.time() - t0, failure(proc)
