@@ -91,7 +91,9 @@ def skip_reason(row: Row, device: str, quick: bool) -> str:
 
 
 def child_env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    # PASSIVE: idle OpenMP threads sleep instead of spinning, which on a CPU shared with other work (CI
+    # runners) makes a run several times slower
+    env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_WAIT_POLICY=os.environ.get('OMP_WAIT_POLICY', 'PASSIVE'))
     for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT',
               'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'):
         env.pop(k, None)  # run as a fresh job even inside an allocation or a launcher
