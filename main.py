@@ -785,7 +785,9 @@ def run(argv=None):
     except BadSampleError as e:  # --strict-data: raised in a loader worker, re-raised here
         # from a worker, the message is the last line of the worker's traceback
         utils.eprint(f"error: {str(e).strip().splitlines()[-1].split('BadSampleError: ', 1)[-1]}")
-        code = 1
+        # the failed epoch's loader workers ignore SIGTERM, so a normal exit would wait for them forever
+        sys.stdout.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         utils.eprint('interrupted')
         code = 130
