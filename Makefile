@@ -33,3 +33,7 @@ DEMO_FLAGS = --model NALAFORMER_XT --data-set DIGITS --input-size 64 --device cp
 demo: venv
 	rm -rf output/demo
 	OMP_WAIT_POLICY=PASSIVE $(PY) main.py $(DEMO_FLAGS)
+
+# `make smoke`: every training path (DDP, fp16/bf16, compile, channels-last, SyncBN, EMA, resume) once on this machine
+smoke: venv
+	$(PY) -m tools.smoke

@@ -10,6 +10,7 @@ and as a plain process; NCCL on GPUs, gloo on CPUs. See README "Training and eva
 import argparse
 import datetime
 import json
+import math
 import os
 import random
 import signal
@@ -35,6 +36,46 @@ def str2bool_flag(parser, name, default, help_on, dest=None):
     parser.set_defaults(**{dest: default})
 
 
+def ranged(kind=float, lo=None, hi=None, lo_open=False, hi_open=False):
+    """argparse `type=`: a finite number of type `kind` within [lo, hi] (an end excluded when `*_open`).
+    Out-of-range values end in argparse's `error: argument --flag: ...` (exit 2)."""
+    what = 'an integer' if kind is int else 'a number'
+    bounds = []
+    if lo is not None:
+        bounds.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        bounds.append(f"{'<' if hi_open else '<='} {hi}")
+    expected = what + (' ' + ' and '.join(bounds) if bounds else '')
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'expected {expected}, got {text!r}') from None
+        ok = math.isfinite(value)
+        if ok and lo is not None:
+            ok = value > lo if lo_open else value >= lo
+        if ok and hi is not None:
+            ok = value < hi if hi_open else value <= hi
+        if not ok:
+            raise argparse.ArgumentTypeError(f'expected {expected}, got {text}')
+        return value
+
+    return parse
+
+
+PROBABILITY = ranged(float, 0, 1)
+RATE = ranged(float, 0, 1, hi_open=True)  # dropout, drop path, label smoothing, EMA decay: 1 would be degenerate
+NON_NEGATIVE = ranged(float, 0)
+NON_NEGATIVE_INT = ranged(int, 0)
+POSITIVE = ranged(float, 0, lo_open=True)
+POSITIVE_INT = ranged(int, 1)
+
+# the schedules of timm's create_scheduler_v2 that fit a per-epoch step without a metric: 'plateau' needs a
+# validation metric at every step and 'none' builds no scheduler at all
+SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 'rsqrt')
+
+
 def get_args_parser():
     p = argparse.ArgumentParser('NaLaFormer training and evaluation script', add_help=True)
     p.add_argument('--batch-size', default=128, type=int, help='batch size per process (recipe: 128 x 8)')
@@ -51,12 +92,12 @@ def get_args_parser():
     # Model
     p.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
     p.add_argument('--input-size', default=224, type=int, help='image size')
-    p.add_argument('--drop', type=float, default=0.0, metavar='PCT', help='dropout rate')
+    p.add_argument('--drop', type=RATE, default=0.0, metavar='PCT', help='dropout rate')
     p.add_argument('--drop-path', type=float, default=None, metavar='PCT',
                    help="drop path (stochastic depth) rate; default: the variant's own rate "
                         "(XT 0.1, T 0.1, S 0.15, B 0.4, L 0.55)")
     str2bool_flag(p, 'model-ema', True, 'keep an EMA of the weights (default on)')
-    p.add_argument('--model-ema-decay', type=float, default=0.99996,
+    p.add_argument('--model-ema-decay', type=RATE, default=0.99996,
                    help='EMA decay at global batch 512; the decay used is this ** (global batch / 512)')
     p.add_argument('--model-ema-force-cpu', action='store_true')
 
@@ -64,23 +105,23 @@ def get_args_parser():
     p.add_argument('--opt', default='adamw', type=str, metavar='OPTIMIZER')
     p.add_argument('--opt-eps', default=1e-8, type=float, metavar='EPSILON')
     p.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA')
-    p.add_argument('--clip-grad', type=float, default=None, metavar='NORM')
+    p.add_argument('--clip-grad', type=POSITIVE, default=None, metavar='NORM')
     p.add_argument('--clip-mode', type=str, default='norm', choices=['norm', 'value', 'agc'])
     p.add_argument('--momentum', type=float, default=0.9, metavar='M')
-    p.add_argument('--weight-decay', type=float, default=0.05)
+    p.add_argument('--weight-decay', type=NON_NEGATIVE, default=0.05)
     p.add_argument('--layer-decay', type=float, default=None,
                    help='layer-wise LR decay for fine-tuning: block i of n gets LR x decay^(n - i) (head: x1)')
 
     # Learning rate schedule
-    p.add_argument('--sched', default='cosine', type=str, metavar='SCHEDULER')
-    p.add_argument('--lr', type=float, default=5e-4, metavar='LR', help='base LR at global batch 512')
+    p.add_argument('--sched', default='cosine', type=str, choices=SCHEDULERS)
+    p.add_argument('--lr', type=POSITIVE, default=5e-4, metavar='LR', help='base LR at global batch 512')
     p.add_argument('--lr-noise', type=float, nargs='+', default=None, metavar='pct, pct')
     p.add_argument('--lr-noise-pct', type=float, default=0.67)
     p.add_argument('--lr-noise-std', type=float, default=1.0)
-    p.add_argument('--warmup-lr', type=float, default=1e-6)
-    p.add_argument('--min-lr', type=float, default=1e-5)
+    p.add_argument('--warmup-lr', type=NON_NEGATIVE, default=1e-6)
+    p.add_argument('--min-lr', type=NON_NEGATIVE, default=1e-5)
     p.add_argument('--decay-epochs', type=float, default=30)
-    p.add_argument('--warmup-epochs', type=int, default=5)
+    p.add_argument('--warmup-epochs', type=NON_NEGATIVE_INT, default=5)
     p.add_argument('--cooldown-epochs', type=int, default=10)
     p.add_argument('--patience-epochs', type=int, default=10)
     p.add_argument('--decay-rate', '--dr', type=float, default=0.1)
@@ -88,21 +129,22 @@ def get_args_parser():
     # Augmentation
     p.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
     p.add_argument('--aa', type=str, default='rand-m9-mstd0.5-inc1', metavar='NAME')
-    p.add_argument('--smoothing', type=float, default=0.1)
+    p.add_argument('--smoothing', type=RATE, default=0.1)
     p.add_argument('--train-interpolation', type=str, default='bicubic')
     str2bool_flag(p, 'repeated-aug', True, 'repeated augmentation x3 (RASampler, default on)')
     str2bool_flag(p, 'train-mode', True, 'model.train() while training (default on)')
     p.add_argument('--ThreeAugment', action='store_true')
     p.add_argument('--src', action='store_true')
-    p.add_argument('--reprob', type=float, default=0.25, metavar='PCT')
+    p.add_argument('--reprob', type=PROBABILITY, default=0.25, metavar='PCT')
     p.add_argument('--remode', type=str, default='pixel')
     p.add_argument('--recount', type=int, default=1)
     p.add_argument('--resplit', action='store_true', default=False)
-    p.add_argument('--mixup', type=float, default=0.8)
-    p.add_argument('--cutmix', type=float, default=1.0)
-    p.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
-    p.add_argument('--mixup-prob', type=float, default=1.0)
-    p.add_argument('--mixup-switch-prob', type=float, default=0.5)
+    p.add_argument('--mixup', type=NON_NEGATIVE, default=0.8)
+    p.add_argument('--cutmix', type=NON_NEGATIVE, default=1.0)
+    p.add_argument('--cutmix-minmax', type=PROBABILITY, nargs=2, default=None, metavar=('MIN', 'MAX'),
+                   help='CutMix box size range as fractions of the image side (overrides --cutmix alpha)')
+    p.add_argument('--mixup-prob', type=PROBABILITY, default=1.0)
+    p.add_argument('--mixup-switch-prob', type=PROBABILITY, default=0.5)
     p.add_argument('--mixup-mode', type=str, default='batch', choices=['batch', 'pair', 'elem'])
 
     # Distillation
@@ -122,7 +164,8 @@ def get_args_parser():
     p.add_argument('--data-set', default='IMNET', choices=DATASETS, type=str)
     p.add_argument('--inat-category', default='name',
                    choices=['kingdom', 'phylum', 'class', 'order', 'supercategory', 'family', 'genus', 'name'])
-    p.add_argument('--eval-crop-ratio', default=0.875, type=float)
+    p.add_argument('--eval-crop-ratio', default=0.875, type=ranged(float, 0, 1, lo_open=True),
+                   help='evaluation: resize to input-size / ratio, then center-crop input-size')
     p.add_argument('--strict-data', action='store_true', help='an undecodable image stops the run')
     p.add_argument('--follow-links', action='store_true', help='follow directory links inside class folders (never loops)')
     p.add_argument('--eval-sets', nargs='+', default=[], metavar='[NAME=]PATH',
@@ -133,20 +176,20 @@ def get_args_parser():
     # Run
     p.add_argument('--output_dir', '--output-dir', dest='output_dir', default='',
                    help='where checkpoints and log.txt go (empty: save nothing)')
-    p.add_argument('--device', default='cuda', help='cuda or cpu (falls back to cpu without a GPU)')
+    p.add_argument('--device', default='cuda', help='cuda, cuda:N or cpu (cuda falls back to cpu without a GPU)')
     p.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain',
                    help='on the CPU, keep freed memory for reuse (retain: much faster steps, the process '
                         'keeps its peak memory) or use glibc as configured (system)')
-    p.add_argument('--seed', default=0, type=int)
+    p.add_argument('--seed', default=0, type=ranged(int, 0, 2 ** 32 - 1))
     p.add_argument('--resume', default='', help='resume from this checkpoint (default: output_dir/checkpoint.pth if present)')
     str2bool_flag(p, 'auto-resume', True, 'resume from output_dir/checkpoint.pth when it exists (default on)')
-    p.add_argument('--start_epoch', '--start-epoch', dest='start_epoch', default=0, type=int, metavar='N')
+    p.add_argument('--start_epoch', '--start-epoch', dest='start_epoch', default=0, type=NON_NEGATIVE_INT, metavar='N')
     p.add_argument('--eval', action='store_true', help='evaluation only')
     p.add_argument('--dist-eval', action='store_true', default=False,
                    help='split the validation set over the processes (exact: every image counted once)')
-    p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=10, type=int)
+    p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=10, type=NON_NEGATIVE_INT)
     str2bool_flag(p, 'pin-mem', True, 'pin CPU memory in the data loader (GPU runs)', dest='pin_mem')
-    p.add_argument('--print-freq', default=10, type=int)
+    p.add_argument('--print-freq', default=10, type=POSITIVE_INT)
     p.add_argument('--log-dir', default='', help='also write TensorBoard events here (rank 0; needs tensorboard)')
     p.add_argument('--save-freq', default=50, type=int, help='keep a backup checkpoint every N epochs (0: none)')
     p.add_argument('--no-flops', dest='flops', action='store_false', help='skip the fvcore FLOPs count at start')
@@ -163,7 +206,8 @@ def get_args_parser():
     str2bool_flag(p, 'sync-bn', True, 'SyncBatchNorm in multi-GPU runs (default on)')
 
     # Distributed
-    p.add_argument('--world_size', '--world-size', dest='world_size', default=1, type=int)
+    p.add_argument('--world_size', '--world-size', dest='world_size', default=1, type=POSITIVE_INT,
+                   help='number of processes; set by the launcher (torchrun, srun), checked against it')
     p.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
     p.add_argument('--dist-timeout', default=1800, type=float,
                    help='seconds a collective waits for a silent peer before the run stops')
@@ -251,6 +295,79 @@ def validate_args(args, parser):
                      'state in checkpoints (a resumed run would restart it); use --sched cosine (the recipe) or step')
     if args.bce_target_thresh is not None and not args.bce_loss:
         parser.error('--bce-target-thresh needs --bce-loss')
+    if world == 1 and args.world_size != 1:
+        parser.error(f'--world_size {args.world_size} without a launcher would run one process; start '
+                     f'{args.world_size} with torchrun --nproc_per_node={args.world_size} main.py ... (or srun)')
+    if args.seed + world - 1 > 2 ** 32 - 1:  # every rank seeds numpy with --seed + rank
+        parser.error(f'--seed {args.seed} + rank exceeds 2**32 - 1 on {world} processes; use a smaller --seed')
+    if args.drop_path is not None and not 0 <= args.drop_path < 1:  # None: the variant's own rate
+        parser.error(f'--drop-path must be in [0, 1), got {args.drop_path}')
+    if args.cutmix_minmax is not None and not 0 < args.cutmix_minmax[0] < args.cutmix_minmax[1]:
+        parser.error(f'--cutmix-minmax needs 0 < MIN < MAX <= 1, got {args.cutmix_minmax[0]} {args.cutmix_minmax[1]}')
+    check_device(args.device, world, parser)
+    check_optimizer(args, parser)
+    check_scheduler(args, parser)
+    check_auto_augment(args.aa, parser)
+
+
+def check_device(device, world, parser):
+    """--device: cpu, cuda or cuda:N; an existing GPU index when a GPU is present (a launcher assigns one GPU
+    per process itself). cuda without a GPU falls back to the CPU (and says so)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ('cpu', 'cuda'):
+        parser.error(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == 'cuda' and dev.index is not None and world == 1 and torch.cuda.is_available() \
+            and dev.index >= torch.cuda.device_count():
+        parser.error(f'--device {device}: this machine has {torch.cuda.device_count()} GPU(s) '
+                     f'(cuda:0 .. cuda:{torch.cuda.device_count() - 1})')
+
+
+def check_optimizer(args, parser):
+    """--opt against timm's optimizer registry (an optional `lookahead_` prefix, as timm allows), then built
+    once on a dummy parameter so that missing packages and bad --opt-betas/--opt-eps/--momentum show here."""
+    import difflib
+
+    from timm.optim import create_optimizer_v2, list_optimizers
+    known = list_optimizers()
+    name = args.opt.lower()
+    base = name.removeprefix('lookahead_')
+    if base not in known:
+        close = difflib.get_close_matches(base, known, n=3)
+        parser.error(f"--opt {args.opt}: unknown optimizer" + (f"; did you mean {', '.join(close)}?" if close else '')
+                     + f" ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)")
+    try:
+        create_optimizer_v2(torch.nn.Linear(1, 1), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                            momentum=args.momentum, eps=args.opt_eps,
+                            **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+    except Exception as e:  # noqa: BLE001 - any failure here is a bad flag or a missing optional package
+        parser.error(f'--opt {args.opt}: cannot build it with these flags ({utils.first_line(e)})')
+
+
+def check_scheduler(args, parser):
+    """Build the --sched schedule once on a dummy optimizer: timm checks its flag combinations
+    (e.g. wsd's --decay-epochs against --epochs) only when it is built."""
+    try:
+        build_lr_scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr))
+    except (ValueError, AssertionError, TypeError) as e:
+        parser.error(f'--sched {args.sched}: {utils.first_line(e)}')
+
+
+def check_auto_augment(aa, parser):
+    """--aa through timm's own policy parsers, dispatched on the prefix as timm's create_transform does."""
+    from timm.data import auto_augment
+    if aa in (None, '', 'none', 'None'):
+        return
+    build = (auto_augment.rand_augment_transform if aa.startswith('rand') else
+             auto_augment.augment_and_mix_transform if aa.startswith('augmix') else auto_augment.auto_augment_transform)
+    try:
+        build(aa, {})
+    except (AssertionError, ValueError, KeyError, IndexError) as e:
+        detail = utils.first_line(e) if str(e).strip() else 'not a valid policy string'
+        parser.error(f"--aa {aa}: {detail}; use a timm policy such as rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
+                     f"original, v0, 3a, or none")
 
 
 def build_model(args, nb_classes):
@@ -495,7 +612,11 @@ def main(args, parser):
             if weights is not None:
                 checkpoint.load_weights_into(model_without_ddp, weights, args.model, resume_path)
             test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last,
-                                         args.print_freq, sum_over_ranks=sum_over_ranks)
+                                         args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
+            if test_stats['aborted']:
+                print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
+                      f'{test_stats["seen"]} of {len(dataset_val)} images: no accuracy reported')
+                return 128 + int(stop_flag.signum or signal.SIGTERM)
             print(accuracy_line(test_stats, label=label))
             for name, ds in eval_sets:  # build_loaders: only its validation loader is used
                 stats = engine.evaluate(build_loaders(args, ds, ds)[2], model_without_ddp, device, amp_dtype,
@@ -555,8 +676,8 @@ def main(args, parser):
             # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
             # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
             utils.broadcast_tensors_(list(model_without_ddp.buffers()))
-            if model_ema is not None:
-                utils.broadcast_tensors_(list(model_ema.module.state_dict().values()))
+            if model_ema is not None:  # a CPU EMA (--model-ema-force-cpu) goes through the device under NCCL
+                utils.broadcast_tensors_(list(model_ema.module.state_dict().values()), device=device)
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
         bad = datasets.bad_sample_count_all_ranks(dataset_train, device)
 
@@ -565,9 +686,10 @@ def main(args, parser):
                                          args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
             ema_stats = None
             if model_ema is not None and not test_stats['aborted']:
-                ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
-                                            args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks,
-                                            stop_flag=stop_flag)
+                with utils.moved_to(model_ema.module, device):  # a CPU EMA is evaluated where the data is
+                    ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
+                                                args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks,
+                                                stop_flag=stop_flag)
         # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
         flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
                  float(stop_flag.requested or res.stopped)]
@@ -644,7 +766,7 @@ def run(argv=None):
     except BadSampleError as e:  # --strict-data: raised in a loader worker, re-raised here
         # from a worker, the message is the last line of the worker's traceback
         utils.eprint(f"error: {str(e).strip().splitlines()[-1].split('BadSampleError: ', 1)[-1]}")
-        # the failing loader's worker ignores SIGTERM and may outlive its iterator: leave at once, as below
+        # the failed epoch's loader workers ignore SIGTERM, so a normal exit would wait for them forever
         sys.stdout.flush()
         os._exit(1)
     except KeyboardInterrupt:

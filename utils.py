@@ -4,6 +4,7 @@ checkpoint format lives in checkpoint.py).
 Everything here is independent of the model: the engine only needs `import models` to register the
 NaLaFormer variants in timm.
 """
+import contextlib
 import datetime
 import json
 import math
@@ -124,19 +125,23 @@ def _slurm_master_addr():
 
 
 def init_distributed_mode(args):
-    """Start the process group if a launcher asked for several processes; sets args.rank,
-    args.world_size, args.gpu, args.distributed, args.dist_backend and args.device."""
+    """Start the process group when a launcher (torchrun, srun with several tasks) started this process, also
+    for one process; sets args.rank, args.world_size, args.gpu, args.distributed, args.dist_backend and
+    args.device."""
     rank, world_size, local_rank, launcher = launch_env()
     if args.local_rank is not None and launcher == 'none':
         # old `torch.distributed.launch` without --use_env passes --local-rank; the rest is in env
         local_rank = args.local_rank
-    args.rank, args.world_size, args.gpu, args.launcher = rank, world_size, local_rank, launcher
     use_cuda = str(args.device).startswith('cuda') and torch.cuda.is_available()
+    # the GPU of this process among those it can see: with one GPU per task (SLURM's --gpus-per-task, or
+    # CUDA_VISIBLE_DEVICES set per process) every process sees only its own, as cuda:0 (as DeiT does)
+    gpu = local_rank % torch.cuda.device_count() if use_cuda else local_rank
+    args.rank, args.world_size, args.gpu, args.launcher = rank, world_size, gpu, launcher
     if use_cuda:
-        args.device = f'cuda:{local_rank}' if world_size > 1 else (args.device if ':' in str(args.device) else 'cuda')
+        args.device = f'cuda:{gpu}' if launcher != 'none' else (args.device if ':' in str(args.device) else 'cuda')
     else:
         args.device = 'cpu'
-    if world_size == 1:
+    if launcher == 'none':  # a launcher starts a process group even for one process (DDP paths on one GPU)
         args.distributed = False
         args.dist_backend = None
         return
@@ -147,11 +152,11 @@ def init_distributed_mode(args):
     args.distributed = True
     args.dist_backend = 'nccl' if use_cuda else 'gloo'
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(gpu)
     kwargs = dict(backend=args.dist_backend, init_method=args.dist_url, world_size=world_size, rank=rank,
                   timeout=datetime.timedelta(seconds=args.dist_timeout))
     if use_cuda:
-        kwargs['device_id'] = torch.device('cuda', local_rank)
+        kwargs['device_id'] = torch.device('cuda', gpu)
     try:
         dist.init_process_group(**kwargs)
     except Exception as e:  # noqa: BLE001 - report rendezvous problems as one line
@@ -179,11 +184,36 @@ def setup_for_distributed(is_master):
     __builtin__.print = print
 
 
-def broadcast_tensors_(tensors, src=0):
-    """Overwrite the tensors of every rank with rank `src`'s (in place)."""
-    if is_dist_avail_and_initialized():
-        for t in tensors:
+def broadcast_tensors_(tensors, src=0, device=None):
+    """Overwrite the tensors of every rank with rank `src`'s (in place). A tensor not on `device` (the
+    process group's device) travels through it: NCCL only broadcasts CUDA tensors, and an EMA kept on the
+    CPU (--model-ema-force-cpu) holds CPU tensors."""
+    if not is_dist_avail_and_initialized():
+        return
+    device = torch.device(device) if device is not None else None
+    for t in tensors:
+        if device is None or t.device == device:
             dist.broadcast(t.data, src)
+        else:
+            staged = t.data.to(device)
+            dist.broadcast(staged, src)
+            t.data.copy_(staged)
+
+
+@contextlib.contextmanager
+def moved_to(module, device):
+    """Run the block with `module` on `device`, then move it back to where its parameters were (evaluate
+    a CPU-held EMA on the GPU the data and the collectives of the evaluation use)."""
+    home = next(module.parameters()).device
+    device = torch.device(device)
+    if device == home:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to(home)
 
 
 def all_reduce_sum(values, device):
