@@ -72,7 +72,8 @@ POSITIVE = ranged(float, 0, lo_open=True)
 POSITIVE_INT = ranged(int, 1)
 
 # the schedules of timm's create_scheduler_v2 that fit a per-epoch step without a metric: 'plateau' needs a
-# validation metric at every step and 'none' builds no scheduler at all
+# validation metric at every step, is deprecated by timm and cannot save its state in a checkpoint (a resumed
+# run would restart it); 'none' builds no scheduler at all
 SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 'rsqrt')
 
 
@@ -290,9 +291,6 @@ def validate_args(args, parser):
     # training-loop recipe checks
     if args.accum_steps < 1:
         parser.error(f'--accum-steps must be at least 1, got {args.accum_steps}')
-    if args.sched == 'plateau':
-        parser.error('--sched plateau is not supported: timm deprecates its plateau scheduler and cannot save its '
-                     'state in checkpoints (a resumed run would restart it); use --sched cosine (the recipe) or step')
     if args.bce_target_thresh is not None and not args.bce_loss:
         parser.error('--bce-target-thresh needs --bce-loss')
     if world == 1 and args.world_size != 1:

@@ -153,7 +153,7 @@ def test_bce_learns_the_smoothed_mixup_targets_not_all_ones():
 
 # -------------------------------------------------------------------------------- command line
 @pytest.mark.parametrize('argv, message', [
-    (['--sched', 'plateau'], r'--sched plateau is not supported'),
+    (['--sched', 'plateau'], r"--sched: invalid choice: 'plateau'"),
     (['--accum-steps', '0'], r'--accum-steps must be at least 1, got 0'),
     (['--bce-target-thresh', '0.2'], r'--bce-target-thresh needs --bce-loss'),
 ])
