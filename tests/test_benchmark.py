@@ -41,3 +41,30 @@ def test_sweep_writes_json_and_png(tmp_path):
     for kind in ('nala', 'softmax', 'softmax_plain'):
         assert [r['tokens'] for r in saved[kind]] == [8 * 8, 12 * 12]   # stage 2: stride 8
         assert all(r['us_per_token'] > 0 and r['kib_per_token'] > 0 for r in saved[kind])
+
+
+def test_compare_steps_our_model_and_a_timm_model_in_one_process(tmp_path, capsys):
+    log = tmp_path / 'compare.jsonl'
+    results = benchmark.main(['--model', 'NALAFORMER_XT', '--compare', 'convnext_atto', '--input-size', '32',
+                              '--batch-size', '2', '--steps', '1', '--warmup', '0', '--gemm-size', '128',
+                              '--device', 'cpu', '--json', str(log)])
+    assert [(r['mode'], r['model']) for r in results] == [
+        ('inference', 'NALAFORMER_XT'), ('inference', 'convnext_atto'),
+        ('train', 'NALAFORMER_XT'), ('train', 'convnext_atto')]
+    for r in results:
+        assert r['img_s'] > 0 and r['efficiency'] > 0 and r['gmacs_per_image'] > 0
+        assert r['cpu_malloc'] == 'system' and r['best_peer'] == 'convnext_atto'
+        assert r['efficiency_vs_best_peer'] == pytest.approx(
+            r['efficiency'] / next(p['efficiency'] for p in results
+                                   if p['model'] == 'convnext_atto' and p['mode'] == r['mode']))
+    # the fvcore count of each model, not one model's count for both
+    assert results[0]['gmacs_per_image'] != results[1]['gmacs_per_image']
+    assert [json.loads(line)['model'] for line in log.read_text().splitlines()] == [r['model'] for r in results]
+    out = capsys.readouterr().out
+    assert 'convnext_atto' in out and 'eff/best' in out
+
+
+def test_compare_rejects_an_unknown_model(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(['--compare', 'no_such_model'])
+    assert "unknown timm model(s) ['no_such_model']" in capsys.readouterr().err

@@ -219,6 +219,89 @@ def print_result(r: Dict) -> None:
           f"+ {r['static_mib']:.0f} MiB params/buffers/optimizer state")
 
 
+# ---- compare: our model against named timm models, interleaved in one process -------------------
+def create_any(name: str, device: torch.device, attn_impl: str) -> nn.Module:
+    """A NaLaFormer variant with ``attn_impl``, or any other timm model, untrained, 1000 classes."""
+    kwargs = dict(attn_impl=attn_impl) if name.upper() in VARIANTS else {}
+    return timm.create_model(name, pretrained=False, num_classes=1000, **kwargs).to(device)
+
+
+def compare(args: argparse.Namespace) -> List[Dict]:
+    """``args.model`` and every ``--compare`` model, same input and batch, stepped in turn.
+
+    Per mode: every model is built and warmed up, then each round times one step of every model
+    (each right after its own GEMM), rotating the order every round, so that load changes on a
+    shared machine hit all models alike. One result dict per model and mode.
+    """
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    height, width = (list(args.input_size) * 2)[:2]
+    names = [args.model] + [n for n in args.compare if n != args.model]
+    macs = {name: model_macs_any(name, (height, width), args.attn_impl) for name in names}
+    torch.manual_seed(0)
+    x = torch.randn(args.batch_size, 3, height, width, device=device)
+    target = torch.randint(0, 1000, (args.batch_size,), device=device)
+    results = []
+    for mode in args.modes:
+        steps = {}
+        for name in names:
+            torch.manual_seed(0)
+            model = create_any(name, device, args.attn_impl)
+            steps[name] = make_step(model, x, target, mode, dtype, device, args.compile)[0]
+            for _ in range(args.warmup):
+                steps[name]()
+        times: Dict[str, List[float]] = {name: [] for name in names}
+        ratios: Dict[str, List[float]] = {name: [] for name in names}
+        for i in range(args.steps):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for name in order:
+                gemm = gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2)
+                t = time_call(steps[name], device, 1, warmup=0)[0]
+                times[name].append(t)
+                ratios[name].append(macs[name] * (3 if mode == 'train' else 1) * args.batch_size / t / gemm)
+        rows = []
+        for name in names:
+            step_s = statistics.median(times[name])
+            rows.append(dict(
+                model=name, mode=mode, dtype=args.dtype, batch_size=args.batch_size, input_size=[height, width],
+                attn_impl=args.attn_impl if name.upper() in VARIANTS else None, device=str(device),
+                threads=torch.get_num_threads(), cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
+                gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
+                img_s=args.batch_size / step_s, efficiency=statistics.median(ratios[name])))
+        best_peer = max((r for r in rows[1:]), key=lambda r: r['efficiency'], default=None)
+        for r in rows:
+            if best_peer is not None:
+                r['best_peer'] = best_peer['model']
+                r['efficiency_vs_best_peer'] = r['efficiency'] / best_peer['efficiency']
+                r['img_s_vs_best_peer'] = r['img_s'] / best_peer['img_s']
+        results.extend(rows)
+        steps.clear()
+    return results
+
+
+def model_macs_any(name: str, input_size: Sequence[int], attn_impl: str = 'fast') -> int:
+    """fvcore multiply-adds of one image (eval mode, batch 1) through any timm model."""
+    from tools.flops import count_flops
+    return count_flops(create_any(name, torch.device('cpu'), attn_impl), (3, *input_size))
+
+
+def print_compare(results: List[Dict]) -> None:
+    first = results[0]
+    print(f"{first['dtype']}, batch {first['batch_size']}, {first['input_size'][0]}x{first['input_size'][1]}, "
+          f"device={first['device']}, threads={first['threads']}"
+          + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
+          + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
+    print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'img/s':>9}{'effic.':>8}"
+          f"{'eff/best':>10}{'img/s/best':>11}")
+    for r in results:
+        print(f"{r['mode']:<10}{r['model']:<24}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
+              f"{r['img_s']:>9.2f}{100 * r['efficiency']:>7.1f}%"
+              f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}{r.get('img_s_vs_best_peer', float('nan')):>11.2f}")
+    if 'best_peer' in first:
+        print('eff/best and img/s/best: each model against the best --compare model by efficiency '
+              '(per mode)')
+
+
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
 def sweep(args: argparse.Namespace) -> Dict:
     from models.nalaformer import NaLaBlock
@@ -319,8 +402,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
-    parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain',
-                        help="CPU allocator setting, as main.py's flag (utils.retain_freed_cpu_memory)")
+    parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default=None,
+                        help="CPU allocator setting, as main.py's flag (utils.retain_freed_cpu_memory); "
+                             "default retain for one model (as main.py), system (a plain process) with "
+                             "--compare")
+    parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=None,
+                        metavar='MODEL,MODEL',
+                        help='timm models to step interleaved with --model (e.g. convnext_nano,pvt_v2_b1)')
+    parser.add_argument('--modes', nargs='+', choices=['inference', 'train'], default=['inference', 'train'],
+                        help='modes timed by --compare')
     parser.add_argument('--warmup', type=int, default=None,
                         help='untimed steps first (default 4 on a CPU, 2 on a GPU; see above)')
     parser.add_argument('--steps', type=int, default=5)
@@ -342,6 +432,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.warmup = 2 if args.device.startswith('cuda') else 4
     if args.model.upper() not in VARIANTS:
         parser.error(f'unknown model {args.model}; choose from {list(VARIANTS)}')
+    if args.cpu_malloc is None:
+        args.cpu_malloc = 'system' if args.compare else 'retain'
+    if args.compare is not None:
+        unknown = [n for n in args.compare if not timm.is_model(n)]
+        if unknown or not args.compare:
+            parser.error(f'--compare: unknown timm model(s) {unknown}; pass comma-separated names that '
+                         f'timm.list_models() lists, e.g. convnext_nano,pvt_v2_b1')
     if len(args.input_size) not in (1, 2):
         parser.error('--input-size takes one side or height and width')
     if args.dtype == 'fp16' and not args.device.startswith('cuda'):
@@ -364,12 +461,22 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         plot_sweep(results, args.out + '.png')
         print(f'wrote {args.out}.json and {args.out}.png')
         return results
+    if args.compare:
+        results = compare(args)
+        print_compare(results)
+        write_jsonl(args.json, results)
+        return results
     result = benchmark_model(args)
     print_result(result)
-    if args.json:
-        with open(args.json, 'a') as f:
-            f.write(json.dumps(result) + '\n')
+    write_jsonl(args.json, [result])
     return result
+
+
+def write_jsonl(path: Optional[str], results: List[Dict]) -> None:
+    """Append each result as one JSON line to ``path`` (nothing without a path)."""
+    if path:
+        with open(path, 'a') as f:
+            f.writelines(json.dumps(r) + '\n' for r in results)
 
 
 if __name__ == '__main__':
