@@ -68,3 +68,22 @@ def test_compare_rejects_an_unknown_model(capsys):
     with pytest.raises(SystemExit):
         benchmark.parse_args(['--compare', 'no_such_model'])
     assert "unknown timm model(s) ['no_such_model']" in capsys.readouterr().err
+
+
+def test_paper_preset_tiny_prints_a_table_per_variant_and_size(tmp_path, capsys):
+    log = tmp_path / 'paper.jsonl'
+    results = benchmark.main(['--preset', 'paper', '--tiny', '--device', 'cpu', '--json', str(log)])
+    assert [(r['model'], r['input_size'][0]) for r in results] == [
+        ('NALAFORMER_XT', 32), ('NALAFORMER_XT', 48), ('NALAFORMER_T', 32), ('NALAFORMER_T', 48)]
+    assert all(r['img_s'] > 0 and r['batch_size'] == 2 and r['dtype'] == 'fp32' for r in results)
+    assert len(log.read_text().splitlines()) == 4
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith('| NALAFORMER')]
+    assert len(table) == 2 and all(line.count('|') == 5 for line in table)
+
+
+def test_paper_preset_defaults():
+    cpu = benchmark.parse_args(['--preset', 'paper', '--device', 'cpu'])
+    assert (cpu.batch_size, cpu.dtype, cpu.preset_models, cpu.cpu_malloc) == (64, 'fp32', None, 'system')
+    gpu = benchmark.parse_args(['--preset', 'paper', '--device', 'cuda'])
+    assert (gpu.batch_size, gpu.dtype) == (128, 'fp16')
+    assert benchmark.parse_args(['--preset', 'paper', '--device', 'cuda', '--dtype', 'bf16']).dtype == 'bf16'

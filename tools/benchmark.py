@@ -302,6 +302,51 @@ def print_compare(results: List[Dict]) -> None:
               '(per mode)')
 
 
+# ---- paper preset: eval-mode throughput of every variant, as vision papers report it -------------
+PAPER_SIZES = (224, 384, 512)
+TINY_PRESET = dict(models=['NALAFORMER_XT', 'NALAFORMER_T'], sizes=(32, 48), batch_size=2, warmup=1, steps=1)
+
+
+def paper_preset(args: argparse.Namespace) -> List[Dict]:
+    """Inference img/s of each variant at each size: eval mode, no grad, autocast on a GPU (fp16 unless
+    --dtype bf16), fp32 on a CPU, warm-up steps then the median of the timed steps."""
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    names = args.preset_models or list(VARIANTS)
+    sizes = args.preset_sizes or PAPER_SIZES
+    results = []
+    for name in names:
+        model = create_any(name, device, args.attn_impl)
+        params = sum(p.numel() for p in model.parameters())
+        for size in sizes:
+            torch.manual_seed(0)
+            x = torch.randn(args.batch_size, 3, size, size, device=device)
+            step = make_step(model, x, None, 'inference', dtype, device, args.compile)[0]
+            times = time_call(step, device, args.steps, args.warmup)
+            step_s = statistics.median(times)
+            results.append(dict(model=name, input_size=[size, size], batch_size=args.batch_size, dtype=args.dtype,
+                                device=str(device), threads=torch.get_num_threads(), params_m=params / 1e6,
+                                cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
+                                step_s_median=step_s, step_s_all=times, img_s=args.batch_size / step_s))
+            print(f"{name:<15}{size:>5}px  {args.batch_size / step_s:10.1f} img/s", flush=True)
+        del model
+    return results
+
+
+def print_paper_table(results: List[Dict]) -> None:
+    first = results[0]
+    sizes = sorted({r['input_size'][0] for r in results})
+    print(f"inference throughput, eval mode, batch {first['batch_size']}, {first['dtype']}"
+          f"{' autocast' if first['dtype'] != 'fp32' else ''}, device={first['device']}, "
+          f"threads={first['threads']}")
+    print('| model | params (M) | ' + ' | '.join(f'{s}² img/s' for s in sizes) + ' |')
+    print('|---|---:|' + '---:|' * len(sizes))
+    for name in dict.fromkeys(r['model'] for r in results):
+        rows = {r['input_size'][0]: r for r in results if r['model'] == name}
+        cells = [f"{rows[s]['img_s']:.1f}" if s in rows else '' for s in sizes]
+        print(f"| {name} | {next(iter(rows.values()))['params_m']:.1f} | " + ' | '.join(cells) + ' |')
+
+
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
 def sweep(args: argparse.Namespace) -> Dict:
     from models.nalaformer import NaLaBlock
@@ -395,8 +440,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--batch-size', '-b', type=int, default=None, help='default 32, or 1 with --sweep')
     parser.add_argument('--input-size', type=int, nargs='+', default=[224], help='side, or height width')
     parser.add_argument('--mode', choices=['train', 'inference'], default='train')
-    parser.add_argument('--dtype', choices=list(DTYPES), default='fp32',
-                        help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only)')
+    parser.add_argument('--dtype', choices=list(DTYPES), default=None,
+                        help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only); default fp32, '
+                             'fp16 for --preset on a GPU')
     parser.add_argument('--attn-impl', choices=sorted(NALA_IMPLS), default='fast')
     parser.add_argument('--channels-last', action='store_true')
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
@@ -417,6 +463,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--gemm-size', type=int, default=None,
                         help='side of the reference GEMM (default 2048 on CPU, 8192 on GPU)')
     parser.add_argument('--json', default=None, help='append the result as one JSON line to this file')
+    parser.add_argument('--preset', choices=['paper'], default=None,
+                        help='paper: eval-mode img/s of every variant at 224/384/512 (batch 128 on a GPU with '
+                             'fp16 autocast, 64 in fp32 on a CPU), printed as a table')
+    parser.add_argument('--preset-models', nargs='+', default=None, help='variants for --preset (default all)')
+    parser.add_argument('--preset-sizes', type=int, nargs='+', default=None,
+                        help=f'input sides for --preset (default {" ".join(map(str, PAPER_SIZES))})')
+    parser.add_argument('--tiny', action='store_true',
+                        help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
     parser.add_argument('--sweep-stage', type=int, default=1, help='stage (0-based) whose width the blocks use')
@@ -426,14 +480,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help='largest size for the plain softmax curve (its N x N matrix grows fast)')
     parser.add_argument('--out', default='sweep', help='--sweep writes OUT.json and OUT.png')
     args = parser.parse_args(argv)
+    on_gpu = args.device.startswith('cuda')
+    if args.preset:
+        if args.tiny:
+            for key, value in TINY_PRESET.items():
+                setattr(args, 'preset_' + key if key in ('models', 'sizes') else key, value)
+        args.batch_size = args.batch_size or (128 if on_gpu else 64)
+        args.dtype = args.dtype or ('fp16' if on_gpu else 'fp32')
+    elif args.tiny:
+        parser.error('--tiny goes with --preset paper')
     if args.batch_size is None:
         args.batch_size = 1 if args.sweep else 32
+    args.dtype = args.dtype or 'fp32'
     if args.warmup is None:
         args.warmup = 2 if args.device.startswith('cuda') else 4
     if args.model.upper() not in VARIANTS:
         parser.error(f'unknown model {args.model}; choose from {list(VARIANTS)}')
+    unknown = [m for m in args.preset_models or [] if m.upper() not in VARIANTS]
+    if unknown:
+        parser.error(f'--preset-models: unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
     if args.cpu_malloc is None:
-        args.cpu_malloc = 'system' if args.compare else 'retain'
+        args.cpu_malloc = 'system' if (args.compare or args.preset) else 'retain'
     if args.compare is not None:
         unknown = [n for n in args.compare if not timm.is_model(n)]
         if unknown or not args.compare:
@@ -460,6 +527,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             json.dump(results, f, indent=1)
         plot_sweep(results, args.out + '.png')
         print(f'wrote {args.out}.json and {args.out}.png')
+        return results
+    if args.preset:
+        results = paper_preset(args)
+        print_paper_table(results)
+        write_jsonl(args.json, results)
         return results
     if args.compare:
         results = compare(args)
