@@ -194,6 +194,37 @@ def test_model_fast_equals_plain_outputs_and_every_gradient(name, size):
     assert rel_err(out_f, out_p) <= TOL
 
 
+def test_batch_slices_give_the_plain_numbers(monkeypatch):
+    """With a byte budget below one image, every stage runs its blocks image by image; outputs and
+    every gradient still equal the plain path's, and the stage calls its blocks once per image."""
+    from models import nalaformer
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2))
+    x = torch.randn(3, 3, 48, 40)
+    out_p, xg_p, grads_p = model_pass(model, x, 'plain')
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
+    calls = []
+    run_blocks = nalaformer.NaLaStage._run_blocks
+    monkeypatch.setattr(nalaformer.NaLaStage, '_run_blocks',
+                        lambda self, part, sin, cos: calls.append(part.shape[0]) or run_blocks(self, part, sin, cos))
+    out_f, xg_f, grads_f = model_pass(model, x, 'fast')
+    assert calls == [1] * 3 * len(model.layers)
+    assert rel_err(out_f, out_p) <= TOL and rel_err(xg_f, xg_p) <= TOL
+    assert max(rel_err(grads_f[n], grads_p[n]) for n in grads_p) <= TOL
+
+
+def test_batch_slice_size_follows_the_budget(monkeypatch):
+    from models import nalaformer
+    stage = timm.create_model('NALAFORMER_XT').layers[0]          # C = 32, widest activation 4C
+    x = torch.randn(8, 32, 16, 16)
+    per_image = 32 * 16 * 16 * 4 * 4
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 3 * per_image)
+    assert stage.batch_slice_size(x) == 3
+    assert stage.batch_slice_size(x[:1]) == 1
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 0)
+    assert stage.batch_slice_size(x) == 8
+
+
 def test_fast_is_default_and_switchable():
     assert 'plain' in NALA_IMPLS and 'fast' in NALA_IMPLS
     model = timm.create_model('NALAFORMER_XT')
