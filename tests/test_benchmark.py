@@ -87,3 +87,15 @@ def test_paper_preset_defaults():
     gpu = benchmark.parse_args(['--preset', 'paper', '--device', 'cuda'])
     assert (gpu.batch_size, gpu.dtype) == (128, 'fp16')
     assert benchmark.parse_args(['--preset', 'paper', '--device', 'cuda', '--dtype', 'bf16']).dtype == 'bf16'
+
+
+def test_data_loading_times_the_train_transform_per_worker(tmp_path):
+    benchmark.make_jpegs(str(tmp_path / 'data'), count=8, size=(64, 48))
+    assert len(list((tmp_path / 'data').rglob('*.jpg'))) == 8
+    result = benchmark.main(['--data-loading', str(tmp_path / 'data'), '--data-workers', '0', '--batch-size', '4',
+                             '--input-size', '32', '--json', str(tmp_path / 'data.jsonl')])
+    assert result['images'] == 8 and result['input_size'] == 32
+    assert result['one_worker_img_s_wall'] > 0 and result['one_worker_img_s_cpu'] > 0
+    assert [(r['workers'], r['batch_size']) for r in result['loaders']] == [(0, 4)]
+    assert result['loaders'][0]['first_batch_s'] > 0 and result['loaders'][0]['img_s'] > 0
+    assert json.loads((tmp_path / 'data.jsonl').read_text())['images'] == 8

@@ -347,6 +347,68 @@ def print_paper_table(results: List[Dict]) -> None:
         print(f"| {name} | {next(iter(rows.values()))['params_m']:.1f} | " + ' | '.join(cells) + ' |')
 
 
+# ---- data loading: the recipe's train pipeline, per DataLoader worker ------------------------------
+def make_jpegs(root: str, count: int = 200, size: Sequence[int] = (500, 375), quality: int = 90,
+               classes: int = 4) -> None:
+    """``count`` JPEGs of ``size`` (width, height) in ``classes`` ImageFolder classes under ``root``:
+    smooth structure at three scales plus grain, so that decoding costs about what a photo does."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    width, height = size
+    for i in range(count):
+        img = rng.normal(128, 10, (height, width, 3))
+        for cells, amp in ((4, 90), (16, 50), (64, 25)):
+            small = rng.uniform(0, 255, (max(1, cells * height // width), cells, 3)).astype(np.uint8)
+            img += amp * (np.asarray(Image.fromarray(small).resize((width, height), Image.BICUBIC)) / 127.5 - 1)
+        folder = os.path.join(root, f'class{i % classes}')
+        os.makedirs(folder, exist_ok=True)
+        Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
+
+
+def data_loading(args: argparse.Namespace) -> Dict:
+    """img/s of main.py's train transform (default recipe flags) on the ImageFolder ``args.data_loading``:
+    in this process (what one DataLoader worker does with a core of its own: images per second of
+    wall time and per second of CPU time), then through DataLoaders with ``--data-workers`` workers
+    (time to the first batch of a fresh iterator, i.e. an epoch start without persistent workers, and
+    img/s after it)."""
+    import resource
+    from torchvision.datasets import ImageFolder
+    import datasets
+    from main import get_args_parser
+    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
+    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe))
+    torch.manual_seed(0)
+    dataset[0]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
+    for i in range(len(dataset)):
+        dataset[i]
+    wall = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - cpu0
+    result = dict(data=args.data_loading, images=len(dataset), input_size=recipe.input_size,
+                  threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
+                  one_worker_img_s_cpu=len(dataset) / cpu, loaders=[])
+    print(f'train transform, {len(dataset)} images, in-process: {len(dataset) / wall:.1f} img/s (wall), '
+          f'{len(dataset) / cpu:.1f} img/s per CPU second')
+    for workers in args.data_workers:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                             num_workers=workers)
+        start = time.perf_counter()
+        batches = iter(loader)
+        next(batches)
+        first = time.perf_counter() - start
+        start, seen = time.perf_counter(), 0
+        for images, _ in batches:
+            seen += images.shape[0]
+        rate = seen / (time.perf_counter() - start) if seen else float('nan')
+        result['loaders'].append(dict(workers=workers, batch_size=args.batch_size, first_batch_s=first, img_s=rate))
+        print(f'DataLoader, {workers} workers, batch {args.batch_size}: first batch after {first:.2f} s, '
+              f'then {rate:.1f} img/s')
+    return result
+
+
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
 def sweep(args: argparse.Namespace) -> Dict:
     from models.nalaformer import NaLaBlock
@@ -469,6 +531,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--preset-models', nargs='+', default=None, help='variants for --preset (default all)')
     parser.add_argument('--preset-sizes', type=int, nargs='+', default=None,
                         help=f'input sides for --preset (default {" ".join(map(str, PAPER_SIZES))})')
+    parser.add_argument('--data-loading', default=None, metavar='DIR',
+                        help="img/s of main.py's train transform per DataLoader worker on the ImageFolder DIR")
+    parser.add_argument('--make-jpegs', default=None, metavar='DIR',
+                        help='first write 200 photo-like 500x375 JPEGs (quality 90) into DIR as an ImageFolder')
+    parser.add_argument('--data-workers', type=int, nargs='+', default=[0, 2],
+                        help='DataLoader worker counts timed by --data-loading')
     parser.add_argument('--tiny', action='store_true',
                         help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
@@ -528,6 +596,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         plot_sweep(results, args.out + '.png')
         print(f'wrote {args.out}.json and {args.out}.png')
         return results
+    if args.make_jpegs:
+        make_jpegs(args.make_jpegs)
+        print(f'wrote 200 JPEGs under {args.make_jpegs}')
+    if args.data_loading:
+        result = data_loading(args)
+        write_jsonl(args.json, [result])
+        return result
     if args.preset:
         results = paper_preset(args)
         print_paper_table(results)
