@@ -209,8 +209,11 @@ class PatchEmbed(nn.Module):
     def __init__(self, in_chans: int, dim: int) -> None:
         super().__init__()
         self.proj = _stem(in_chans, dim)
+        self.fast = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:  # oneDNN's convs, BN and GELU are faster channels-last, the layout the blocks use
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.proj(x)
 
 
@@ -250,6 +253,7 @@ class NaLaFormer(nn.Module):
         self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(in_chans, embed_dims[0])
+        self.patch_embed.fast = attn_impl != 'plain'
         dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         stages, self.feature_info = [], []
         for i, depth in enumerate(depths):
@@ -328,7 +332,7 @@ class NaLaFormer(nn.Module):
         for module in self.modules():
             if isinstance(module, NaLaAttention):
                 module.attn_impl = name
-            elif isinstance(module, (NaLaBlock, SoftmaxAttention)):
+            elif isinstance(module, (NaLaBlock, SoftmaxAttention, PatchEmbed)):
                 module.fast = name != 'plain'
 
     def forward_intermediates(

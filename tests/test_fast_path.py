@@ -233,10 +233,12 @@ def test_fast_is_default_and_switchable():
     plain = timm.create_model('NALAFORMER_XT', attn_impl='plain')
     assert plain.layers[0].blocks[0].attn.attn_impl == 'plain' and not plain.layers[0].blocks[0].fast
     assert not plain.layers[2].blocks[0].attn.fast
+    assert model.patch_embed.fast and not plain.patch_embed.fast
     model.set_attn_impl('plain')
     assert all(not b.fast and not b.attn.fast for s in model.layers for b in s.blocks)
+    assert not model.patch_embed.fast
     model.set_attn_impl('fast')
-    assert all(b.fast and b.attn.fast for s in model.layers for b in s.blocks)
+    assert all(b.fast and b.attn.fast for s in model.layers for b in s.blocks) and model.patch_embed.fast
     with pytest.raises(ValueError):
         model.set_attn_impl('nope')
     with pytest.raises(ValueError):
@@ -338,3 +340,18 @@ def test_compiled_graphs_hold_no_complex_tensors():
     dynamo.reset()
     assert torch.float32 in dtypes and not any(dtype.is_complex for dtype in dtypes), dtypes
     assert rel_err(out, model(x)) <= TOL
+
+
+@pytest.mark.parametrize('name', ['NALAFORMER_XT', 'NALAFORMER_T'])
+def test_model_fast_inference_equals_plain(name, monkeypatch):
+    """No-grad eval forward, channels-last stem and batch slices included: the plain path's outputs."""
+    from models import nalaformer
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2)).eval()
+    x = torch.randn(3, 3, 64, 48)
+    with torch.no_grad():
+        fast = model(x)
+        model.set_attn_impl('plain')
+        plain = model(x)
+    assert rel_err(fast, plain) <= TOL
