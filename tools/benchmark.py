@@ -4,6 +4,9 @@
     python tools/benchmark.py --model NALAFORMER_T --mode inference --dtype bf16
     python tools/benchmark.py --model NALAFORMER_XT --attn-impl plain --compile --channels-last
     python tools/benchmark.py --sweep --out docs/sweep     # NaLa vs softmax block, 224..1024
+    python tools/benchmark.py --model NALAFORMER_T --compare convnext_nano,pvt_v2_b1 -b 16
+    python tools/benchmark.py --preset paper
+    python tools/benchmark.py --make-jpegs /tmp/jpegs --data-loading /tmp/jpegs
 
 A measurement: warm-up steps, then timed steps (median step time). ``train`` times forward + backward +
 AdamW step (SGD-style zero_grad(set_to_none) included); ``inference`` times a no-grad forward in eval
@@ -16,10 +19,15 @@ was live before it (params, buffers and optimizer state are listed separately): 
 statistics on a GPU, the profiler's allocation trace on a CPU.
 
 On a CPU, glibc gives large freed blocks back to the OS, so activations page-fault again step after
-step; ``--cpu-malloc retain`` (the default, as in main.py) keeps them in the process instead. With
-``--cpu-malloc system`` the first steps are slow until glibc's adaptive mmap threshold has grown
-(measured for T, batch 32, 2 cores: 16.9, 9.6, 8.0, 6.8, then 6.0 s per step, 16 s of system time in
-the first), and blocks above 32 MiB fault on every step. Hence 4 warm-up steps by default on a CPU.
+step; ``--cpu-malloc retain`` (the default for one model, as in main.py) keeps them in the process
+instead; ``--compare`` and ``--preset`` default to ``system``, a plain process as a user's own code
+runs. Under ``system`` the first steps are slow until glibc's adaptive mmap threshold has grown, hence
+4 warm-up steps by default on a CPU (figures in docs/performance.md).
+
+``--compare MODEL,MODEL`` steps --model and the named timm models interleaved in one process, in
+inference and training, and prints GMACs, ms/step, img/s, efficiency and the ratio to the best of them.
+``--preset paper [--tiny]`` prints eval-mode img/s of every variant at 224/384/512 as papers report it.
+``--data-loading DIR`` times main.py's train transform per DataLoader worker.
 
 ``--sweep`` times one NaLa block and one softmax block of the same width (the chosen stage of the
 chosen variant, default stage 2; batch 1) at input sizes 224..1024 and writes time (fastest step)
