@@ -96,6 +96,8 @@ def test_data_loading_times_the_train_transform_per_worker(tmp_path):
                              '--input-size', '32', '--json', str(tmp_path / 'data.jsonl')])
     assert result['images'] == 8 and result['input_size'] == 32
     assert result['one_worker_img_s_wall'] > 0 and result['one_worker_img_s_cpu'] > 0
+    cpu_ms = result['image_cpu_ms']
+    assert 0 < cpu_ms['p10'] <= cpu_ms['p50'] <= cpu_ms['p90'] <= cpu_ms['p99']
     assert [(r['workers'], r['batch_size']) for r in result['loaders']] == [(0, 4)]
     assert result['loaders'][0]['first_batch_s'] > 0 and result['loaders'][0]['img_s'] > 0
     assert json.loads((tmp_path / 'data.jsonl').read_text())['images'] == 8

@@ -390,16 +390,23 @@ def data_loading(args: argparse.Namespace) -> Dict:
     dataset[0]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
+    per_image = []
     for i in range(len(dataset)):
+        thread_start = time.thread_time()
         dataset[i]
+        per_image.append(time.thread_time() - thread_start)
     wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = usage.ru_utime + usage.ru_stime - cpu0
+    ms = sorted(1e3 * t for t in per_image)
+    quantiles = {f'p{q}': ms[min(len(ms) - 1, int(q / 100 * len(ms)))] for q in (10, 50, 90, 99)}
     result = dict(data=args.data_loading, images=len(dataset), input_size=recipe.input_size,
                   threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
-                  one_worker_img_s_cpu=len(dataset) / cpu, loaders=[])
+                  one_worker_img_s_cpu=len(dataset) / cpu, image_cpu_ms_mean=statistics.mean(ms),
+                  image_cpu_ms=quantiles, loaders=[])
     print(f'train transform, {len(dataset)} images, in-process: {len(dataset) / wall:.1f} img/s (wall), '
-          f'{len(dataset) / cpu:.1f} img/s per CPU second')
+          f'{len(dataset) / cpu:.1f} img/s per CPU second; CPU ms per image: mean {statistics.mean(ms):.2f}, '
+          + ', '.join(f'{k} {v:.2f}' for k, v in quantiles.items()))
     for workers in args.data_workers:
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
                                              num_workers=workers)
