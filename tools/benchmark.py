@@ -238,8 +238,9 @@ def compare(args: argparse.Namespace) -> List[Dict]:
     """``args.model`` and every ``--compare`` model, same input and batch, stepped in turn.
 
     Per mode: every model is built and warmed up, then each round times one step of every model
-    (each right after its own GEMM), rotating the order every round, so that load changes on a
-    shared machine hit all models alike. One result dict per model and mode.
+    (each right after a GEMM), rotating the order every round, so that load changes on a shared
+    machine hit all models alike. Efficiency: MAC/s of the median step over the median GEMM of the
+    whole mode. One result dict per model and mode.
     """
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -259,14 +260,15 @@ def compare(args: argparse.Namespace) -> List[Dict]:
             for _ in range(args.warmup):
                 steps[name]()
         times: Dict[str, List[float]] = {name: [] for name in names}
-        ratios: Dict[str, List[float]] = {name: [] for name in names}
+        gemms: List[float] = []
         for i in range(args.steps):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order:
-                gemm = gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2)
-                t = time_call(steps[name], device, 1, warmup=0)[0]
-                times[name].append(t)
-                ratios[name].append(macs[name] * (3 if mode == 'train' else 1) * args.batch_size / t / gemm)
+                gemms.append(gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2))
+                times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
+        # one GEMM rate for all models of this mode (the median over all rounds), so that their
+        # efficiencies compare as MACs x img/s do
+        gemm = statistics.median(gemms)
         rows = []
         for name in names:
             step_s = statistics.median(times[name])
@@ -275,7 +277,8 @@ def compare(args: argparse.Namespace) -> List[Dict]:
                 attn_impl=args.attn_impl if name.upper() in VARIANTS else None, device=str(device),
                 threads=torch.get_num_threads(), cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
-                img_s=args.batch_size / step_s, efficiency=statistics.median(ratios[name])))
+                img_s=args.batch_size / step_s, gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
+                efficiency=macs[name] * (3 if mode == 'train' else 1) * args.batch_size / step_s / gemm))
         best_peer = max((r for r in rows[1:]), key=lambda r: r['efficiency'], default=None)
         for r in rows:
             if best_peer is not None:
