@@ -61,11 +61,12 @@ def test_compare_steps_our_model_and_a_timm_model_in_one_process(tmp_path, capsy
     inf_ours, inf_peer = results[0], results[1]
     assert inf_ours['efficiency_vs_best_peer'] == pytest.approx(
         inf_ours['gmacs_per_image'] * inf_ours['img_s'] / (inf_peer['gmacs_per_image'] * inf_peer['img_s']))
+    assert all(r['cpu_s_median'] > 0 and r['efficiency_cpu_vs_best_peer'] > 0 for r in results)
     # the fvcore count of each model, not one model's count for both
     assert results[0]['gmacs_per_image'] != results[1]['gmacs_per_image']
     assert [json.loads(line)['model'] for line in log.read_text().splitlines()] == [r['model'] for r in results]
     out = capsys.readouterr().out
-    assert 'convnext_atto' in out and 'eff/best' in out
+    assert 'convnext_atto' in out and 'eff/best' in out and 'CPU eff/best' in out
 
 
 def test_compare_rejects_an_unknown_model(capsys):

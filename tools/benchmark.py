@@ -260,12 +260,15 @@ def compare(args: argparse.Namespace) -> List[Dict]:
             for _ in range(args.warmup):
                 steps[name]()
         times: Dict[str, List[float]] = {name: [] for name in names}
+        cpu_times: Dict[str, List[float]] = {name: [] for name in names}
         gemms: List[float] = []
         for i in range(args.steps):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order:
                 gemms.append(gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2))
+                cpu_start = time.process_time()
                 times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
+                cpu_times[name].append(time.process_time() - cpu_start)
         # one GEMM rate for all models of this mode (the median over all rounds), so that their
         # efficiencies compare as MACs x img/s do
         gemm = statistics.median(gemms)
@@ -277,6 +280,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
                 attn_impl=args.attn_impl if name.upper() in VARIANTS else None, device=str(device),
                 threads=torch.get_num_threads(), cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
+                cpu_s_median=statistics.median(cpu_times[name]), cpu_s_all=cpu_times[name],
                 img_s=args.batch_size / step_s, gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
                 efficiency=macs[name] * (3 if mode == 'train' else 1) * args.batch_size / step_s / gemm))
         best_peer = max((r for r in rows[1:]), key=lambda r: r['efficiency'], default=None)
@@ -285,6 +289,10 @@ def compare(args: argparse.Namespace) -> List[Dict]:
                 r['best_peer'] = best_peer['model']
                 r['efficiency_vs_best_peer'] = r['efficiency'] / best_peer['efficiency']
                 r['img_s_vs_best_peer'] = r['img_s'] / best_peer['img_s']
+                # the same ratio from CPU time (user + system, all threads): less moved by other
+                # processes on a shared CPU than wall time
+                r['efficiency_cpu_vs_best_peer'] = (r['gmacs_per_image'] / r['cpu_s_median']) / (
+                    best_peer['gmacs_per_image'] / best_peer['cpu_s_median'])
         results.extend(rows)
         steps.clear()
     return results
@@ -302,15 +310,16 @@ def print_compare(results: List[Dict]) -> None:
           f"device={first['device']}, threads={first['threads']}"
           + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
           + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
-    print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'img/s':>9}{'effic.':>8}"
-          f"{'eff/best':>10}{'img/s/best':>11}")
+    print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'effic.':>8}"
+          f"{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}")
     for r in results:
         print(f"{r['mode']:<10}{r['model']:<24}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
-              f"{r['img_s']:>9.2f}{100 * r['efficiency']:>7.1f}%"
-              f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}{r.get('img_s_vs_best_peer', float('nan')):>11.2f}")
+              f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{100 * r['efficiency']:>7.1f}%"
+              f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}{r.get('img_s_vs_best_peer', float('nan')):>11.2f}"
+              f"{r.get('efficiency_cpu_vs_best_peer', float('nan')):>13.2f}")
     if 'best_peer' in first:
-        print('eff/best and img/s/best: each model against the best --compare model by efficiency '
-              '(per mode)')
+        print('eff/best, img/s/best: against the best --compare model by efficiency (per mode); CPU eff/best: '
+              'the same from CPU time per step (process user + system)')
 
 
 # ---- paper preset: eval-mode throughput of every variant, as vision papers report it -------------
@@ -638,10 +647,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 
 def write_jsonl(path: Optional[str], results: List[Dict]) -> None:
-    """Append each result as one JSON line to ``path`` (nothing without a path)."""
+    """Append each result as one JSON line to ``path`` (nothing without a path), with the time of writing."""
     if path:
+        stamp = time.strftime('%Y-%m-%dT%H:%M:%S%z')
         with open(path, 'a') as f:
-            f.writelines(json.dumps(r) + '\n' for r in results)
+            f.writelines(json.dumps({'written': stamp, **r}) + '\n' for r in results)
 
 
 if __name__ == '__main__':
