@@ -453,6 +453,10 @@ def build_loaders(args, dataset_train, dataset_val):
     else:
         sampler_val = torch.utils.data.SequentialSampler(dataset_val)
     pin = args.pin_mem and str(args.device).startswith('cuda')
+    # Workers are not persistent: each epoch's workers are seeded from the RNG state at the start of the epoch,
+    # which the checkpoint holds, so a resumed epoch replays the same augmentations (persistent workers would
+    # carry their random state across epochs, out of the checkpoint's reach). Re-forking costs a few seconds
+    # an epoch (docs/performance.md).
     common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn,
                   persistent_workers=False)
     if dataset_train is not None:

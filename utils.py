@@ -33,12 +33,10 @@ def retain_freed_cpu_memory() -> bool:
 
     glibc serves blocks above its mmap threshold (adaptive, at most 32 MiB) with a fresh ``mmap`` and
     unmaps them on free, so every large activation of every step page-faults and is zeroed again by
-    the kernel. With mmap and heap trimming off, freed blocks are reused as they are: NaLaFormer-T
-    inference on 2 cores (batch 32) went from 3.3 to 1.85 s per batch. The cost: the process keeps
-    its peak heap, and glibc's aligned allocations leave gaps that grow it for the first steps
-    (resident memory of that inference run: 1.7 GiB against 1.0 GiB, +24 MiB more over the next 40
-    batches; T training: 6.7 against 6.3 GiB). Returns False, changing nothing, where glibc's
-    ``mallopt`` is not available.
+    the kernel. With mmap and heap trimming off, freed blocks are reused as they are. The cost: the
+    process keeps its peak heap, and glibc's aligned allocations leave gaps that grow it for the first
+    steps (figures in docs/performance.md). Returns False, changing nothing, where glibc's ``mallopt``
+    is not available.
     """
     import ctypes
     import ctypes.util

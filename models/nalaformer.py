@@ -26,6 +26,12 @@ __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn']
 
 HEAD_HIDDEN = 1024
 
+#: The fast path runs a stage's blocks on slices of the batch whose widest activation (the 4C-wide
+#: qkvg output or FFN hidden) stays below this many bytes: such blocks stay in cache between ops, and
+#: glibc serves them from memory freed by the previous slice instead of mapping fresh, zeroed pages.
+#: 0 turns slicing off.
+BATCH_SLICE_BYTES = 16 * 2 ** 20
+
 
 def conv_plus_identity(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     """x + conv(x) for a depthwise 'same' conv, as one conv whose kernel has 1 added at its centre:
@@ -170,8 +176,23 @@ class NaLaStage(nn.Module):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's blocks, without the downsample: the stage's feature map."""
         sin, cos = self.RoPE(x.shape[-2:])
-        if self.blocks and self.blocks[0].fast:
+        if self.blocks and self.blocks[0].fast and not use_plain_ops():
             x = x.contiguous(memory_format=torch.channels_last)
+            slice_size = self.batch_slice_size(x)
+            if slice_size < x.shape[0]:
+                return torch.cat([self._run_blocks(part, sin, cos) for part in x.split(slice_size)])
+        return self._run_blocks(x, sin, cos)
+
+    def batch_slice_size(self, x: torch.Tensor) -> int:
+        """Images per slice of the batch for the fast path (see ``BATCH_SLICE_BYTES``); the whole
+        batch on a GPU, where slicing is off, under tracing or compilation, or for a single image."""
+        if (BATCH_SLICE_BYTES <= 0 or x.shape[0] == 1 or x.device.type != 'cpu' or use_plain_ops()
+                or torch.compiler.is_compiling()):
+            return x.shape[0]
+        widest = max(4, self.blocks[0].ffn.fc1.out_features / x.shape[1])
+        return max(1, int(BATCH_SLICE_BYTES // (x[0].numel() * x.element_size() * widest)))
+
+    def _run_blocks(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             if self.grad_checkpointing and not torch.jit.is_scripting():
                 x = checkpoint(block, x, sin, cos, use_reentrant=False)
@@ -211,8 +232,11 @@ class PatchEmbed(nn.Module):
     def __init__(self, in_chans: int, dim: int) -> None:
         super().__init__()
         self.proj = _stem(in_chans, dim)
+        self.fast = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:  # oneDNN's convs, BN and GELU are faster channels-last, the layout the blocks use
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.proj(x)
 
 
@@ -252,6 +276,7 @@ class NaLaFormer(nn.Module):
         self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(in_chans, embed_dims[0])
+        self.patch_embed.fast = attn_impl != 'plain'
         dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         stages, self.feature_info = [], []
         for i, depth in enumerate(depths):
@@ -333,7 +358,7 @@ class NaLaFormer(nn.Module):
         for module in self.modules():
             if isinstance(module, NaLaAttention):
                 module.attn_impl = name
-            elif isinstance(module, (NaLaBlock, SoftmaxAttention)):
+            elif isinstance(module, (NaLaBlock, SoftmaxAttention, PatchEmbed)):
                 module.fast = name != 'plain'
 
     def forward_intermediates(

@@ -35,9 +35,9 @@ def depthwise_conv_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """Depthwise conv, stride 1, 'same' padding: F.conv2d, as an op torch.compile does not look into.
 
     Inductor lowered the depthwise convs' backward (CPE, FFN, LePE) with the input re-laid out as
-    (B, H, C, W), on which oneDNN's depthwise backward ran 4-7x slower than on the channels-last map
-    (compiled training was slower than eager). As an opaque op with an opaque backward, its tensors
-    keep the strides eager mode gives them. Same numbers as F.conv2d; pass channels-last maps.
+    (B, H, C, W), on which oneDNN's depthwise backward is several times slower than on the
+    channels-last map. As an opaque op with an opaque backward, its tensors keep the strides eager
+    mode gives them. Same numbers as F.conv2d; pass channels-last maps.
     """
     return F.conv2d(x, weight, bias, 1, weight.shape[-1] // 2, 1, x.shape[1])
 
@@ -52,9 +52,8 @@ def depthwise_conv_same_backward(grad: torch.Tensor, x: torch.Tensor,
                                  weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``depthwise_conv_same`` w.r.t. x, weight and bias (oneDNN's backward).
 
-    For kernels above 3x3 on a CPU the bias gradient is a plain sum: asked for it too, oneDNN's 5x5
-    depthwise backward took 1.25-1.4x as long (batch 32, channels-last: 38 against 27 ms at C = 64,
-    56x56); for 3x3 its combined kernel is the faster one.
+    For kernels above 3x3 on a CPU the bias gradient is a plain sum, because oneDNN's 5x5 depthwise
+    backward is markedly slower when asked for it too; for 3x3 its combined kernel is the faster one.
     """
     pad = weight.shape[-1] // 2
     sum_bias = x.device.type == 'cpu' and weight.shape[-1] > 3

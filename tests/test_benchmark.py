@@ -41,3 +41,68 @@ def test_sweep_writes_json_and_png(tmp_path):
     for kind in ('nala', 'softmax', 'softmax_plain'):
         assert [r['tokens'] for r in saved[kind]] == [8 * 8, 12 * 12]   # stage 2: stride 8
         assert all(r['us_per_token'] > 0 and r['kib_per_token'] > 0 for r in saved[kind])
+
+
+def test_compare_steps_our_model_and_a_timm_model_in_one_process(tmp_path, capsys):
+    log = tmp_path / 'compare.jsonl'
+    results = benchmark.main(['--model', 'NALAFORMER_XT', '--compare', 'convnext_atto', '--input-size', '32',
+                              '--batch-size', '2', '--steps', '1', '--warmup', '0', '--gemm-size', '128',
+                              '--device', 'cpu', '--json', str(log)])
+    assert [(r['mode'], r['model']) for r in results] == [
+        ('inference', 'NALAFORMER_XT'), ('inference', 'convnext_atto'),
+        ('train', 'NALAFORMER_XT'), ('train', 'convnext_atto')]
+    for r in results:
+        assert r['img_s'] > 0 and r['efficiency'] > 0 and r['gmacs_per_image'] > 0
+        assert r['cpu_malloc'] == 'system' and r['best_peer'] == 'convnext_atto'
+        assert r['efficiency_vs_best_peer'] == pytest.approx(
+            r['efficiency'] / next(p['efficiency'] for p in results
+                                   if p['model'] == 'convnext_atto' and p['mode'] == r['mode']))
+    # one GEMM per mode: efficiencies compare as MACs x img/s
+    inf_ours, inf_peer = results[0], results[1]
+    assert inf_ours['efficiency_vs_best_peer'] == pytest.approx(
+        inf_ours['gmacs_per_image'] * inf_ours['img_s'] / (inf_peer['gmacs_per_image'] * inf_peer['img_s']))
+    assert all(r['cpu_s_median'] > 0 and r['efficiency_cpu_vs_best_peer'] > 0 for r in results)
+    # the fvcore count of each model, not one model's count for both
+    assert results[0]['gmacs_per_image'] != results[1]['gmacs_per_image']
+    assert [json.loads(line)['model'] for line in log.read_text().splitlines()] == [r['model'] for r in results]
+    out = capsys.readouterr().out
+    assert 'convnext_atto' in out and 'eff/best' in out and 'CPU eff/best' in out
+
+
+def test_compare_rejects_an_unknown_model(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(['--compare', 'no_such_model'])
+    assert "unknown timm model(s) ['no_such_model']" in capsys.readouterr().err
+
+
+def test_paper_preset_tiny_prints_a_table_per_variant_and_size(tmp_path, capsys):
+    log = tmp_path / 'paper.jsonl'
+    results = benchmark.main(['--preset', 'paper', '--tiny', '--device', 'cpu', '--json', str(log)])
+    assert [(r['model'], r['input_size'][0]) for r in results] == [
+        ('NALAFORMER_XT', 32), ('NALAFORMER_XT', 48), ('NALAFORMER_T', 32), ('NALAFORMER_T', 48)]
+    assert all(r['img_s'] > 0 and r['batch_size'] == 2 and r['dtype'] == 'fp32' for r in results)
+    assert len(log.read_text().splitlines()) == 4
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith('| NALAFORMER')]
+    assert len(table) == 2 and all(line.count('|') == 5 for line in table)
+
+
+def test_paper_preset_defaults():
+    cpu = benchmark.parse_args(['--preset', 'paper', '--device', 'cpu'])
+    assert (cpu.batch_size, cpu.dtype, cpu.preset_models, cpu.cpu_malloc) == (64, 'fp32', None, 'system')
+    gpu = benchmark.parse_args(['--preset', 'paper', '--device', 'cuda'])
+    assert (gpu.batch_size, gpu.dtype) == (128, 'fp16')
+    assert benchmark.parse_args(['--preset', 'paper', '--device', 'cuda', '--dtype', 'bf16']).dtype == 'bf16'
+
+
+def test_data_loading_times_the_train_transform_per_worker(tmp_path):
+    benchmark.make_jpegs(str(tmp_path / 'data'), count=8, size=(64, 48))
+    assert len(list((tmp_path / 'data').rglob('*.jpg'))) == 8
+    result = benchmark.main(['--data-loading', str(tmp_path / 'data'), '--data-workers', '0', '--batch-size', '4',
+                             '--input-size', '32', '--json', str(tmp_path / 'data.jsonl')])
+    assert result['images'] == 8 and result['input_size'] == 32
+    assert result['one_worker_img_s_wall'] > 0 and result['one_worker_img_s_cpu'] > 0
+    cpu_ms = result['image_cpu_ms']
+    assert 0 < cpu_ms['p10'] <= cpu_ms['p50'] <= cpu_ms['p90'] <= cpu_ms['p99']
+    assert [(r['workers'], r['batch_size']) for r in result['loaders']] == [(0, 4)]
+    assert result['loaders'][0]['first_batch_s'] > 0 and result['loaders'][0]['img_s'] > 0
+    assert json.loads((tmp_path / 'data.jsonl').read_text())['images'] == 8

@@ -195,6 +195,37 @@ def test_model_fast_equals_plain_outputs_and_every_gradient(name, size):
     assert rel_err(out_f, out_p) <= TOL
 
 
+def test_batch_slices_give_the_plain_numbers(monkeypatch):
+    """With a byte budget below one image, every stage runs its blocks image by image; outputs and
+    every gradient still equal the plain path's, and the stage calls its blocks once per image."""
+    from models import nalaformer
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2))
+    x = torch.randn(3, 3, 48, 40)
+    out_p, xg_p, grads_p = model_pass(model, x, 'plain')
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
+    calls = []
+    run_blocks = nalaformer.NaLaStage._run_blocks
+    monkeypatch.setattr(nalaformer.NaLaStage, '_run_blocks',
+                        lambda self, part, sin, cos: calls.append(part.shape[0]) or run_blocks(self, part, sin, cos))
+    out_f, xg_f, grads_f = model_pass(model, x, 'fast')
+    assert calls == [1] * 3 * len(model.layers)
+    assert rel_err(out_f, out_p) <= TOL and rel_err(xg_f, xg_p) <= TOL
+    assert max(rel_err(grads_f[n], grads_p[n]) for n in grads_p) <= TOL
+
+
+def test_batch_slice_size_follows_the_budget(monkeypatch):
+    from models import nalaformer
+    stage = timm.create_model('NALAFORMER_XT').layers[0]          # C = 32, widest activation 4C
+    x = torch.randn(8, 32, 16, 16)
+    per_image = 32 * 16 * 16 * 4 * 4
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 3 * per_image)
+    assert stage.batch_slice_size(x) == 3
+    assert stage.batch_slice_size(x[:1]) == 1
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 0)
+    assert stage.batch_slice_size(x) == 8
+
+
 def test_fast_is_default_and_switchable():
     assert 'plain' in NALA_IMPLS and 'fast' in NALA_IMPLS
     model = timm.create_model('NALAFORMER_XT')
@@ -203,10 +234,12 @@ def test_fast_is_default_and_switchable():
     plain = timm.create_model('NALAFORMER_XT', attn_impl='plain')
     assert plain.layers[0].blocks[0].attn.attn_impl == 'plain' and not plain.layers[0].blocks[0].fast
     assert not plain.layers[2].blocks[0].attn.fast
+    assert model.patch_embed.fast and not plain.patch_embed.fast
     model.set_attn_impl('plain')
     assert all(not b.fast and not b.attn.fast for s in model.layers for b in s.blocks)
+    assert not model.patch_embed.fast
     model.set_attn_impl('fast')
-    assert all(b.fast and b.attn.fast for s in model.layers for b in s.blocks)
+    assert all(b.fast and b.attn.fast for s in model.layers for b in s.blocks) and model.patch_embed.fast
     with pytest.raises(ValueError):
         model.set_attn_impl('nope')
     with pytest.raises(ValueError):
@@ -308,3 +341,18 @@ def test_compiled_graphs_hold_no_complex_tensors():
     dynamo.reset()
     assert torch.float32 in dtypes and not any(dtype.is_complex for dtype in dtypes), dtypes
     assert rel_err(out, model(x)) <= TOL
+
+
+@pytest.mark.parametrize('name', ['NALAFORMER_XT', 'NALAFORMER_T'])
+def test_model_fast_inference_equals_plain(name, monkeypatch):
+    """No-grad eval forward, channels-last stem and batch slices included: the plain path's outputs."""
+    from models import nalaformer
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2)).eval()
+    x = torch.randn(3, 3, 64, 48)
+    with torch.no_grad():
+        fast = model(x)
+        model.set_attn_impl('plain')
+        plain = model(x)
+    assert rel_err(fast, plain) <= TOL

@@ -4,6 +4,9 @@
     python tools/benchmark.py --model NALAFORMER_T --mode inference --dtype bf16
     python tools/benchmark.py --model NALAFORMER_XT --attn-impl plain --compile --channels-last
     python tools/benchmark.py --sweep --out docs/sweep     # NaLa vs softmax block, 224..1024
+    python tools/benchmark.py --model NALAFORMER_T --compare convnext_nano,pvt_v2_b1 -b 16
+    python tools/benchmark.py --preset paper
+    python tools/benchmark.py --make-jpegs /tmp/jpegs --data-loading /tmp/jpegs
 
 A measurement: warm-up steps, then timed steps (median step time). ``train`` times forward + backward +
 AdamW step (SGD-style zero_grad(set_to_none) included); ``inference`` times a no-grad forward in eval
@@ -16,10 +19,15 @@ was live before it (params, buffers and optimizer state are listed separately): 
 statistics on a GPU, the profiler's allocation trace on a CPU.
 
 On a CPU, glibc gives large freed blocks back to the OS, so activations page-fault again step after
-step; ``--cpu-malloc retain`` (the default, as in main.py) keeps them in the process instead. With
-``--cpu-malloc system`` the first steps are slow until glibc's adaptive mmap threshold has grown
-(measured for T, batch 32, 2 cores: 16.9, 9.6, 8.0, 6.8, then 6.0 s per step, 16 s of system time in
-the first), and blocks above 32 MiB fault on every step. Hence 4 warm-up steps by default on a CPU.
+step; ``--cpu-malloc retain`` (the default for one model, as in main.py) keeps them in the process
+instead; ``--compare`` and ``--preset`` default to ``system``, a plain process as a user's own code
+runs. Under ``system`` the first steps are slow until glibc's adaptive mmap threshold has grown, hence
+4 warm-up steps by default on a CPU (figures in docs/performance.md).
+
+``--compare MODEL,MODEL`` steps --model and the named timm models interleaved in one process, in
+inference and training, and prints GMACs, ms/step, img/s, efficiency and the ratio to the best of them.
+``--preset paper [--tiny]`` prints eval-mode img/s of every variant at 224/384/512 as papers report it.
+``--data-loading DIR`` times main.py's train transform per DataLoader worker.
 
 ``--sweep`` times one NaLa block and one softmax block of the same width (the chosen stage of the
 chosen variant, default stage 2; batch 1) at input sizes 224..1024 and writes time (fastest step)
@@ -219,6 +227,215 @@ def print_result(r: Dict) -> None:
           f"+ {r['static_mib']:.0f} MiB params/buffers/optimizer state")
 
 
+# ---- compare: our model against named timm models, interleaved in one process -------------------
+def create_any(name: str, device: torch.device, attn_impl: str) -> nn.Module:
+    """A NaLaFormer variant with ``attn_impl``, or any other timm model, untrained, 1000 classes."""
+    kwargs = dict(attn_impl=attn_impl) if name.upper() in VARIANTS else {}
+    return timm.create_model(name, pretrained=False, num_classes=1000, **kwargs).to(device)
+
+
+def compare(args: argparse.Namespace) -> List[Dict]:
+    """``args.model`` and every ``--compare`` model, same input and batch, stepped in turn.
+
+    Per mode: every model is built and warmed up, then each round times one step of every model
+    (each right after a GEMM), rotating the order every round, so that load changes on a shared
+    machine hit all models alike. Efficiency: MAC/s of the median step over the median GEMM of the
+    whole mode. One result dict per model and mode.
+    """
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    height, width = (list(args.input_size) * 2)[:2]
+    names = [args.model] + [n for n in args.compare if n != args.model]
+    macs = {name: model_macs_any(name, (height, width), args.attn_impl) for name in names}
+    torch.manual_seed(0)
+    x = torch.randn(args.batch_size, 3, height, width, device=device)
+    target = torch.randint(0, 1000, (args.batch_size,), device=device)
+    results = []
+    for mode in args.modes:
+        steps = {}
+        for name in names:
+            torch.manual_seed(0)
+            model = create_any(name, device, args.attn_impl)
+            steps[name] = make_step(model, x, target, mode, dtype, device, args.compile)[0]
+            for _ in range(args.warmup):
+                steps[name]()
+        times: Dict[str, List[float]] = {name: [] for name in names}
+        cpu_times: Dict[str, List[float]] = {name: [] for name in names}
+        gemms: List[float] = []
+        for i in range(args.steps):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for name in order:
+                gemms.append(gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2))
+                cpu_start = time.process_time()
+                times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
+                cpu_times[name].append(time.process_time() - cpu_start)
+        # one GEMM rate for all models of this mode (the median over all rounds), so that their
+        # efficiencies compare as MACs x img/s do
+        gemm = statistics.median(gemms)
+        rows = []
+        for name in names:
+            step_s = statistics.median(times[name])
+            rows.append(dict(
+                model=name, mode=mode, dtype=args.dtype, batch_size=args.batch_size, input_size=[height, width],
+                attn_impl=args.attn_impl if name.upper() in VARIANTS else None, device=str(device),
+                threads=torch.get_num_threads(), cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
+                gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
+                cpu_s_median=statistics.median(cpu_times[name]), cpu_s_all=cpu_times[name],
+                img_s=args.batch_size / step_s, gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
+                efficiency=macs[name] * (3 if mode == 'train' else 1) * args.batch_size / step_s / gemm))
+        best_peer = max((r for r in rows[1:]), key=lambda r: r['efficiency'], default=None)
+        for r in rows:
+            if best_peer is not None:
+                r['best_peer'] = best_peer['model']
+                r['efficiency_vs_best_peer'] = r['efficiency'] / best_peer['efficiency']
+                r['img_s_vs_best_peer'] = r['img_s'] / best_peer['img_s']
+                # the same ratio from CPU time (user + system, all threads): less moved by other
+                # processes on a shared CPU than wall time
+                r['efficiency_cpu_vs_best_peer'] = (r['gmacs_per_image'] / r['cpu_s_median']) / (
+                    best_peer['gmacs_per_image'] / best_peer['cpu_s_median'])
+        results.extend(rows)
+        steps.clear()
+    return results
+
+
+def model_macs_any(name: str, input_size: Sequence[int], attn_impl: str = 'fast') -> int:
+    """fvcore multiply-adds of one image (eval mode, batch 1) through any timm model."""
+    from tools.flops import count_flops
+    return count_flops(create_any(name, torch.device('cpu'), attn_impl), (3, *input_size))
+
+
+def print_compare(results: List[Dict]) -> None:
+    first = results[0]
+    print(f"{first['dtype']}, batch {first['batch_size']}, {first['input_size'][0]}x{first['input_size'][1]}, "
+          f"device={first['device']}, threads={first['threads']}"
+          + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
+          + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
+    print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'effic.':>8}"
+          f"{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}")
+    for r in results:
+        print(f"{r['mode']:<10}{r['model']:<24}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
+              f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{100 * r['efficiency']:>7.1f}%"
+              f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}{r.get('img_s_vs_best_peer', float('nan')):>11.2f}"
+              f"{r.get('efficiency_cpu_vs_best_peer', float('nan')):>13.2f}")
+    if 'best_peer' in first:
+        print('eff/best, img/s/best: against the best --compare model by efficiency (per mode); CPU eff/best: '
+              'the same from CPU time per step (process user + system)')
+
+
+# ---- paper preset: eval-mode throughput of every variant, as vision papers report it -------------
+PAPER_SIZES = (224, 384, 512)
+TINY_PRESET = dict(models=['NALAFORMER_XT', 'NALAFORMER_T'], sizes=(32, 48), batch_size=2, warmup=1, steps=1)
+
+
+def paper_preset(args: argparse.Namespace) -> List[Dict]:
+    """Inference img/s of each variant at each size: eval mode, no grad, autocast on a GPU (fp16 unless
+    --dtype bf16), fp32 on a CPU, warm-up steps then the median of the timed steps."""
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    names = args.preset_models or list(VARIANTS)
+    sizes = args.preset_sizes or PAPER_SIZES
+    results = []
+    for name in names:
+        model = create_any(name, device, args.attn_impl)
+        params = sum(p.numel() for p in model.parameters())
+        for size in sizes:
+            torch.manual_seed(0)
+            x = torch.randn(args.batch_size, 3, size, size, device=device)
+            step = make_step(model, x, None, 'inference', dtype, device, args.compile)[0]
+            times = time_call(step, device, args.steps, args.warmup)
+            step_s = statistics.median(times)
+            results.append(dict(model=name, input_size=[size, size], batch_size=args.batch_size, dtype=args.dtype,
+                                device=str(device), threads=torch.get_num_threads(), params_m=params / 1e6,
+                                cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
+                                step_s_median=step_s, step_s_all=times, img_s=args.batch_size / step_s))
+            print(f"{name:<15}{size:>5}px  {args.batch_size / step_s:10.1f} img/s", flush=True)
+        del model
+    return results
+
+
+def print_paper_table(results: List[Dict]) -> None:
+    first = results[0]
+    sizes = sorted({r['input_size'][0] for r in results})
+    print(f"inference throughput, eval mode, batch {first['batch_size']}, {first['dtype']}"
+          f"{' autocast' if first['dtype'] != 'fp32' else ''}, device={first['device']}, "
+          f"threads={first['threads']}")
+    print('| model | params (M) | ' + ' | '.join(f'{s}² img/s' for s in sizes) + ' |')
+    print('|---|---:|' + '---:|' * len(sizes))
+    for name in dict.fromkeys(r['model'] for r in results):
+        rows = {r['input_size'][0]: r for r in results if r['model'] == name}
+        cells = [f"{rows[s]['img_s']:.1f}" if s in rows else '' for s in sizes]
+        print(f"| {name} | {next(iter(rows.values()))['params_m']:.1f} | " + ' | '.join(cells) + ' |')
+
+
+# ---- data loading: the recipe's train pipeline, per DataLoader worker ------------------------------
+def make_jpegs(root: str, count: int = 200, size: Sequence[int] = (500, 375), quality: int = 90,
+               classes: int = 4) -> None:
+    """``count`` JPEGs of ``size`` (width, height) in ``classes`` ImageFolder classes under ``root``:
+    smooth structure at three scales plus grain, so that decoding costs about what a photo does."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    width, height = size
+    for i in range(count):
+        img = rng.normal(128, 10, (height, width, 3))
+        for cells, amp in ((4, 90), (16, 50), (64, 25)):
+            small = rng.uniform(0, 255, (max(1, cells * height // width), cells, 3)).astype(np.uint8)
+            img += amp * (np.asarray(Image.fromarray(small).resize((width, height), Image.BICUBIC)) / 127.5 - 1)
+        folder = os.path.join(root, f'class{i % classes}')
+        os.makedirs(folder, exist_ok=True)
+        Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
+
+
+def data_loading(args: argparse.Namespace) -> Dict:
+    """img/s of main.py's train transform (default recipe flags) on the ImageFolder ``args.data_loading``:
+    in this process (what one DataLoader worker does with a core of its own: images per second of
+    wall time and per second of CPU time), then through DataLoaders with ``--data-workers`` workers
+    (time to the first batch of a fresh iterator, i.e. an epoch start without persistent workers, and
+    img/s after it)."""
+    import resource
+    from torchvision.datasets import ImageFolder
+    import datasets
+    from main import get_args_parser
+    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
+    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe))
+    torch.manual_seed(0)
+    dataset[0]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
+    per_image = []
+    for i in range(len(dataset)):
+        thread_start = time.thread_time()
+        dataset[i]
+        per_image.append(time.thread_time() - thread_start)
+    wall = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - cpu0
+    ms = sorted(1e3 * t for t in per_image)
+    quantiles = {f'p{q}': ms[min(len(ms) - 1, int(q / 100 * len(ms)))] for q in (10, 50, 90, 99)}
+    result = dict(data=args.data_loading, images=len(dataset), input_size=recipe.input_size,
+                  threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
+                  one_worker_img_s_cpu=len(dataset) / cpu, image_cpu_ms_mean=statistics.mean(ms),
+                  image_cpu_ms=quantiles, loaders=[])
+    print(f'train transform, {len(dataset)} images, in-process: {len(dataset) / wall:.1f} img/s (wall), '
+          f'{len(dataset) / cpu:.1f} img/s per CPU second; CPU ms per image: mean {statistics.mean(ms):.2f}, '
+          + ', '.join(f'{k} {v:.2f}' for k, v in quantiles.items()))
+    for workers in args.data_workers:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                             num_workers=workers)
+        start = time.perf_counter()
+        batches = iter(loader)
+        next(batches)
+        first = time.perf_counter() - start
+        start, seen = time.perf_counter(), 0
+        for images, _ in batches:
+            seen += images.shape[0]
+        rate = seen / (time.perf_counter() - start) if seen else float('nan')
+        result['loaders'].append(dict(workers=workers, batch_size=args.batch_size, first_batch_s=first, img_s=rate))
+        print(f'DataLoader, {workers} workers, batch {args.batch_size}: first batch after {first:.2f} s, '
+              f'then {rate:.1f} img/s')
+    return result
+
+
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
 def sweep(args: argparse.Namespace) -> Dict:
     from models.nalaformer import NaLaBlock
@@ -312,21 +529,43 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--batch-size', '-b', type=int, default=None, help='default 32, or 1 with --sweep')
     parser.add_argument('--input-size', type=int, nargs='+', default=[224], help='side, or height width')
     parser.add_argument('--mode', choices=['train', 'inference'], default='train')
-    parser.add_argument('--dtype', choices=list(DTYPES), default='fp32',
-                        help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only)')
+    parser.add_argument('--dtype', choices=list(DTYPES), default=None,
+                        help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only); default fp32, '
+                             'fp16 for --preset on a GPU')
     parser.add_argument('--attn-impl', choices=sorted(NALA_IMPLS), default='fast')
     parser.add_argument('--channels-last', action='store_true')
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
-    parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain',
-                        help="CPU allocator setting, as main.py's flag (utils.retain_freed_cpu_memory)")
+    parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default=None,
+                        help="CPU allocator setting, as main.py's flag (utils.retain_freed_cpu_memory); "
+                             "default retain for one model (as main.py), system (a plain process) with "
+                             "--compare")
+    parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=None,
+                        metavar='MODEL,MODEL',
+                        help='timm models to step interleaved with --model (e.g. convnext_nano,pvt_v2_b1)')
+    parser.add_argument('--modes', nargs='+', choices=['inference', 'train'], default=['inference', 'train'],
+                        help='modes timed by --compare')
     parser.add_argument('--warmup', type=int, default=None,
                         help='untimed steps first (default 4 on a CPU, 2 on a GPU; see above)')
     parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--gemm-size', type=int, default=None,
                         help='side of the reference GEMM (default 2048 on CPU, 8192 on GPU)')
     parser.add_argument('--json', default=None, help='append the result as one JSON line to this file')
+    parser.add_argument('--preset', choices=['paper'], default=None,
+                        help='paper: eval-mode img/s of every variant at 224/384/512 (batch 128 on a GPU with '
+                             'fp16 autocast, 64 in fp32 on a CPU), printed as a table')
+    parser.add_argument('--preset-models', nargs='+', default=None, help='variants for --preset (default all)')
+    parser.add_argument('--preset-sizes', type=int, nargs='+', default=None,
+                        help=f'input sides for --preset (default {" ".join(map(str, PAPER_SIZES))})')
+    parser.add_argument('--data-loading', default=None, metavar='DIR',
+                        help="img/s of main.py's train transform per DataLoader worker on the ImageFolder DIR")
+    parser.add_argument('--make-jpegs', default=None, metavar='DIR',
+                        help='first write 200 photo-like 500x375 JPEGs (quality 90) into DIR as an ImageFolder')
+    parser.add_argument('--data-workers', type=int, nargs='+', default=[0, 2],
+                        help='DataLoader worker counts timed by --data-loading')
+    parser.add_argument('--tiny', action='store_true',
+                        help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
     parser.add_argument('--sweep-stage', type=int, default=1, help='stage (0-based) whose width the blocks use')
@@ -336,12 +575,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help='largest size for the plain softmax curve (its N x N matrix grows fast)')
     parser.add_argument('--out', default='sweep', help='--sweep writes OUT.json and OUT.png')
     args = parser.parse_args(argv)
+    on_gpu = args.device.startswith('cuda')
+    if args.preset:
+        if args.tiny:
+            for key, value in TINY_PRESET.items():
+                setattr(args, 'preset_' + key if key in ('models', 'sizes') else key, value)
+        args.batch_size = args.batch_size or (128 if on_gpu else 64)
+        args.dtype = args.dtype or ('fp16' if on_gpu else 'fp32')
+    elif args.tiny:
+        parser.error('--tiny goes with --preset paper')
     if args.batch_size is None:
         args.batch_size = 1 if args.sweep else 32
+    args.dtype = args.dtype or 'fp32'
     if args.warmup is None:
         args.warmup = 2 if args.device.startswith('cuda') else 4
     if args.model.upper() not in VARIANTS:
         parser.error(f'unknown model {args.model}; choose from {list(VARIANTS)}')
+    unknown = [m for m in args.preset_models or [] if m.upper() not in VARIANTS]
+    if unknown:
+        parser.error(f'--preset-models: unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
+    if args.cpu_malloc is None:
+        args.cpu_malloc = 'system' if (args.compare or args.preset) else 'retain'
+    if args.compare is not None:
+        unknown = [n for n in args.compare if not timm.is_model(n)]
+        if unknown or not args.compare:
+            parser.error(f'--compare: unknown timm model(s) {unknown}; pass comma-separated names that '
+                         f'timm.list_models() lists, e.g. convnext_nano,pvt_v2_b1')
     if len(args.input_size) not in (1, 2):
         parser.error('--input-size takes one side or height and width')
     if args.dtype == 'fp16' and not args.device.startswith('cuda'):
@@ -364,12 +623,35 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         plot_sweep(results, args.out + '.png')
         print(f'wrote {args.out}.json and {args.out}.png')
         return results
+    if args.make_jpegs:
+        make_jpegs(args.make_jpegs)
+        print(f'wrote 200 JPEGs under {args.make_jpegs}')
+    if args.data_loading:
+        result = data_loading(args)
+        write_jsonl(args.json, [result])
+        return result
+    if args.preset:
+        results = paper_preset(args)
+        print_paper_table(results)
+        write_jsonl(args.json, results)
+        return results
+    if args.compare:
+        results = compare(args)
+        print_compare(results)
+        write_jsonl(args.json, results)
+        return results
     result = benchmark_model(args)
     print_result(result)
-    if args.json:
-        with open(args.json, 'a') as f:
-            f.write(json.dumps(result) + '\n')
+    write_jsonl(args.json, [result])
     return result
+
+
+def write_jsonl(path: Optional[str], results: List[Dict]) -> None:
+    """Append each result as one JSON line to ``path`` (nothing without a path), with the time of writing."""
+    if path:
+        stamp = time.strftime('%Y-%m-%dT%H:%M:%S%z')
+        with open(path, 'a') as f:
+            f.writelines(json.dumps({'written': stamp, **r}) + '\n' for r in results)
 
 
 if __name__ == '__main__':
