@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast venv demo clean-venv
+.PHONY: test test-fast lint venv demo clean-venv
 
 venv: $(VENV)/.installed
 
@@ -18,6 +18,10 @@ test: venv
 # the inner loop: everything but the real-process runs
 test-fast: venv
 	$(PY) -m pytest -q -m 'not slow' tests
+
+# style and simple bugs (rules in pyproject.toml); `ruff check --fix .` repairs the import order
+lint: venv
+	$(VENV)/bin/ruff check .
 
 clean-venv:
 	rm -rf $(VENV)
