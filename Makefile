@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast lint venv demo clean-venv
+.PHONY: test test-fast lint smoke venv demo clean-venv
 
 venv: $(VENV)/.installed
 

@@ -32,6 +32,7 @@ def faults_of_last_rounds(mode: str):
     return out[0], int(out[1])
 
 
+@pytest.mark.slow
 def test_retained_memory_is_reused_without_page_faults():
     retained, faults_retain = faults_of_last_rounds('retain')
     if retained != 'True':

@@ -80,6 +80,7 @@ def test_other_number_of_classes_points_to_finetune(xt_ckpt):
         checkpoint.load_model_weights(_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
 
 
+@pytest.mark.slow
 def test_bad_checkpoint_ends_in_one_line_and_non_zero_exit(data, tmp_path):
     bad = tmp_path / 'bad.pth'
     bad.write_bytes(b'\x00garbage' * 10)
@@ -102,6 +103,7 @@ def _limit_file_size(nbytes):
     return pre
 
 
+@pytest.mark.slow
 def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, data, tmp_path):
     out = str(tmp_path / 'out')
     shutil.copytree(one_epoch, out)
@@ -116,6 +118,7 @@ def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, dat
     assert not [f for f in os.listdir(out) if f.startswith(checkpoint.TMP_PREFIX)]
 
 
+@pytest.mark.slow
 def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
     script = (
         'import sys, torch, checkpoint\n'
@@ -174,6 +177,7 @@ def _kill_group(proc):
 STOP = BASE[:-1] + ['1', '--batch-size', '2']  # one epoch of 12 steps: room for a stop in the middle
 
 
+@pytest.mark.slow
 def test_sigint_stops_at_a_step_and_resume_is_exact(data, tmp_path):
     ref = str(tmp_path / 'ref')
     run_main(STOP + ['--data-path', data, '--output_dir', ref])
@@ -191,6 +195,7 @@ def test_sigint_stops_at_a_step_and_resume_is_exact(data, tmp_path):
     assert_same_weights(load(os.path.join(ref, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth')))
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_stops_all_ranks_and_resume_is_exact(data, tmp_path):
     args = BASE[:-1] + ['1', '--batch-size', '2', '--num_workers', '0', '--data-path', data]
     ref = str(tmp_path / 'ref')
@@ -213,6 +218,7 @@ def test_sigterm_under_torchrun_stops_all_ranks_and_resume_is_exact(data, tmp_pa
 
 
 # ------------------------------------------------------------------------------------------ numerics
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_last_checkpoint(data, tmp_path):
     out = str(tmp_path / 'out')
     # epoch 0 at a harmless warmup LR, epoch 1 at an absurd LR under fp16: the loss blows up
@@ -251,6 +257,7 @@ def test_incompatible_flags_fail_like_argparse_before_any_work(argv, message, ca
 
 
 # ------------------------------------------------------------------------------------------ distributed
+@pytest.mark.slow
 def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
     port = free_port()
     args = [PY, 'main.py'] + BASE[:-1] + ['3', '--batch-size', '2', '--num_workers', '0', '--data-path', data,
@@ -283,6 +290,7 @@ def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
     assert re.search(r'\[rank 0\] error: lost contact with the other processes', err), err[-3000:]
 
 
+@pytest.mark.slow
 def test_dist_eval_with_fewer_images_than_processes_is_exact(tmp_path):
     data = make_imagefolder(tmp_path / 'd', classes=2, n_train=1, n_val=1)  # 2 val images, 3 processes
     ck = tmp_path / 'm.pth'

@@ -24,6 +24,8 @@ BASE = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '
         '--num_workers', '1', '--no-flops', '--print-freq', '1', '--unscale-lr', '--lr', '2e-3',
         '--warmup-epochs', '1', '--epochs', '2']
 
+pytestmark = pytest.mark.slow  # every test here runs main.py in real processes
+
 
 def make_imagefolder(root, classes=3, n_train=8, n_val=5, size=32, seed=0):
     """Colour-coded classes (class c brightens channel c % 3), PNG files in train/ and val/."""
