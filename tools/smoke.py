@@ -42,6 +42,8 @@ ROWS = [
     Row('ddp', '1-process DDP + exact --dist-eval', ['--dist-eval'], torchrun=True,
         expect=r'Launcher: torchrun, 1 process\(es\), backend {backend}'),
     Row('fp32', 'fp32 (TF32 matmuls on CUDA)', expect=r'precision fp32'),
+    Row('ieee-fp32', 'fp32 without TF32', ['--no-tf32'], expect=r'precision fp32(?!\+TF32)',
+        not_quick='on the CPU the same as fp32'),
     Row('fp16', 'fp16 autocast + GradScaler', ['--amp', 'fp16'], expect=r'precision fp16'),
     Row('bf16', 'bf16 autocast', ['--amp', 'bf16'], needs='bf16', expect=r'precision bf16'),
     Row('compile', 'torch.compile', ['--compile'], not_quick='torch.compile takes minutes on a CPU'),
@@ -51,6 +53,8 @@ ROWS = [
         not_quick='on the CPU the same as ema-cpu'),
     Row('ema-cpu', 'EMA on the CPU under DDP (broadcast, evaluation)', ['--model-ema', '--model-ema-force-cpu'],
         torchrun=True, expect=r'Accuracy of the EMA network'),
+    Row('accum', 'gradient accumulation, 2 batches per optimizer step, under DDP', ['--accum-steps', '2'],
+        torchrun=True, expect=r'global batch 8 = 4 x 1 x 2 accumulated'),
     Row('resume', 'save, then resume for a 2nd epoch', then=['--epochs', '2'],
         expect=r'Resumed from .*checkpoint\.pth: continuing at epoch 1'),
 ]
