@@ -3,13 +3,20 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast lint smoke venv demo clean-venv
+.PHONY: test test-fast lint smoke venv venv-optional demo clean-venv
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+# the optional extras (ONNX export, TensorBoard); without them their tests skip with a reason
+venv-optional: $(VENV)/.installed-optional
+
+$(VENV)/.installed-optional: requirements-optional.txt $(VENV)/.installed
+	$(PY) -m pip install -q -r requirements-optional.txt
 	touch $@
 
 test: venv

@@ -173,8 +173,10 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
             if loss_scaler is not None:
                 scale_before = loss_scaler.get_scale()
                 loss_scaler.scale(scaled).backward()
-                if clip_grad is not None:
+                if clip_grad is not None or logger is not None:
                     loss_scaler.unscale_(optimizer)
+                grad_norm = _grad_norm(model) if logger is not None else None
+                if clip_grad is not None:
                     dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
                 loss_scaler.step(optimizer)
                 loss_scaler.update()
@@ -190,6 +192,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                     carry.bad_steps = 0
             else:
                 scaled.backward()
+                grad_norm = _grad_norm(model) if logger is not None else None
                 if clip_grad is not None:
                     dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
                 optimizer.step()
@@ -202,6 +205,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
         if logger is not None:  # e.g. TensorBoard: one call per optimizer step
             logger({'step': epoch * n_steps + step, 'loss': sum(losses) / len(losses), 'lr': metric_logger.lr.value,
                     'images': batch_size * world * len(losses),
+                    **({'grad_norm': grad_norm} if finite else {}),
                     **({'loss_scale': loss_scaler.get_scale()} if loss_scaler else {})})
 
         if stop_req and step + 1 < n_steps:
@@ -217,6 +221,12 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
     stats.setdefault('loss', float('nan'))
     stats['skipped_steps'] = carry.skipped_steps
     return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested), carry=carry)
+
+
+def _grad_norm(model: torch.nn.Module) -> float:
+    """L2 norm of all gradients (unscaled, before clipping), for the per-step log."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
 @torch.no_grad()

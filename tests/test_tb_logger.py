@@ -1,4 +1,5 @@
 """TensorBoard logging: the logger writes readable events; the engine calls it once per optimizer step."""
+import importlib.util
 import sys
 
 import pytest
@@ -11,6 +12,11 @@ import models  # noqa: F401
 import tb_logger
 
 
+# tensorboard is optional (requirements-optional.txt, which CI installs)
+needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec('tensorboard') is None,
+                                       reason='tensorboard is not installed: pip install -r requirements-optional.txt')
+
+
 def _scalars(log_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(log_dir))
@@ -18,6 +24,7 @@ def _scalars(log_dir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()['scalars']}
 
 
+@needs_tensorboard
 def test_logger_writes_step_and_epoch_scalars(tmp_path):
     log = tb_logger.TensorBoardLogger(str(tmp_path))
     for step in range(10, 14):
@@ -35,6 +42,7 @@ def test_logger_writes_step_and_epoch_scalars(tmp_path):
     assert 'epoch/test_loss' not in s and 'train/note' not in s and 'train/images' not in s
 
 
+@needs_tensorboard
 def test_engine_logs_every_step_with_the_head_lr(tmp_path, one_thread):
     torch.manual_seed(0)
     model = timm.create_model('NALAFORMER_XT', num_classes=3)
@@ -57,6 +65,25 @@ def test_engine_logs_every_step_with_the_head_lr(tmp_path, one_thread):
     assert len(s['train/img_per_s']) == 2
 
 
+def test_engine_logs_the_gradient_norm_of_each_step(one_thread):
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0]))
+    logged = []
+
+    def logger(values):  # called after the optimizer step, while the step's gradients are still there
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        logged.append((values['grad_norm'], float(grads.double().norm())))
+
+    engine.train_one_epoch(model, lambda s, o, t: torch.nn.functional.cross_entropy(o, t),
+                           torch.utils.data.DataLoader(data, batch_size=2), optimizer, 'cpu', epoch=0,
+                           print_freq=100, logger=logger)
+    assert len(logged) == 2
+    for got, expected in logged:
+        assert got == pytest.approx(expected, rel=1e-5) and got > 0
+
+
 def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, 'tensorboard', None)  # as if it were not installed
     parser = main.get_args_parser()
@@ -67,6 +94,7 @@ def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
     assert e.value.code == 2 and 'pip install tensorboard' in err[-1] and '--log-dir' in err[-1]
 
 
+@needs_tensorboard
 def test_engine_logs_the_fp16_loss_scale(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))

@@ -13,6 +13,7 @@ from tools import predict, release
 
 @pytest.mark.slow
 def test_train_log_release_predict(tmp_path, capsys):
+    pytest.importorskip('tensorboard', reason='optional: pip install -r requirements-optional.txt')
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     data = make_imagefolder(tmp_path / 'data', classes=3, n_train=4, n_val=2)
     out, tb = str(tmp_path / 'out'), str(tmp_path / 'tb')
