@@ -122,6 +122,9 @@ DIGITS_MARKER = "DIGITS_COMPLETE"
 DIGITS_SEED = 0
 DIGITS_SIZE = 32
 # torchvision's extensions plus the other still-image formats this Pillow build decodes
+#: the --data-set names build_dataset knows
+DATA_SETS: tuple[str, ...] = ("CIFAR", "IMNET", "INAT", "INAT19", "DIGITS")
+
 IMAGE_EXTENSIONS: tuple[str, ...] = tuple(
     e for e in IMG_EXTENSIONS + (".gif", ".jfif", ".pbm", ".pnm", ".avif")
     if e in Image.registered_extensions())

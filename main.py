@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 import checkpoint
+import datasets
 import utils
 from utils import UserError
 
-DATASETS = ('CIFAR', 'IMNET', 'INAT', 'INAT19', 'DIGITS')
 
 
 def str2bool_flag(parser, name, default, help_on, dest=None):
@@ -162,7 +162,7 @@ def get_args_parser():
 
     # Data
     p.add_argument('--data-path', default=None, type=str, help='dataset root (DIGITS: ./data/digits)')
-    p.add_argument('--data-set', default='IMNET', choices=DATASETS, type=str)
+    p.add_argument('--data-set', default='IMNET', choices=datasets.DATA_SETS, type=str)
     p.add_argument('--inat-category', default='name',
                    choices=['kingdom', 'phylum', 'class', 'order', 'supercategory', 'family', 'genus', 'name'])
     p.add_argument('--eval-crop-ratio', default=0.875, type=ranged(float, 0, 1, lo_open=True),
@@ -252,7 +252,7 @@ def validate_args(args, parser):
     if args.batch_size < 1:
         parser.error(f'--batch-size must be at least 1, got {args.batch_size}')
     _, world, _, _ = utils.launch_env()
-    mixup_active = (args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None) and not args.eval
+    mixup_active = mixup_is_active(args) and not args.eval
     if mixup_active and args.mixup_mode in ('batch', 'pair') and args.batch_size % 2:
         parser.error(f'--batch-size {args.batch_size} is odd; mixup/cutmix in {args.mixup_mode} mode needs an even '
                      f'per-process batch (or --mixup 0 --cutmix 0)')
@@ -403,6 +403,11 @@ def build_lr_scheduler(args, optimizer):
     return lr_scheduler
 
 
+def mixup_is_active(args: argparse.Namespace) -> bool:
+    """Whether training mixes images (Mixup or CutMix): then targets are soft and the batch must be even."""
+    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+
+
 def build_criterion(args, mixup_active: bool) -> torch.nn.Module:
     """The training loss (before distillation): soft-target CE with Mixup/CutMix, label-smoothing CE, or
     with --bce-loss timm's BinaryCrossEntropy. BCE learns Mixup's mixed and smoothed target probabilities as
@@ -486,7 +491,6 @@ def main(args, parser):
     import timm
     from timm.data import Mixup
     from timm.utils import ModelEmaV3
-    import datasets
     import engine
     from losses import DistillationLoss
 
@@ -518,7 +522,7 @@ def main(args, parser):
     print(f'Data: {args.data_set}, {n_train}{len(dataset_val)} val images, {nb_classes} classes')
 
     mixup_fn = None
-    mixup_active = args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
+    mixup_active = mixup_is_active(args)
     if mixup_active:
         mixup_fn = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                          prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
