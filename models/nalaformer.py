@@ -10,13 +10,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torch.utils.checkpoint import checkpoint
-
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+from torch.utils.checkpoint import checkpoint
 
 from .nala import NALA_IMPLS, NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops

@@ -38,7 +38,7 @@ def read_keys(path: str) -> List[Tuple[str, Tuple[int, ...], str]]:
 def seeded_state_dict(rows: List[Tuple[str, Tuple[int, ...], str]]) -> Dict[str, torch.Tensor]:
     """The name-seeded weights of SPEC section 6, in key order."""
     sd = {}
-    for key, shape, dtype in rows:
+    for key, shape, _ in rows:
         if key.endswith('num_batches_tracked'):
             sd[key] = torch.zeros(shape, dtype=torch.int64)
             continue

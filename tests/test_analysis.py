@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import checkpoint  # noqa: E402
 import timm  # noqa: E402
+
+import checkpoint  # noqa: E402
 import models  # noqa: E402,F401
 from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain  # noqa: E402
 from tools import analyze_attention as aa  # noqa: E402

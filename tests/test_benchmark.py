@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools import benchmark  # noqa: E402
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import main
-import engine
 import checkpoint
+import engine
+import main
 import utils
 
 

@@ -4,9 +4,9 @@ import os
 import sys
 
 import pytest
+import timm
 import torch
 
-import timm
 import models  # noqa: F401  (registers the variants)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

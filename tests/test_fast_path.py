@@ -6,15 +6,26 @@ import sys
 import warnings
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
-import timm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402,F401
-from models.nala import (NALA_IMPLS, NaLaAttention, RoPE, apply_rope, nala_attention_fast,  # noqa: E402
-                         nala_attention_plain, rope_phases, rotate, rotate_adjoint, rotate_real,
-                         softmax_attention_fast, softmax_attention_plain)
+from models.nala import (  # noqa: E402
+    NALA_IMPLS,
+    NaLaAttention,
+    RoPE,
+    apply_rope,
+    nala_attention_fast,
+    nala_attention_plain,
+    rope_phases,
+    rotate,
+    rotate_adjoint,
+    rotate_real,
+    softmax_attention_fast,
+    softmax_attention_plain,
+)
 
 TOL = 1e-4
 

@@ -5,15 +5,14 @@ import os
 import sys
 
 import pytest
-import torch
-import torch.nn.functional as F
-
 import timm
 import timm.optim
-import models
+import torch
+import torch.nn.functional as F
+from reference_impl import read_keys, reference_forward, seeded_state_dict
+
 from models import NALA_IMPLS, VARIANTS
 from models.nala import NALA_EPS, RoPE, apply_rope, nala_kernel_terms
-from reference_impl import read_keys, reference_forward, seeded_state_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_REFERENCE = os.path.join(os.path.dirname(REPO), 'shared', 'reference')
@@ -126,7 +125,10 @@ def explicit_nala(q, k, v, sin, cos):
     """The same kernel as an explicit N x N matrix: A_ij = Q~_i.K~_j / (N (Q_i.Kbar + eps))."""
     d = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q, k)
-    rope2 = lambda t: torch.cat([apply_rope(t[..., :d], sin, cos), apply_rope(t[..., d:], sin, cos)], -1)
+
+    def rope2(t):
+        return torch.cat([apply_rope(t[..., :d], sin, cos), apply_rope(t[..., d:], sin, cos)], -1)
+
     n = q.shape[-2]
     denom = n * (q_feat @ k_feat.mean(-2, keepdim=True).transpose(-2, -1) + NALA_EPS)
     attn = (rope2(q_feat) @ rope2(k_feat).transpose(-2, -1)) / denom

@@ -50,8 +50,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
-import models  # noqa: E402,F401  (registers the variants)
+
 import checkpoint  # noqa: E402
+import models  # noqa: E402,F401  (registers the variants)
 from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms  # noqa: E402
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -356,8 +357,9 @@ def plot_entropy(result: Dict[str, Any], path: str, title: str, seed: int = 0) -
         for b in result['blocks']:
             sel = idx[arrays['block'][idx] == b]
             layer_r = [e[m]['pearson'] for e in result['per_layer'] if e['block'] == b]
+            r_mean = np.nanmean(layer_r) if not np.all(np.isnan(layer_r)) else float('nan')
             ax.scatter(arrays['norm'][sel], arrays[m][sel], s=3, alpha=0.25, color=f'C{b % 10}', rasterized=True,
-                       label=f'block {b} (r = {np.nanmean(layer_r) if not np.all(np.isnan(layer_r)) else float("nan"):.3f}'
+                       label=f'block {b} (r = {r_mean:.3f}'
                              + (', mean over heads)' if len(layer_r) > 1 else ')'))
         ax.plot([], [], ' ', label=f"pooled: Pearson r = {s['pearson']:.3f}, Spearman ρ = {s['spearman']:.3f}")
         ax.plot([], [], ' ', label=f"within layer: r = {s['within_layer_pearson']:.3f}, "
@@ -530,7 +532,7 @@ def parse_query(text: str) -> Tuple[float, float]:
     try:
         y, x = (float(v) for v in text.split(','))
     except ValueError:
-        raise argparse.ArgumentTypeError(f'--query wants Y,X fractions in [0, 1], got {text!r}')
+        raise argparse.ArgumentTypeError(f'--query wants Y,X fractions in [0, 1], got {text!r}') from None
     if not (0 <= y <= 1 and 0 <= x <= 1):
         raise argparse.ArgumentTypeError(f'--query wants Y,X fractions in [0, 1], got {text!r}')
     return y, x

@@ -22,6 +22,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
+
 import models  # noqa: E402,F401  (registers the variants)
 
 

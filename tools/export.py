@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
 from timm.models import load_state_dict  # noqa: E402
+
 from models import VARIANTS  # noqa: E402  (importing models registers the variants)
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')

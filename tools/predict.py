@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import timm
 from PIL import Image, UnidentifiedImageError
 
-import models  # noqa: F401  (registers the variants)
 import checkpoint
+import models  # noqa: F401  (registers the variants)
 import utils
 from tools.release import WEIGHT_CHOICES, select_weights
 from utils import CheckpointError, UserError

@@ -26,10 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm  # noqa: E402
 
-import models  # noqa: E402,F401  (registers the variants)
 import checkpoint  # noqa: E402
+import models  # noqa: E402,F401  (registers the variants)
 from checkpoint import describe_mismatch, load_checkpoint_file  # noqa: E402
-import utils  # noqa: E402
 from utils import CheckpointError, UserError  # noqa: E402
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
