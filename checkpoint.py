@@ -232,7 +232,7 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=mmap and is_zip)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         msg = str(e)
         if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
             raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
@@ -299,13 +299,13 @@ def guess_variant(sd: Dict[str, torch.Tensor], candidates: Sequence[str],
         try:
             with torch.device('meta'):  # no memory, no init: shapes only
                 m = timm.create_model(name, num_classes=num_classes)
-        except Exception:  # noqa: BLE001 - some models compute with tensors while building
+        except Exception:  # some models compute with tensors while building
             pass
         if m is None:
             try:
                 with torch.no_grad():
                     m = timm.create_model(name, num_classes=num_classes)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 continue
         ref = {k: tuple(v.shape) for k, v in m.state_dict().items()}
         del m

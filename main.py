@@ -344,7 +344,7 @@ def check_optimizer(args, parser):
         create_optimizer_v2(torch.nn.Linear(1, 1), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                             momentum=args.momentum, eps=args.opt_eps,
                             **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
-    except Exception as e:  # noqa: BLE001 - any failure here is a bad flag or a missing optional package
+    except Exception as e:  # any failure here is a bad flag or a missing optional package
         parser.error(f'--opt {args.opt}: cannot build it with these flags ({utils.first_line(e)})')
 
 
@@ -436,7 +436,7 @@ def count_flops(model, input_size, device):
     from models.flops import count_flops as fvcore_flops
     try:
         return fvcore_flops(model, input_size)
-    except Exception as e:  # noqa: BLE001 - FLOPs are information only
+    except Exception as e:  # FLOPs are information only
         print(f'(fvcore FLOP count failed: {utils.first_line(e)})')
         return None
 
@@ -780,7 +780,7 @@ def run(argv=None):
     except KeyboardInterrupt:
         utils.eprint('interrupted')
         code = 130
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _is_peer_failure(e):
             utils.eprint(f'[rank {utils.get_rank()}] error: lost contact with the other processes '
                          f'({utils.first_line(e)}); another rank probably died or stopped - see its log')

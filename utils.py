@@ -158,7 +158,7 @@ def init_distributed_mode(args):
         kwargs['device_id'] = torch.device('cuda', gpu)
     try:
         dist.init_process_group(**kwargs)
-    except Exception as e:  # noqa: BLE001 - report rendezvous problems as one line
+    except Exception as e:  # report rendezvous problems as one line
         raise PeerLostError(f'could not join the process group (rank {rank} of {world_size}, '
                             f'{args.dist_url}, backend {args.dist_backend}): {first_line(e)}') from e
     barrier()
@@ -175,7 +175,7 @@ def setup_for_distributed(is_master):
     import builtins as __builtin__
     builtin_print = __builtin__.print
 
-    def print(*args, **kwargs):  # noqa: A001
+    def print(*args, **kwargs):
         force = kwargs.pop('force', False)
         if is_master or force:
             builtin_print(*args, **kwargs)

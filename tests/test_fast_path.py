@@ -1,8 +1,6 @@
 """The fast path computes the plain path's numbers: NaLa core, softmax core, block and whole model,
 outputs and gradients (fp32, <= 1e-4 relative), zero handling, autocast, fvcore counts, compile."""
 import math
-import os
-import sys
 import warnings
 
 import pytest
@@ -10,9 +8,8 @@ import timm
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402,F401
-from models.nala import (  # noqa: E402
+import models  # noqa: F401
+from models.nala import (
     NALA_IMPLS,
     NaLaAttention,
     RoPE,

@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import sys
 
 import pytest
 import timm
@@ -12,14 +11,13 @@ import torch.nn.functional as F
 from reference_impl import read_keys, reference_forward, seeded_state_dict
 
 from models import NALA_IMPLS, VARIANTS
+from models.flops import count_flops, count_params
 from models.nala import NALA_EPS, RoPE, apply_rope, nala_kernel_terms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_REFERENCE = os.path.join(os.path.dirname(REPO), 'shared', 'reference')
 # Copies of the reference key lists (SPEC section 6), so the layout tests never depend on ../shared.
 KEYS_DIR = os.path.join(REPO, 'tests', 'reference')
-sys.path.insert(0, REPO)
-from models.flops import count_flops, count_params  # noqa: E402
 
 
 def keys_file(variant):

@@ -49,11 +49,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import timm  # noqa: E402
+import timm
 
-import checkpoint  # noqa: E402
-import models  # noqa: E402,F401  (registers the variants)
-from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms  # noqa: E402
+import checkpoint
+import models  # noqa: F401  (registers the variants)
+from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -49,11 +49,11 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import timm  # noqa: E402
+import timm
 
-import models  # noqa: E402,F401  (registers the variants)
-import utils  # noqa: E402
-from models import NALA_IMPLS, VARIANTS  # noqa: E402
+import models  # noqa: F401  (registers the variants)
+import utils
+from models import NALA_IMPLS, VARIANTS
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
