@@ -1,5 +1,5 @@
 """NaLaFormer: a hybrid vision backbone with norm×direction linear attention (NaLa) in stages 1-2
-and softmax attention in stages 3-4 (SPEC section 5).
+and softmax attention in stages 3-4 (docs/method.md#network).
 
 The module and parameter names follow the reference checkpoints (``../shared/reference``), so a
 reference state dict loads with ``strict=True``. Variants are registered in timm as

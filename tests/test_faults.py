@@ -1,4 +1,4 @@
-"""Faults of the engine (issue 5, all but the data-layout bullets): bad checkpoints, failing and killed
+"""Faults of the engine: bad checkpoints, failing and killed
 writes, preemption by SIGINT/SIGTERM with exact resume (plain process and torchrun), non-finite loss,
 incompatible flags, a dead rank, dist-eval with fewer images than processes. Process-level faults are
 provoked on real processes."""

@@ -1,4 +1,4 @@
-"""Query norm vs attention entropy, and attention maps, of a NaLaFormer (the paper's claim, issue 6).
+"""Query norm vs attention entropy, and attention maps, of a NaLaFormer (the paper's claim; docs/analysis.md).
 
     python tools/analyze_attention.py --model NALAFORMER_XT --data-set DIGITS --input-size 64
     python tools/analyze_attention.py --model NALAFORMER_XT --checkpoint output/demo/checkpoint.pth \\
@@ -118,7 +118,8 @@ ROW_FNS: Dict[str, Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, to
 
 
 def nala_model_weights(q: torch.Tensor, k: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """The N x N weights NaLa applies to v in the model (SPEC 2, step 9), RoPE and eps included:
+    """The N x N weights NaLa applies to v in the model (docs/method.md#normaliser-and-linear-time-order),
+    RoPE and eps included:
     w_ij = (1/N) Q~_i.K~_j / (Q_i.mean_j K_j + eps), so that out = w @ v. Can be negative."""
     d = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q.float(), k.float())
@@ -290,7 +291,7 @@ def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
         'hw': list(rec0['hw']), 'n_tokens': n_tokens, 'log_n': math.log(n_tokens), 'rope': False,
         'query_norm': {'mean': float(norm.mean()), 'std': float(norm.std()), 'min': float(norm.min()),
                        'max': float(norm.max())},
-        # NaLa's power p = 3 (0.5 + tanh ||q||) over these queries (SPEC 2, step 6): how much room the
+        # NaLa's power p = 3 (0.5 + tanh ||q||) over these queries (docs/method.md#nala-kernel): how much room the
         # norm has to sharpen the feature map (p saturates at 4.5)
         'nala_power': {'min': 3 * (0.5 + math.tanh(float(norm.min()))), 'max': 3 * (0.5 + math.tanh(float(norm.max()))),
                        'mean': float((3 * (0.5 + np.tanh(norm))).mean())},
