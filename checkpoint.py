@@ -216,7 +216,8 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     A checkpoint with a checksum is verified unless verify=False."""
     path = os.fspath(path)
     if path.startswith(('http://', 'https://')):
-        raise CheckpointError(f'{path}: downloading checkpoints is disabled; download it yourself and pass the local file')
+        raise CheckpointError(f'{path}: downloading checkpoints is disabled; '
+                              'download it yourself and pass the local file')
     if not os.path.exists(path):
         raise CheckpointError(f'checkpoint {path} does not exist')
     if os.path.isdir(path):
@@ -231,7 +232,7 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=mmap and is_zip)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         msg = str(e)
         if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
             raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
@@ -254,7 +255,8 @@ def saved_args(ckpt: Any) -> Dict[str, Any]:
     return dict(args) if isinstance(args, dict) else {}
 
 
-def select_weights(ckpt: Any, path: str = 'the checkpoint', which: str = 'default') -> Tuple[str, Dict[str, torch.Tensor]]:
+def select_weights(ckpt: Any, path: str = 'the checkpoint',
+                   which: str = 'default') -> Tuple[str, Dict[str, torch.Tensor]]:
     """(key, state dict) of the one set of weights a loader takes from a loaded checkpoint.
 
     which='default' is timm's rule (``timm.create_model(checkpoint_path=...)``): ``state_dict_ema``,
@@ -264,7 +266,8 @@ def select_weights(ckpt: Any, path: str = 'the checkpoint', which: str = 'defaul
     key = weights_key(ckpt, which)
     if key is None:
         if which == 'model_ema':
-            raise CheckpointError(f'{path} has no EMA weights (model_ema); take its model weights instead (--weights model)')
+            raise CheckpointError(f'{path} has no EMA weights (model_ema); '
+                                  'take its model weights instead (--weights model)')
         raise CheckpointError(f'{path} is a torch file but holds no model weights '
                               f'(expected a state dict or a dict with "model")')
     return key, clean_state_dict(ckpt[key] if key else ckpt)
@@ -283,7 +286,8 @@ def classifier_keys(model: torch.nn.Module) -> set:
     return keys
 
 
-def guess_variant(sd: Dict[str, torch.Tensor], candidates: Sequence[str], num_classes: int) -> Tuple[Optional[str], float]:
+def guess_variant(sd: Dict[str, torch.Tensor], candidates: Sequence[str],
+                  num_classes: int) -> Tuple[Optional[str], float]:
     """Name of the registered model whose key/shape set matches `sd` best (ignoring the classifier)."""
     import timm
     best, best_score = None, -1.0
@@ -295,13 +299,13 @@ def guess_variant(sd: Dict[str, torch.Tensor], candidates: Sequence[str], num_cl
         try:
             with torch.device('meta'):  # no memory, no init: shapes only
                 m = timm.create_model(name, num_classes=num_classes)
-        except Exception:  # noqa: BLE001 - some models compute with tensors while building
+        except Exception:  # some models compute with tensors while building
             pass
         if m is None:
             try:
                 with torch.no_grad():
                     m = timm.create_model(name, num_classes=num_classes)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 continue
         ref = {k: tuple(v.shape) for k, v in m.state_dict().items()}
         del m
@@ -505,7 +509,8 @@ def describe_best(ckpt: Any) -> str:
         return ''
     which = ckpt.get('best_weights')
     if which not in ('model', 'model_ema'):
-        return f'the checkpoint does not record which weights gave its best accuracy ({float(ckpt["max_accuracy"]):.2f}%)'
+        return ('the checkpoint does not record which weights gave its best accuracy '
+                f'({float(ckpt["max_accuracy"]):.2f}%)')
     epoch = f' at epoch {ckpt["best_epoch"]}' if ckpt.get('best_epoch') is not None else ''
     return (f'the checkpoint records its best accuracy, {float(ckpt["max_accuracy"]):.2f}%{epoch}, from the '
             f'{"EMA" if which == "model_ema" else "model"} weights')
@@ -670,7 +675,8 @@ class TrainingCheckpoints:
             else:
                 utils.set_rng_state(r.resume_rng)
         else:
-            print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "an unknown number of"} '
+            writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
+            print(f'Note: the checkpoint was written by {writers} '
                   f'process(es), this run has {world}: random-number state not restored')
         if utils.is_main_process() and self.output_dir and _same_dir(path, self.output_dir):
             self._repair_files(path, ckpt)
@@ -688,10 +694,12 @@ class TrainingCheckpoints:
         kind = {k for k in ('betas', 'momentum') if k in groups[0]}
         if (saved_opt and str(saved_opt).lower() != str(self.args.opt).lower()) \
                 or kind != {k for k in ('betas', 'momentum') if k in fresh[0]}:
-            was = f'--opt {saved_opt}' if saved_opt else f'an optimizer with {", ".join(sorted(kind)) or "other settings"}'
-            raise CheckpointError(f'the optimizer state in {path} is from {was}, this run has --opt {self.args.opt}: '
-                                  f'relaunch with --opt {saved_opt or "as before"}, or start a new run from its weights '
-                                  f'with --finetune {path} in another --output_dir')
+            was = (f'--opt {saved_opt}' if saved_opt
+                   else f'an optimizer with {", ".join(sorted(kind)) or "other settings"}')
+            raise CheckpointError(f'the optimizer state in {path} is from {was}, '
+                                  f'this run has --opt {self.args.opt}: '
+                                  f'relaunch with --opt {saved_opt or "as before"}, '
+                                  f'or start a new run from its weights with --finetune {path} in another --output_dir')
         try:
             self.optimizer.load_state_dict(ckpt['optimizer'])
         except (ValueError, KeyError) as e:

@@ -28,7 +28,6 @@ import utils
 from utils import UserError
 
 
-
 def str2bool_flag(parser, name, default, help_on, dest=None):
     dest = dest or name.replace('-', '_')
     parser.add_argument(f'--{name}', action='store_true', dest=dest, help=help_on)
@@ -168,9 +167,11 @@ def get_args_parser():
     p.add_argument('--eval-crop-ratio', default=0.875, type=ranged(float, 0, 1, lo_open=True),
                    help='evaluation: resize to input-size / ratio, then center-crop input-size')
     p.add_argument('--strict-data', action='store_true', help='an undecodable image stops the run')
-    p.add_argument('--follow-links', action='store_true', help='follow directory links inside class folders (never loops)')
+    p.add_argument('--follow-links', action='store_true',
+                   help='follow directory links inside class folders (never loops)')
     p.add_argument('--eval-sets', nargs='+', default=[], metavar='[NAME=]PATH',
-                   help='with --eval, also evaluate these sets (class folders, ImageNet-V2 0..999 folders, or flat + label file)')
+                   help='with --eval, also evaluate these sets '
+                        '(class folders, ImageNet-V2 0..999 folders, or flat + label file)')
     p.add_argument('--real-labels', nargs='?', const='', default=None, metavar='REAL_JSON',
                    help="with --eval, also print ImageNet-ReaL accuracy (timm's bundled labels, or this real.json)")
 
@@ -182,7 +183,8 @@ def get_args_parser():
                    help='on the CPU, keep freed memory for reuse (retain: much faster steps, the process '
                         'keeps its peak memory) or use glibc as configured (system)')
     p.add_argument('--seed', default=0, type=ranged(int, 0, 2 ** 32 - 1))
-    p.add_argument('--resume', default='', help='resume from this checkpoint (default: output_dir/checkpoint.pth if present)')
+    p.add_argument('--resume', default='',
+                   help='resume from this checkpoint (default: output_dir/checkpoint.pth if present)')
     str2bool_flag(p, 'auto-resume', True, 'resume from output_dir/checkpoint.pth when it exists (default on)')
     p.add_argument('--start_epoch', '--start-epoch', dest='start_epoch', default=0, type=NON_NEGATIVE_INT, metavar='N')
     p.add_argument('--eval', action='store_true', help='evaluation only')
@@ -240,7 +242,8 @@ def validate_args(args, parser):
                      f"(any timm model name also works)")
     if args.distillation_type != 'none':
         if args.finetune and not args.eval:
-            parser.error('--distillation-type with --finetune is not supported (DeiT: "Finetuning with distillation not yet supported")')
+            parser.error('--distillation-type with --finetune is not supported '
+                         '(DeiT: "Finetuning with distillation not yet supported")')
         if not args.teacher_path:
             parser.error('--distillation-type needs --teacher-path: a local teacher checkpoint (nothing is downloaded)')
         if args.teacher_path.startswith(('http://', 'https://')):
@@ -340,7 +343,7 @@ def check_optimizer(args, parser):
         create_optimizer_v2(torch.nn.Linear(1, 1), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                             momentum=args.momentum, eps=args.opt_eps,
                             **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
-    except Exception as e:  # noqa: BLE001 - any failure here is a bad flag or a missing optional package
+    except Exception as e:  # any failure here is a bad flag or a missing optional package
         parser.error(f'--opt {args.opt}: cannot build it with these flags ({utils.first_line(e)})')
 
 
@@ -372,6 +375,7 @@ def build_model(args, nb_classes):
     """The model with the number of classes and dropout of the command line; drop path from --drop-path,
     or the variant's own rate when --drop-path is not given."""
     import timm
+
     import models  # noqa: F401
     extra = {} if args.drop_path is None else {'drop_path_rate': args.drop_path}
     return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
@@ -436,7 +440,7 @@ def count_flops(model, input_size, device):
     from models.flops import count_flops as fvcore_flops
     try:
         return fvcore_flops(model, input_size)
-    except Exception as e:  # noqa: BLE001 - FLOPs are information only
+    except Exception as e:  # FLOPs are information only
         print(f'(fvcore FLOP count failed: {utils.first_line(e)})')
         return None
 
@@ -491,6 +495,7 @@ def main(args, parser):
     import timm
     from timm.data import Mixup
     from timm.utils import ModelEmaV3
+
     import engine
     from losses import DistillationLoss
 
@@ -778,7 +783,7 @@ def run(argv=None):
     except KeyboardInterrupt:
         utils.eprint('interrupted')
         code = 130
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if _is_peer_failure(e):
             utils.eprint(f'[rank {utils.get_rank()}] error: lost contact with the other processes '
                          f'({utils.first_line(e)}); another rank probably died or stopped - see its log')

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
 # --------------------------------------------------------------------------------------------------
 # CPU memory allocator
 # --------------------------------------------------------------------------------------------------
@@ -107,7 +106,8 @@ def launch_env():
 
 
 def _slurm_master_addr():
-    nodelist = os.environ.get('SLURM_STEP_NODELIST') or os.environ.get('SLURM_JOB_NODELIST') or os.environ.get('SLURM_NODELIST', '')
+    nodelist = (os.environ.get('SLURM_STEP_NODELIST') or os.environ.get('SLURM_JOB_NODELIST')
+                or os.environ.get('SLURM_NODELIST', ''))
     try:
         out = subprocess.run(['scontrol', 'show', 'hostnames', nodelist], capture_output=True, text=True, timeout=30)
         if out.returncode == 0 and out.stdout.split():
@@ -146,7 +146,8 @@ def init_distributed_mode(args):
     if launcher == 'slurm':
         os.environ.setdefault('MASTER_ADDR', _slurm_master_addr())
         os.environ.setdefault('MASTER_PORT', '29500')
-        os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'] = str(rank), str(world_size), str(local_rank)
+        os.environ['RANK'], os.environ['WORLD_SIZE'] = str(rank), str(world_size)
+        os.environ['LOCAL_RANK'] = str(local_rank)
     args.distributed = True
     args.dist_backend = 'nccl' if use_cuda else 'gloo'
     if use_cuda:
@@ -157,7 +158,7 @@ def init_distributed_mode(args):
         kwargs['device_id'] = torch.device('cuda', gpu)
     try:
         dist.init_process_group(**kwargs)
-    except Exception as e:  # noqa: BLE001 - report rendezvous problems as one line
+    except Exception as e:  # report rendezvous problems as one line
         raise PeerLostError(f'could not join the process group (rank {rank} of {world_size}, '
                             f'{args.dist_url}, backend {args.dist_backend}): {first_line(e)}') from e
     barrier()
@@ -174,7 +175,7 @@ def setup_for_distributed(is_master):
     import builtins as __builtin__
     builtin_print = __builtin__.print
 
-    def print(*args, **kwargs):  # noqa: A001
+    def print(*args, **kwargs):
         force = kwargs.pop('force', False)
         if is_master or force:
             builtin_print(*args, **kwargs)
@@ -351,7 +352,8 @@ def set_rng_state(state: dict) -> None:
     """Restore get_rng_state()'s result; the CUDA state goes to this process's current device."""
     torch.set_rng_state(state['torch'])
     n = state['numpy']
-    np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'], n['cached_gaussian']))
+    np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'],
+                         n['cached_gaussian']))
     py = state['python']
     random.setstate((py[0], tuple(py[1]), py[2]))
     cuda = state.get('cuda')

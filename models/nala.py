@@ -1,6 +1,6 @@
 """Norm×Direction linear attention (NaLa), the softmax attention of the late stages, and 2-D RoPE.
 
-This module holds all attention math of NaLaFormer (SPEC sections 2-4). The function
+This module holds all attention math of NaLaFormer (docs/method.md). The function
 ``nala_attention_plain`` follows the reference implementation's order of operations step by step
 and is the oracle every faster implementation is tested against. Implementations are chosen by
 name through ``NALA_IMPLS``; they all take and return the same tensors. ``nala_attention_fast``
@@ -26,7 +26,7 @@ NALA_EPS = 1e-6  # added to the normaliser, as in the reference
 
 
 class RoPE(nn.Module):
-    """2-D rotary position embedding tables for one stage (SPEC section 4).
+    """2-D rotary position embedding tables for one stage (docs/method.md#rope).
 
     ``angle`` (length d/2) is a persistent buffer because the reference checkpoints carry it.
     ``forward((H, W))`` returns ``sin, cos`` of shape (H*W, d), rebuilt for the actual size, so any
@@ -72,36 +72,37 @@ def _safe_norm_divisor(norm: torch.Tensor) -> torch.Tensor:
 
 
 def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Steps 4-7 of SPEC section 2: the 2d-wide features Q = [phi+; phi-] and K = [k+; k-].
+    """The NaLa kernel (docs/method.md#nala-kernel): the 2d-wide features Q = [phi+; phi-] and K = [k+; k-].
 
     q, k: (..., N, d) float32. Shared by the plain path and the analysis tools, so that the
     attention a tool inspects is the attention the model computes.
     """
-    k = k ** 3                                           # step 4: cube the keys
+    k = k ** 3                                           # cube the keys
     k_pos, k_neg = F.relu(k), F.relu(-k)
-    q_norm = q.norm(dim=-1, keepdim=True)                # step 5: query norm n
-    power = 3 * (0.5 + torch.tanh(q_norm))               # step 6: p in [1.5, 4.5)
+    q_norm = q.norm(dim=-1, keepdim=True)                # query norm n
+    power = 3 * (0.5 + torch.tanh(q_norm))               # p in [1.5, 4.5)
     q_dir = q / _safe_norm_divisor(q_norm)
     q_pos = F.relu(q_dir) ** power
     q_neg = F.relu(-q_dir) ** power
-    return torch.cat([q_pos, q_neg], dim=-1), torch.cat([k_pos, k_neg], dim=-1)  # step 7
+    return torch.cat([q_pos, q_neg], dim=-1), torch.cat([k_pos, k_neg], dim=-1)
 
 
 def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """NaLa core, steps 4-9 of SPEC section 2, in the reference's order of operations.
+    """NaLa core (docs/method.md#nala-kernel to #normaliser-and-linear-time-order), in the reference's order
+    of operations.
 
     q, k, v: (B, h, N, d) float32; sin, cos: (N, d). Returns (B, h, N, d). Linear in N: the N x N
     attention matrix is never formed.
     """
     head_dim = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q, k)
-    # step 8: RoPE on each d-wide half of the numerator features, with the same tables
+    # RoPE on each d-wide half of the numerator features, with the same tables
     q_rope = torch.cat([apply_rope(q_feat[..., :head_dim], sin, cos),
                         apply_rope(q_feat[..., head_dim:], sin, cos)], dim=-1)
     k_rope = torch.cat([apply_rope(k_feat[..., :head_dim], sin, cos),
                         apply_rope(k_feat[..., head_dim:], sin, cos)], dim=-1)
-    # step 9: normaliser from the un-rotated features, numerator as Q~ ((K~^T N^-1/2)(V N^-1/2))
+    # normaliser from the un-rotated features, numerator as Q~ ((K~^T N^-1/2)(V N^-1/2))
     z = 1 / (q_feat @ k_feat.mean(dim=-2, keepdim=True).transpose(-2, -1) + NALA_EPS)
     # N^-1/2 from a sum over the token axis of q: the legacy ONNX exporter freezes N (and anything made
     # from it, ones_like included) at the traced size, and torch.export cannot serialise it as a float
@@ -112,7 +113,8 @@ def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of stages 3-4 (SPEC section 3): RoPE on q and k, softmax(q k^T / sqrt(d)) v."""
+    """Softmax attention of stages 3-4 (docs/method.md#softmax-attention): RoPE on q and k,
+    softmax(q k^T / sqrt(d)) v."""
     q = apply_rope(q, sin, cos)
     k = apply_rope(k, sin, cos)
     attn = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
@@ -189,7 +191,7 @@ def _split_relu(x: torch.Tensor) -> torch.Tensor:
 
 
 class NaLaFastFunction(torch.autograd.Function):
-    """NaLa core (SPEC section 2, steps 4-9) with a hand-written backward; see the notes above.
+    """NaLa core (docs/method.md#fast-path) with a hand-written backward; see the notes above.
 
     q, k, v: (B, h, N, d) float32 (any strides); phases: ``rope_phases(sin, cos, 2)``.
     """
@@ -266,7 +268,7 @@ NALA_IMPLS: Dict[str, AttnCore] = {'plain': nala_attention_plain, 'fast': nala_a
 
 
 class GatedAttention(nn.Module):
-    """Parameters and the shared frame of both attention kinds (SPEC sections 2.1-2.3 and 2.10).
+    """Parameters and the shared frame of both attention kinds (docs/method.md#attention-frame).
 
     x (B, C, H, W) -> tokens -> [q|k|v|g] = qkvg(x) -> lepe = DWConv5x5(v) -> core(q, k, v) per head
     -> y = LN(o + lepe) * SiLU(g) -> out_proj -> (B, C, H, W). Subclasses choose the core.

@@ -1,5 +1,5 @@
 """NaLaFormer: a hybrid vision backbone with norm×direction linear attention (NaLa) in stages 1-2
-and softmax attention in stages 3-4 (SPEC section 5).
+and softmax attention in stages 3-4 (docs/method.md#network).
 
 The module and parameter names follow the reference checkpoints (``../shared/reference``), so a
 reference state dict loads with ``strict=True``. Variants are registered in timm as
@@ -10,13 +10,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torch.utils.checkpoint import checkpoint
-
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+from torch.utils.checkpoint import checkpoint
 
 from .nala import NALA_IMPLS, NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops

@@ -1,5 +1,5 @@
 """An independent, functional transcription of the reference NaLaFormer forward pass, and the
-name-seeded weights of SPEC section 6.
+name-seeded weights of docs/method.md#reference-test-vector.
 
 It shares no code with ``models/``: it reads a state dict by key and follows the reference's
 layout (channels-last tokens inside a block, einops head splits, RMT-style RoPE tables). Tests
@@ -15,7 +15,7 @@ from einops import rearrange
 
 REFERENCE_DIR_NAME = 'reference'
 
-# dims, depths, heads, mlp ratio (SPEC section 5); the shipped variants are all hybrid (2 NaLa stages).
+# dims, depths, heads, mlp ratio (docs/method.md#variants); the shipped variants are all hybrid (2 NaLa stages).
 ARCH = {
     'NALAFORMER_XT': ((32, 64, 128, 384), (2, 2, 2, 2), (1, 2, 4, 12), 3.5),
     'NALAFORMER_T': ((64, 128, 256, 512), (2, 2, 6, 2), (1, 2, 4, 8), 4.0),
@@ -36,9 +36,9 @@ def read_keys(path: str) -> List[Tuple[str, Tuple[int, ...], str]]:
 
 
 def seeded_state_dict(rows: List[Tuple[str, Tuple[int, ...], str]]) -> Dict[str, torch.Tensor]:
-    """The name-seeded weights of SPEC section 6, in key order."""
+    """The name-seeded weights of docs/method.md#reference-test-vector, in key order."""
     sd = {}
-    for key, shape, dtype in rows:
+    for key, shape, _ in rows:
         if key.endswith('num_batches_tracked'):
             sd[key] = torch.zeros(shape, dtype=torch.int64)
             continue

@@ -2,22 +2,19 @@
 import json
 import math
 import os
-import sys
 from argparse import Namespace
 
 import numpy as np
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import checkpoint  # noqa: E402
-import timm  # noqa: E402
-import models  # noqa: E402,F401
-from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain  # noqa: E402
-from tools import analyze_attention as aa  # noqa: E402
-from tools import plot_log as pl  # noqa: E402
+import checkpoint
+import models  # noqa: F401
+from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain
+from tools import analyze_attention as aa
+from tools import plot_log as pl
 
 
 # ------------------------------------------------------------------------------------ entropy

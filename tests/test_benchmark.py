@@ -1,11 +1,9 @@
 """Smoke test of tools/benchmark.py at tiny sizes: both modes, the JSON line, and the sweep's files."""
 import json
-import os
-import sys
 
 import pytest
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools import benchmark  # noqa: E402
+
+from tools import benchmark
 
 TINY = ['--model', 'NALAFORMER_XT', '--batch-size', '2', '--input-size', '32', '48', '--steps', '2',
         '--warmup', '1', '--gemm-size', '256', '--device', 'cpu']

@@ -13,11 +13,11 @@ from argparse import Namespace
 import pytest
 import timm
 import torch
+from test_runs import BASE, PY, REPO, env, make_imagefolder, run_main
 
 import checkpoint
 import main
 import utils
-from test_runs import BASE, PY, REPO, env, make_imagefolder, run_main
 from tools import analyze_attention as aa
 
 
@@ -133,7 +133,8 @@ def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
         checkpoint.load_checkpoint_file(str(path))
     msg = str(e.value)
     assert 'is truncated or corrupt (5000 bytes)' in msg
-    best, newest, older = (os.path.join(str(tmp_path), n) for n in ('best.pth', 'checkpoint_0009.pth', 'checkpoint_0004.pth'))
+    best, newest, older = (os.path.join(str(tmp_path), n)
+                           for n in ('best.pth', 'checkpoint_0009.pth', 'checkpoint_0004.pth'))
     assert f'--resume {best}, --resume {newest}, --resume {older}' in msg
     assert '--no-auto-resume --overwrite' in msg
 
@@ -325,7 +326,8 @@ def test_an_unwritable_or_full_output_dir_is_found_before_training(tmp_path, mon
 # ------------------------------------------------------------------------------------------ RNG
 class _FakeCuda:
     def __init__(self, device, n_devices):
-        self.device, self.states, self.set = device, [torch.tensor([i], dtype=torch.uint8) for i in range(n_devices)], []
+        self.device, self.set = device, []
+        self.states = [torch.tensor([i], dtype=torch.uint8) for i in range(n_devices)]
 
     def install(self, monkeypatch):
         c = torch.cuda

@@ -1,7 +1,6 @@
 """datasets.py: builders on tiny generated folders, layout errors, bad images, DIGITS writer."""
 import json
 import os
-import sys
 import warnings
 from types import SimpleNamespace
 
@@ -11,9 +10,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import datasets as D  # noqa: E402
+import datasets as D
 
 
 def make_args(**kw):

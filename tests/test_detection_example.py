@@ -1,13 +1,10 @@
 """The detection-backbone example: NaLaFormer features -> FPN -> Faster / Mask R-CNN trains and predicts."""
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.detection_example import build_detector, synthetic_sample, train_step_and_predict  # noqa: E402
+from tools.detection_example import build_detector, synthetic_sample, train_step_and_predict
 
 
 @pytest.mark.parametrize('mask', [False, True], ids=['faster_rcnn', 'mask_rcnn'])

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import main
-import engine
 import checkpoint
+import engine
+import main
 import utils
 
 
@@ -277,7 +277,8 @@ def test_preserved_rng_restores_every_generator():
 
 
 def test_start_of_run_flops_match_the_reference_count():
-    # SPEC: NALAFORMER_XT, fvcore at 1x3x224x224 in eval mode = 0.652 G (also with the fast attention path)
+    # docs/method.md#variants: NALAFORMER_XT, fvcore at 1x3x224x224 in eval mode = 0.652 G
+    # (also with the fast attention path)
     m = main.build_model(parse('--model', 'NALAFORMER_XT'), 1000)
     assert main.count_flops(m, 224, 'cpu') / 1e9 == pytest.approx(0.652, abs=0.001)
     assert m.training  # the count leaves the model as it found it

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
+import datasets as D
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import datasets as D  # noqa: E402
 
 
 @pytest.mark.slow

@@ -1,17 +1,12 @@
 """Export: ONNX (torch.export-based and legacy), TorchScript and torch.export programs of the default
 (fast-path) model match PyTorch, also at a batch size and resolution other than the traced ones."""
-import os
-import sys
 
 import pytest
+import timm
 import torch
 
-import timm
 import models  # noqa: F401  (registers the variants)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from tools.export import check_export, main  # noqa: E402
+from tools.export import check_export, main
 
 TOL = 1e-4
 

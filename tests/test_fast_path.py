@@ -1,20 +1,28 @@
 """The fast path computes the plain path's numbers: NaLa core, softmax core, block and whole model,
 outputs and gradients (fp32, <= 1e-4 relative), zero handling, autocast, fvcore counts, compile."""
 import math
-import os
-import sys
 import warnings
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
-import timm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402,F401
-from models.nala import (NALA_IMPLS, NaLaAttention, RoPE, apply_rope, nala_attention_fast,  # noqa: E402
-                         nala_attention_plain, rope_phases, rotate, rotate_adjoint, rotate_real,
-                         softmax_attention_fast, softmax_attention_plain)
+import models  # noqa: F401
+from models.nala import (
+    NALA_IMPLS,
+    NaLaAttention,
+    RoPE,
+    apply_rope,
+    nala_attention_fast,
+    nala_attention_plain,
+    rope_phases,
+    rotate,
+    rotate_adjoint,
+    rotate_real,
+    softmax_attention_fast,
+    softmax_attention_plain,
+)
 
 TOL = 1e-4
 

@@ -1,4 +1,4 @@
-"""Faults of the engine (issue 5, all but the data-layout bullets): bad checkpoints, failing and killed
+"""Faults of the engine: bad checkpoints, failing and killed
 writes, preemption by SIGINT/SIGTERM with exact resume (plain process and torchrun), non-finite loss,
 incompatible flags, a dead rank, dist-eval with fewer images than processes. Process-level faults are
 provoked on real processes."""
@@ -9,17 +9,28 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from test_runs import (
+    BASE,
+    LAUNCH,
+    PY,
+    REPO,
+    TORCHRUN,
+    accuracy_line,
+    assert_same_weights,
+    env,
+    free_port,
+    load,
+    make_imagefolder,
+    run_main,
+)
 
 import checkpoint
 import main
 import utils
-from test_runs import (BASE, LAUNCH, PY, REPO, TORCHRUN, accuracy_line, assert_same_weights, env, free_port, load,
-                       make_imagefolder, run_main)
 
 
 @pytest.fixture(scope='module')
@@ -159,7 +170,8 @@ def _signal_when(proc, pattern, sig, timeout=180):
                 break
             assert time.time() - t0 < timeout
         else:
-            raise AssertionError('no line matched ' + pattern + ':\n' + ''.join(out)[-3000:] + proc.stderr.read()[-3000:])
+            raise AssertionError('no line matched ' + pattern + ':\n' + ''.join(out)[-3000:]
+                                 + proc.stderr.read()[-3000:])
         rest, err = proc.communicate(timeout=120)
     finally:
         _kill_group(proc)
@@ -237,7 +249,8 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_last_checkpoint(dat
 # ------------------------------------------------------------------------------------------ command line
 @pytest.mark.parametrize('argv, message', [
     (['--model', 'NOT_A_MODEL'], r"unknown model 'NOT_A_MODEL'; known NaLaFormer variants: NALAFORMER_B, NALAFORMER_L"),
-    (['--distillation-type', 'hard', '--teacher-path', 't.pth', '--finetune', 'x.pth'], r'--distillation-type with --finetune'),
+    (['--distillation-type', 'hard', '--teacher-path', 't.pth', '--finetune', 'x.pth'],
+     r'--distillation-type with --finetune'),
     (['--eval'], r'--eval needs a checkpoint'),
     (['--batch-size', '0'], r'--batch-size must be at least 1'),
     (['--batch-size', '5'], r'--batch-size 5 is odd; mixup'),

@@ -3,12 +3,12 @@
 import os
 
 import pytest
-import torch
-
 import timm
+import torch
+from reference_impl import read_keys
+
 import models  # noqa: F401  (registers the variants)
 from models.nalaformer import conv_plus_identity
-from reference_impl import read_keys
 
 KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference', 'NALAFORMER_XT.keys.txt')
 X = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(0))

@@ -6,7 +6,7 @@ import pytest
 import timm
 
 import main
-import models  # noqa: F401
+import models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,9 +4,9 @@ import logging
 import os
 import warnings
 
+import timm
 import torch
 
-import timm
 import models  # noqa: F401  (registers the variants)
 from models.flops import count_flops, count_params
 from models.ops import use_plain_ops

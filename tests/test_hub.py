@@ -5,7 +5,7 @@ import pytest
 import timm
 import torch
 
-import models  # noqa: F401
+import models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

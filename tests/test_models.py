@@ -1,26 +1,24 @@
-"""Model zoo: faithfulness to the reference, the NaLa math, and the timm API (issue 2)."""
+"""Model zoo: faithfulness to the reference, the NaLa math, and the timm API."""
 import json
 import math
 import os
-import sys
 
 import pytest
-import torch
-import torch.nn.functional as F
-
 import timm
 import timm.optim
-import models
-from models import NALA_IMPLS, VARIANTS
-from models.nala import NALA_EPS, RoPE, apply_rope, nala_kernel_terms
+import torch
+import torch.nn.functional as F
 from reference_impl import read_keys, reference_forward, seeded_state_dict
+
+from models import NALA_IMPLS, VARIANTS
+from models.flops import count_flops, count_params
+from models.nala import NALA_EPS, RoPE, apply_rope, nala_kernel_terms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_REFERENCE = os.path.join(os.path.dirname(REPO), 'shared', 'reference')
-# Copies of the reference key lists (SPEC section 6), so the layout tests never depend on ../shared.
+# Copies of the reference key lists (docs/method.md#reference-test-vector), so the layout tests never depend
+# on ../shared.
 KEYS_DIR = os.path.join(REPO, 'tests', 'reference')
-sys.path.insert(0, REPO)
-from models.flops import count_flops, count_params  # noqa: E402
 
 
 def keys_file(variant):
@@ -53,7 +51,7 @@ def test_state_dict_layout_matches_reference(variant):
 
 
 def test_reference_test_vector():
-    """The reference model's logits for the name-seeded XT weights (SPEC section 6)."""
+    """The reference model's logits for the name-seeded XT weights (docs/method.md#reference-test-vector)."""
     candidates = [os.path.join(d, 'NALAFORMER_XT_224_logits.json') for d in (KEYS_DIR, SHARED_REFERENCE)]
     path = next((p for p in candidates if os.path.exists(p)), None)
     if path is None:
@@ -91,7 +89,7 @@ def test_other_variants_match_independent_reference(variant):
         assert rel_err(model(x), reference_forward(sd, variant, x)) <= 1e-4
 
 
-REFERENCE_FIGURES = {  # params (M), fvcore GFLOPs of the reference model at 224 (SPEC section 5)
+REFERENCE_FIGURES = {  # params (M), fvcore GFLOPs of the reference model at 224 (docs/method.md#variants)
     'NALAFORMER_XT': (6.14, 0.652), 'NALAFORMER_T': (15.91, 2.875), 'NALAFORMER_S': (25.65, 5.065),
     'NALAFORMER_B': (52.00, 11.792), 'NALAFORMER_L': (95.43, 17.748),
 }
@@ -126,7 +124,10 @@ def explicit_nala(q, k, v, sin, cos):
     """The same kernel as an explicit N x N matrix: A_ij = Q~_i.K~_j / (N (Q_i.Kbar + eps))."""
     d = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q, k)
-    rope2 = lambda t: torch.cat([apply_rope(t[..., :d], sin, cos), apply_rope(t[..., d:], sin, cos)], -1)
+
+    def rope2(t):
+        return torch.cat([apply_rope(t[..., :d], sin, cos), apply_rope(t[..., d:], sin, cos)], -1)
+
     n = q.shape[-2]
     denom = n * (q_feat @ k_feat.mean(-2, keepdim=True).transpose(-2, -1) + NALA_EPS)
     attn = (rope2(q_feat) @ rope2(k_feat).transpose(-2, -1)) / denom
@@ -143,7 +144,7 @@ def test_linear_time_equals_explicit_matrix(hw, impl):
     assert rel_err(got.double(), expected) <= 1e-4
 
 
-def test_rope_tables_follow_spec():
+def test_rope_tables_match_reference():
     rope = RoPE(64, 4)                                    # d = 16, m = 4
     omega = 10000 ** -(torch.arange(4) / 3)
     assert torch.allclose(rope.angle, omega.repeat_interleave(2))

@@ -60,9 +60,11 @@ def run_main(args, nproc=1, timeout=240, check=True, launcher=TORCHRUN, **kw):
     """main.py as a plain process (nproc=1) or under `launcher` (torchrun, or the old
     `torch.distributed.launch --use_env`) with nproc CPU processes."""
     cmd = ([PY, 'main.py'] if nproc == 1 else
-           launcher + [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'])
+           launcher + [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
+                       'main.py'])
     if nproc > 1 and '--dist-timeout' not in args:
-        args = list(args) + ['--dist-timeout', '120']  # a test that hangs in a collective fails instead of waiting 30 min
+        # a test that hangs in a collective fails instead of waiting 30 min
+        args = list(args) + ['--dist-timeout', '120']
     proc = subprocess.Popen(cmd + list(args), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, **kw)
     try:
@@ -70,7 +72,7 @@ def run_main(args, nproc=1, timeout=240, check=True, launcher=TORCHRUN, **kw):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, not only the launcher
         out, err = proc.communicate()
-        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}')
+        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}') from None
     p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise AssertionError(f'exit {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}')
@@ -205,7 +207,8 @@ def test_finetune_from_a_checkpoint_with_another_head_and_size(one_epoch, tmp_pa
     out1, _ = one_epoch
     data2 = make_imagefolder(tmp_path / 'two', classes=2, n_train=4, n_val=2, size=48, seed=1)
     p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '48', '--batch-size', '4', '--device', 'cpu',
-                  '--num_workers', '0', '--no-flops', '--epochs', '1', '--finetune', os.path.join(out1, 'checkpoint.pth'),
+                  '--num_workers', '0', '--no-flops', '--epochs', '1',
+                  '--finetune', os.path.join(out1, 'checkpoint.pth'),
                   '--amp', 'bf16', '--channels-last',  # mixed precision and memory format on the CPU, too
                   '--data-path', data2, '--output_dir', str(tmp_path / 'ft')])
     assert 'classifier re-initialised' in p.stdout and 'head.weight' in p.stdout
@@ -234,8 +237,9 @@ def test_evaluation_states_how_many_images_it_could_evaluate(one_epoch, data, tm
 def test_a_corrupt_training_image_is_counted_once_across_ranks(data, tmp_path):
     """Repeated augmentation reads one file on several ranks: the epoch summary counts files, not reads.
     With --strict-data the same file stops the run with its path instead."""
-    import samplers
     from torchvision.datasets import ImageFolder
+
+    import samplers
     bad = tmp_path / 'data'
     shutil.copytree(data, bad)
     train = ImageFolder(str(bad / 'train'))
@@ -277,5 +281,5 @@ def test_an_unexpected_error_with_loader_workers_exits_instead_of_hanging(data, 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)       # the main process and its loader worker
         proc.communicate()
-        raise AssertionError('main.py hung after an unexpected error instead of exiting')
+        raise AssertionError('main.py hung after an unexpected error instead of exiting') from None
     assert proc.returncode == 1 and 'RuntimeError: injected failure' in err

@@ -1,15 +1,12 @@
 """RASampler / DistributedEvalSampler: counts, coverage, repeats, reshuffling, rank consistency."""
 import math
-import os
-import sys
 
 import pytest
 import torch
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from samplers import DistributedEvalSampler, RASampler  # noqa: E402
+from samplers import DistributedEvalSampler, RASampler
 
 WORLD_SIZES = [1, 2, 3, 8]
 SIZES = [1, 2, 5, 7, 100, 255, 256, 300, 1000, 1283]

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from test_runs import REPO, env
 
 import main
-from test_runs import REPO, env
 from tools import smoke
 
 

@@ -11,7 +11,6 @@ import main
 import models  # noqa: F401
 import tb_logger
 
-
 # tensorboard is optional (requirements-optional.txt, which CI installs)
 needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec('tensorboard') is None,
                                        reason='tensorboard is not installed: pip install -r requirements-optional.txt')

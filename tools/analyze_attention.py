@@ -1,4 +1,4 @@
-"""Query norm vs attention entropy, and attention maps, of a NaLaFormer (the paper's claim, issue 6).
+"""Query norm vs attention entropy, and attention maps, of a NaLaFormer (the paper's claim; docs/analysis.md).
 
     python tools/analyze_attention.py --model NALAFORMER_XT --data-set DIGITS --input-size 64
     python tools/analyze_attention.py --model NALAFORMER_XT --checkpoint output/demo/checkpoint.pth \\
@@ -49,10 +49,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import timm  # noqa: E402
-import models  # noqa: E402,F401  (registers the variants)
-import checkpoint  # noqa: E402
-from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms  # noqa: E402
+import timm
+
+import checkpoint
+import models  # noqa: F401  (registers the variants)
+from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -117,7 +118,8 @@ ROW_FNS: Dict[str, Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, to
 
 
 def nala_model_weights(q: torch.Tensor, k: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """The N x N weights NaLa applies to v in the model (SPEC 2, step 9), RoPE and eps included:
+    """The N x N weights NaLa applies to v in the model (docs/method.md#normaliser-and-linear-time-order),
+    RoPE and eps included:
     w_ij = (1/N) Q~_i.K~_j / (Q_i.mean_j K_j + eps), so that out = w @ v. Can be negative."""
     d = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q.float(), k.float())
@@ -289,7 +291,7 @@ def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
         'hw': list(rec0['hw']), 'n_tokens': n_tokens, 'log_n': math.log(n_tokens), 'rope': False,
         'query_norm': {'mean': float(norm.mean()), 'std': float(norm.std()), 'min': float(norm.min()),
                        'max': float(norm.max())},
-        # NaLa's power p = 3 (0.5 + tanh ||q||) over these queries (SPEC 2, step 6): how much room the
+        # NaLa's power p = 3 (0.5 + tanh ||q||) over these queries (docs/method.md#nala-kernel): how much room the
         # norm has to sharpen the feature map (p saturates at 4.5)
         'nala_power': {'min': 3 * (0.5 + math.tanh(float(norm.min()))), 'max': 3 * (0.5 + math.tanh(float(norm.max()))),
                        'mean': float((3 * (0.5 + np.tanh(norm))).mean())},
@@ -356,8 +358,9 @@ def plot_entropy(result: Dict[str, Any], path: str, title: str, seed: int = 0) -
         for b in result['blocks']:
             sel = idx[arrays['block'][idx] == b]
             layer_r = [e[m]['pearson'] for e in result['per_layer'] if e['block'] == b]
+            r_mean = np.nanmean(layer_r) if not np.all(np.isnan(layer_r)) else float('nan')
             ax.scatter(arrays['norm'][sel], arrays[m][sel], s=3, alpha=0.25, color=f'C{b % 10}', rasterized=True,
-                       label=f'block {b} (r = {np.nanmean(layer_r) if not np.all(np.isnan(layer_r)) else float("nan"):.3f}'
+                       label=f'block {b} (r = {r_mean:.3f}'
                              + (', mean over heads)' if len(layer_r) > 1 else ')'))
         ax.plot([], [], ' ', label=f"pooled: Pearson r = {s['pearson']:.3f}, Spearman ρ = {s['spearman']:.3f}")
         ax.plot([], [], ' ', label=f"within layer: r = {s['within_layer_pearson']:.3f}, "
@@ -530,7 +533,7 @@ def parse_query(text: str) -> Tuple[float, float]:
     try:
         y, x = (float(v) for v in text.split(','))
     except ValueError:
-        raise argparse.ArgumentTypeError(f'--query wants Y,X fractions in [0, 1], got {text!r}')
+        raise argparse.ArgumentTypeError(f'--query wants Y,X fractions in [0, 1], got {text!r}') from None
     if not (0 <= y <= 1 and 0 <= x <= 1):
         raise argparse.ArgumentTypeError(f'--query wants Y,X fractions in [0, 1], got {text!r}')
     return y, x

@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import statistics
 import sys
@@ -50,10 +49,11 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import timm  # noqa: E402
-import models  # noqa: E402,F401  (registers the variants)
-import utils  # noqa: E402
-from models import NALA_IMPLS, VARIANTS  # noqa: E402
+import timm
+
+import models  # noqa: F401  (registers the variants)
+import utils
+from models import NALA_IMPLS, VARIANTS
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
@@ -217,7 +217,8 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
 def print_result(r: Dict) -> None:
     print(f"{r['model']} {r['mode']} {r['dtype']} batch {r['batch_size']} {r['input_size'][0]}x{r['input_size'][1]} "
           f"attn_impl={r['attn_impl']} channels_last={r['channels_last']} compile={r['compile']} "
-          f"device={r['device']} threads={r['threads']}" + (f" cpu_malloc={r['cpu_malloc']}" if r.get('cpu_malloc') else ''))
+          f"device={r['device']} threads={r['threads']}"
+          + (f" cpu_malloc={r['cpu_malloc']}" if r.get('cpu_malloc') else ''))
     print(f"  {r['img_s']:.2f} img/s  (median step {r['step_s_median'] * 1e3:.1f} ms of "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_s_all'])})")
     print(f"  {r['achieved_gmac_s']:.1f} GMAC/s achieved ({r['gmacs_per_image']:.3f} GMAC/image) vs "
@@ -315,7 +316,8 @@ def print_compare(results: List[Dict]) -> None:
     for r in results:
         print(f"{r['mode']:<10}{r['model']:<24}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
               f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{100 * r['efficiency']:>7.1f}%"
-              f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}{r.get('img_s_vs_best_peer', float('nan')):>11.2f}"
+              f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}"
+              f"{r.get('img_s_vs_best_peer', float('nan')):>11.2f}"
               f"{r.get('efficiency_cpu_vs_best_peer', float('nan')):>13.2f}")
     if 'best_peer' in first:
         print('eff/best, img/s/best: against the best --compare model by efficiency (per mode); CPU eff/best: '
@@ -393,7 +395,9 @@ def data_loading(args: argparse.Namespace) -> Dict:
     (time to the first batch of a fresh iterator, i.e. an epoch start without persistent workers, and
     img/s after it)."""
     import resource
+
     from torchvision.datasets import ImageFolder
+
     import datasets
     from main import get_args_parser
     recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
@@ -438,8 +442,8 @@ def data_loading(args: argparse.Namespace) -> Dict:
 
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
 def sweep(args: argparse.Namespace) -> Dict:
-    from models.nalaformer import NaLaBlock
     from models.nala import RoPE
+    from models.nalaformer import NaLaBlock
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     arch = VARIANTS[args.model.upper()]
@@ -465,7 +469,7 @@ def sweep(args: argparse.Namespace) -> Dict:
             block = block.to(device)
             x = torch.randn(args.batch_size, dim, side, side, device=device, requires_grad=args.mode == 'train')
 
-            def step(block=block, x=x) -> None:
+            def step(block=block, x=x, side=side) -> None:
                 sin, cos = rope((side, side))
                 if args.mode == 'train':
                     block.train()

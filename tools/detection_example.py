@@ -9,20 +9,17 @@ own training loop: swap in your data and load backbone weights with ``backbone_c
 """
 import argparse
 import os
-import sys
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence
 
+import timm
 import torch
 import torch.nn as nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import timm  # noqa: E402
-import models  # noqa: E402,F401  (registers the variants)
+import models  # registers the variants
 
 
 class NaLaFormerFPN(nn.Module):

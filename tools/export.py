@@ -18,14 +18,12 @@ import sys
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
+import timm
 import torch
 import torch.nn as nn
+from timm.models import load_state_dict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import timm  # noqa: E402
-from timm.models import load_state_dict  # noqa: E402
-from models import VARIANTS  # noqa: E402  (importing models registers the variants)
+from models import VARIANTS  # importing models registers the variants
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')
 INPUT_NAME, OUTPUT_NAME = 'images', 'logits'

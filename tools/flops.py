@@ -14,10 +14,11 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import timm  # noqa: E402
-import models  # noqa: E402,F401  (registers the variants)
-from models import PAPER_FIGURES, VARIANTS  # noqa: E402
-from models.flops import count_flops, count_params  # noqa: E402,F401  (count_* re-exported for tools)
+import timm
+
+import models  # noqa: F401  (registers the variants)
+from models import PAPER_FIGURES, VARIANTS
+from models.flops import count_flops, count_params  # count_* re-exported for tools
 
 
 def main(argv: Sequence[str] = None) -> None:

@@ -21,15 +21,12 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import timm
+import torch
 from PIL import Image, UnidentifiedImageError
 
-import models  # noqa: F401  (registers the variants)
 import checkpoint
+import models  # noqa: F401  (registers the variants)
 import utils
 from tools.release import WEIGHT_CHOICES, select_weights
 from utils import CheckpointError, UserError
@@ -65,7 +62,7 @@ def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.T
             with safe_open(path, framework='pt') as f:
                 meta = f.metadata() or {}
                 sd = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f'{path} is not a readable safetensors file ({utils.first_line(e)})') from e
         info: Dict[str, Any] = {}
         if meta.get('model'):

@@ -24,13 +24,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import timm  # noqa: E402
+import timm
 
-import models  # noqa: E402,F401  (registers the variants)
-import checkpoint  # noqa: E402
-from checkpoint import describe_mismatch, load_checkpoint_file  # noqa: E402
-import utils  # noqa: E402
-from utils import CheckpointError, UserError  # noqa: E402
+import checkpoint
+import models  # noqa: F401  (registers the variants)
+from checkpoint import describe_mismatch, load_checkpoint_file
+from utils import CheckpointError, UserError
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 
