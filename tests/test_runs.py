@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
+
+from tools.smoke import write_imagefolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -29,17 +30,7 @@ pytestmark = pytest.mark.slow  # every test here runs main.py in real processes
 
 def make_imagefolder(root, classes=3, n_train=8, n_val=5, size=32, seed=0):
     """Colour-coded classes (class c brightens channel c % 3), PNG files in train/ and val/."""
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    for split, n in (('train', n_train), ('val', n_val)):
-        for c in range(classes):
-            d = os.path.join(root, split, f'c{c}')
-            os.makedirs(d, exist_ok=True)
-            for i in range(n):
-                a = rng.integers(0, 80, (size, size, 3), dtype=np.uint8)
-                a[..., c % 3] += 150 - 40 * (c // 3)
-                Image.fromarray(a).save(os.path.join(d, f'{i}.png'))
-    return str(root)
+    return write_imagefolder(str(root), classes, n_train, n_val, size, seed)
 
 
 def free_port():
