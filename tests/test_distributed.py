@@ -70,7 +70,10 @@ def test_moved_to_the_same_device_changes_nothing():
 
 def test_slurm_task_seeing_only_its_own_gpu_uses_cuda_0(monkeypatch):
     for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
-        monkeypatch.delenv(k, raising=False)  # restored (removed) after the test: the setup writes them
+        # init_distributed_mode exports these; setenv first, so that monkeypatch removes them again afterwards
+        # (a delenv of an absent variable records nothing to restore)
+        monkeypatch.setenv(k, '')
+        monkeypatch.delenv(k)
     monkeypatch.setenv('SLURM_PROCID', '3')
     monkeypatch.setenv('SLURM_NTASKS', '4')
     monkeypatch.setenv('SLURM_LOCALID', '3')  # 4th task on its node, given one GPU (--gpus-per-task=1)
@@ -99,7 +102,8 @@ def test_slurm_task_seeing_only_its_own_gpu_uses_cuda_0(monkeypatch):
 def test_one_process_under_torchrun_joins_a_process_group(monkeypatch):
     """torchrun --nproc_per_node=1 runs the DDP code paths (as DeiT does), e.g. to try them on one GPU."""
     for k in ('SLURM_PROCID', 'SLURM_NTASKS', 'LOCAL_RANK'):
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, '')  # recorded, so that the test ends with the variable as it was
+        monkeypatch.delenv(k)
     monkeypatch.setenv('RANK', '0')
     monkeypatch.setenv('WORLD_SIZE', '1')
     joined = {}
