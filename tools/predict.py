@@ -51,6 +51,15 @@ def list_images(paths: Sequence[str]) -> List[str]:
     return out
 
 
+def _run_info(values: Dict[str, Any], crop_key: str) -> Dict[str, Any]:
+    """``model``, ``input_size`` and ``crop_pct`` from a checkpoint's args or a release's metadata, where recorded."""
+    info: Dict[str, Any] = {}
+    for key, name, cast in (('model', 'model', str), ('input_size', 'input_size', int), (crop_key, 'crop_pct', float)):
+        if values.get(key):
+            info[name] = cast(values[key])
+    return info
+
+
 def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """State dict and run settings (``model``, ``input_size``, ``crop_pct`` when recorded) of a training
     checkpoint or a released safetensors file."""
@@ -64,25 +73,10 @@ def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.T
                 sd = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f'{path} is not a readable safetensors file ({utils.first_line(e)})') from e
-        info: Dict[str, Any] = {}
-        if meta.get('model'):
-            info['model'] = meta['model']
-        if meta.get('input_size'):
-            info['input_size'] = int(meta['input_size'])
-        if meta.get('crop_pct'):
-            info['crop_pct'] = float(meta['crop_pct'])
-        return sd, info
+        return sd, _run_info(meta, 'crop_pct')
     ckpt = checkpoint.load_checkpoint_file(path)
     sd, _ = select_weights(ckpt, weights, path)
-    args = ckpt.get('args') if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
-    info = {}
-    if args.get('model'):
-        info['model'] = args['model']
-    if args.get('input_size'):
-        info['input_size'] = int(args['input_size'])
-    if args.get('eval_crop_ratio'):
-        info['crop_pct'] = float(args['eval_crop_ratio'])
-    return sd, info
+    return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio')
 
 
 def build_model(model_name: str, sd: Dict[str, torch.Tensor], path: str) -> torch.nn.Module:

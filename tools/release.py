@@ -28,7 +28,7 @@ import timm
 
 import checkpoint
 import models  # noqa: F401  (registers the variants)
-from checkpoint import describe_mismatch, load_checkpoint_file
+from checkpoint import describe_mismatch, load_checkpoint_file, saved_args
 from utils import CheckpointError, UserError
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
@@ -128,7 +128,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written."""
     from safetensors.torch import save_file
     ckpt = load_checkpoint_file(checkpoint)
-    args = ckpt.get('args') if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
+    args = saved_args(ckpt)
     model_name = model_name or args.get('model')
     if not model_name:
         raise UserError(f'{checkpoint} does not record its model (no args.model); pass --model NAME')
