@@ -4,13 +4,21 @@ Public API
 ----------
 ``build_dataset(is_train, args) -> (dataset, nb_classes)``
     ``args.data_set`` in IMNET | CIFAR | INAT | INAT19 | DIGITS. Other fields read with ``getattr``
-    defaults: data_path, inat_category ('name'), input_size (224), color_jitter (0.4), aa
-    ('rand-m9-mstd0.5-inc1'), train_interpolation ('bicubic'), reprob (0.25), remode ('pixel'),
-    recount (1), eval_crop_ratio (0.875), strict_data (False), follow_links (False), hflip / scale
-    (see build_transform). The eval build (is_train False) lists only ``val/``.
+    defaults: data_path, inat_category ('name'), model, input_size and eval_crop_ratio (None: the
+    model's pretrained_cfg, see data_config), color_jitter (0.4), aa ('rand-m9-mstd0.5-inc1'),
+    train_interpolation (None: the model's), reprob (0.25), remode ('pixel'), recount (1),
+    strict_data (False), follow_links (False), hflip / scale (see build_transform). The eval build
+    (is_train False) lists only ``val/``.
+``data_config(model=None, input_size=None, crop_pct=None) -> dict``
+    The one source of the data recipe: the model's ``pretrained_cfg`` (input size, interpolation,
+    mean/std, crop_pct, crop_mode) through ``timm.data.resolve_data_config``, the command line's
+    ``--input-size`` / ``--eval-crop-ratio`` overriding. ``eval_transform(cfg)`` is timm's
+    ``create_transform(**cfg, is_training=False)``: resize the shorter side to
+    floor(input_size / crop_pct) (256 at 224 / 0.875), centre crop, mean/std - DeiT's evaluation.
 ``build_transform(is_train, args)``
-    Train: ``timm.data.create_transform``; eval: resize shorter side to int(input_size / 0.875),
-    bicubic, center crop, ImageNet mean/std. Inputs <= 32 px follow DeiT: train replaces the
+    Both splits from ``data_config(args.model, args.input_size, args.eval_crop_ratio)``. Train:
+    ``timm.data.create_transform`` with the DeiT flags (``--train-interpolation`` else the model's
+    interpolation); eval: ``eval_transform``. Inputs <= 32 px follow DeiT: train replaces the
     random-resized crop by ``RandomCrop(input_size, padding=4)`` and eval only normalises, each
     preceded by a bicubic resize to input_size x input_size (a no-op for 32 px CIFAR images, so
     CIFAR is exactly DeiT; other images no longer crash the crop).
@@ -98,17 +106,18 @@ import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
+import timm
 import torch
 from PIL import Image, ImageOps
 from timm.data import auto_augment, create_transform
-from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 __all__ = [
     "DataLayoutError", "BadSampleError", "BadSampleWarning", "IGNORE_TARGET", "RobustImageFolder",
-    "INatDataset", "build_dataset", "build_transform", "default_data_path", "prepare_digits",
+    "INatDataset", "build_dataset", "build_transform", "data_config", "eval_transform", "default_data_path",
+    "prepare_digits", "DATA_SETS", "INAT_CATEGORIES",
     "bad_sample_paths", "bad_sample_count", "bad_sample_mask", "bad_sample_count_all_ranks",
     "IMAGE_EXTENSIONS", "load_image", "FlatLabelledFolder", "build_eval_set", "build_eval_sets",
     "RealLabels", "WithIndex", "evaluate_real",
@@ -120,17 +129,18 @@ DIGITS_DEFAULT_PATH = os.path.join(".", "data", "digits")
 DIGITS_MARKER = "DIGITS_COMPLETE"
 DIGITS_SEED = 0
 DIGITS_SIZE = 32
-# torchvision's extensions plus the other still-image formats this Pillow build decodes
 #: the --data-set names build_dataset knows
 DATA_SETS: tuple[str, ...] = ("CIFAR", "IMNET", "INAT", "INAT19", "DIGITS")
+#: the --inat-category choices: the fields of iNaturalist's categories.json a class can be named by
+INAT_CATEGORIES: tuple[str, ...] = ("kingdom", "phylum", "class", "order", "supercategory", "family", "genus", "name")
 
+# torchvision's extensions plus the other still-image formats this Pillow build decodes
 IMAGE_EXTENSIONS: tuple[str, ...] = tuple(
     e for e in IMG_EXTENSIONS + (".gif", ".jfif", ".pbm", ".pnm", ".avif")
     if e in Image.registered_extensions())
 IMAGEFOLDER_LAYOUT = ("<data-path>/train/<class>/<image> and <data-path>/val/<class>/<image> "
                       "with the same class folders in both and image files (" +
                       "/".join(e.lstrip(".") for e in IMAGE_EXTENSIONS) + ")")
-INAT_CATEGORIES = ("kingdom", "phylum", "class", "order", "supercategory", "family", "genus", "name")
 
 
 class DataLayoutError(ValueError):
@@ -598,7 +608,7 @@ def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
             raise _layout_error(root, f"{len(ds.classes)} class folders, not 10", IMAGEFOLDER_LAYOUT)
         return ds, len(ds.classes)
 
-    raise _layout_error(str(data_set), "unknown data set", "one of IMNET, CIFAR, INAT, INAT19, DIGITS")
+    raise _layout_error(str(data_set), "unknown data set", "one of " + ", ".join(DATA_SETS))
 
 
 def _posterize(img: Image.Image, bits_to_keep: int, **kwargs: Any) -> Image.Image:
@@ -625,38 +635,62 @@ def allow_zero_bit_posterize(transform: Callable) -> Callable:
     return transform
 
 
+def data_config(model: Any = None, input_size: Optional[int] = None,
+                crop_pct: Optional[float] = None) -> dict[str, Any]:
+    """timm's data config (input_size, interpolation, mean, std, crop_pct, crop_mode) of ``model``.
+
+    ``model`` is a model, a registered model name, or None (timm's default ``PretrainedCfg``, equal
+    to every NaLaFormer variant's); its ``pretrained_cfg`` is the one home of these values, and
+    ``input_size`` (one side) and ``crop_pct`` - the command line - override it. Inputs of 32 px or
+    less follow DeiT: resized to input_size x input_size, nothing cropped (crop_pct 1.0, 'squash').
+    """
+    overrides: dict[str, Any] = {}
+    if input_size:
+        overrides["input_size"] = (3, int(input_size), int(input_size))
+    if crop_pct:
+        overrides["crop_pct"] = float(crop_pct)
+    pretrained_cfg = None
+    if isinstance(model, str):
+        pretrained_cfg, model = timm.models.get_pretrained_cfg(model), None
+    if model is None:
+        pretrained_cfg = (pretrained_cfg or timm.models.PretrainedCfg()).to_dict()
+    cfg = timm.data.resolve_data_config(overrides, pretrained_cfg=pretrained_cfg, model=model)
+    if cfg["input_size"][-1] <= 32:
+        cfg.update(crop_pct=1.0, crop_mode="squash")
+    return cfg
+
+
+def eval_transform(cfg: dict[str, Any]) -> Callable:
+    """The evaluation transform of a ``data_config``: timm's, the same for every entry point."""
+    return create_transform(**cfg, is_training=False)
+
+
 def build_transform(is_train: bool, args: Any) -> Callable:
-    """DeiT transforms (timm ``create_transform`` for training); see the module docstring."""
-    input_size = int(getattr(args, "input_size", 224))
-    resize_im = input_size > 32
-    bicubic = transforms.InterpolationMode.BICUBIC
-    if is_train:
-        digits = getattr(args, "data_set", None) == "DIGITS"
-        aa = getattr(args, "aa", "rand-m9-mstd0.5-inc1")
-        if aa in (None, "", "none", "None"):
-            aa = None
-        scale = getattr(args, "scale", None) or ((0.25, 1.0) if digits else None)
-        hflip = getattr(args, "hflip", None)
-        hflip = (0.0 if digits else 0.5) if hflip is None else float(hflip)
-        t = create_transform(
-            input_size=input_size, is_training=True,
-            color_jitter=getattr(args, "color_jitter", 0.4), auto_augment=aa,
-            interpolation=getattr(args, "train_interpolation", "bicubic"),
-            re_prob=getattr(args, "reprob", 0.25), re_mode=getattr(args, "remode", "pixel"),
-            re_count=getattr(args, "recount", 1), scale=scale, hflip=hflip)
-        if not resize_im:  # DeiT: random crop with padding; the resize is a no-op on CIFAR
-            t.transforms[0:1] = [transforms.Resize((input_size, input_size), interpolation=bicubic),
-                                 transforms.RandomCrop(input_size, padding=4)]
-        return allow_zero_bit_posterize(t)
-    steps: list[Callable] = []
-    if not resize_im:  # DeiT: no resize for 32 px inputs; the resize is a no-op on CIFAR
-        steps.append(transforms.Resize((input_size, input_size), interpolation=bicubic))
-    else:
-        size = int(input_size / getattr(args, "eval_crop_ratio", 0.875))
-        steps += [transforms.Resize(size, interpolation=transforms.InterpolationMode.BICUBIC),
-                  transforms.CenterCrop(input_size)]
-    steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)]
-    return transforms.Compose(steps)
+    """DeiT transforms from ``data_config`` (timm ``create_transform``); see the module docstring."""
+    cfg = data_config(getattr(args, "model", None), getattr(args, "input_size", None),
+                      getattr(args, "eval_crop_ratio", None))
+    if not is_train:
+        return eval_transform(cfg)
+    input_size = cfg["input_size"][-1]
+    digits = getattr(args, "data_set", None) == "DIGITS"
+    aa = getattr(args, "aa", "rand-m9-mstd0.5-inc1")
+    if aa in (None, "", "none", "None"):
+        aa = None
+    scale = getattr(args, "scale", None) or ((0.25, 1.0) if digits else None)
+    hflip = getattr(args, "hflip", None)
+    hflip = (0.0 if digits else 0.5) if hflip is None else float(hflip)
+    t = create_transform(
+        input_size=input_size, is_training=True,
+        color_jitter=getattr(args, "color_jitter", 0.4), auto_augment=aa,
+        interpolation=getattr(args, "train_interpolation", None) or cfg["interpolation"],
+        mean=cfg["mean"], std=cfg["std"],
+        re_prob=getattr(args, "reprob", 0.25), re_mode=getattr(args, "remode", "pixel"),
+        re_count=getattr(args, "recount", 1), scale=scale, hflip=hflip)
+    if input_size <= 32:  # DeiT: random crop with padding; the resize is a no-op on CIFAR
+        t.transforms[0:1] = [transforms.Resize((input_size, input_size),
+                                               interpolation=transforms.InterpolationMode.BICUBIC),
+                             transforms.RandomCrop(input_size, padding=4)]
+    return allow_zero_bit_posterize(t)
 
 
 # --------------------------------------------------------------------------------------------

@@ -162,10 +162,10 @@ def get_args_parser():
     # Data
     p.add_argument('--data-path', default=None, type=str, help='dataset root (DIGITS: ./data/digits)')
     p.add_argument('--data-set', default='IMNET', choices=datasets.DATA_SETS, type=str)
-    p.add_argument('--inat-category', default='name',
-                   choices=['kingdom', 'phylum', 'class', 'order', 'supercategory', 'family', 'genus', 'name'])
-    p.add_argument('--eval-crop-ratio', default=0.875, type=ranged(float, 0, 1, lo_open=True),
-                   help='evaluation: resize to input-size / ratio, then center-crop input-size')
+    p.add_argument('--inat-category', default='name', choices=datasets.INAT_CATEGORIES)
+    p.add_argument('--eval-crop-ratio', default=None, type=ranged(float, 0, 1, lo_open=True),
+                   help="evaluation: resize to input-size / ratio, then center-crop input-size "
+                        "(default: the model's crop_pct, 0.875)")
     p.add_argument('--strict-data', action='store_true', help='an undecodable image stops the run')
     p.add_argument('--follow-links', action='store_true',
                    help='follow directory links inside class folders (never loops)')

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
+import datasets
 import models  # noqa: F401
 from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain
 from tools import analyze_attention as aa
@@ -227,6 +228,26 @@ def test_cli_with_checkpoint_and_images(tmp_path, capsys):
     torch.testing.assert_close(loaded.layers[0].blocks[0].attn.qkvg.weight, model.layers[0].blocks[0].attn.qkvg.weight)
     with pytest.raises(checkpoint.CheckpointError, match='model_ema'):
         aa.load_model('NALAFORMER_XT', str(ckpt), weights='model_ema')
+
+
+def test_images_get_main_evals_transform_at_the_checkpoints_size_and_crop(tmp_path):
+    from PIL import Image
+    model = timm.create_model('NALAFORMER_XT', num_classes=10)
+    ckpt = tmp_path / 'checkpoint.pth'
+    torch.save({'model': model.state_dict(), 'args': {'input_size': 48, 'eval_crop_ratio': 0.9}}, ckpt)
+    _, meta = aa.load_model('NALAFORMER_XT', str(ckpt))
+    assert (meta['input_size'], meta['crop_pct']) == (48, 0.9)
+    _write_images(tmp_path / 'imgs')
+    cfg = datasets.data_config(model, meta['input_size'], meta['crop_pct'])
+    got = aa.images_from_dir(str(tmp_path / 'imgs'), cfg, 2)
+    main_eval = datasets.build_transform(False, Namespace(model='NALAFORMER_XT', input_size=48, eval_crop_ratio=0.9))
+    paths = sorted(str(p) for p in (tmp_path / 'imgs').rglob('*.png'))[:2]
+    assert got.shape == (2, 3, 48, 48)
+    assert torch.equal(got, torch.stack([main_eval(Image.open(p).convert('RGB')) for p in paths]))
+    # to_display undoes the normalisation: the centre crop of the 53 px resize, in [0, 1]
+    shown = aa.to_display(got[0], cfg)
+    assert shown.shape == (48, 48, 3) and shown.min() >= 0 and shown.max() <= 1
+    np.testing.assert_allclose(shown, got[0].permute(1, 2, 0).numpy() * np.array(cfg['std']) + cfg['mean'], atol=1e-6)
 
 
 def test_cli_digits_smoke(tmp_path):

@@ -72,9 +72,62 @@ def test_transforms_follow_recipe():
     assert isinstance(small[1], T.RandomCrop) and small[1].padding == 4
     assert small[0].size == (32, 32) and "RandAugment" in [type(t).__name__ for t in small]
     ev32 = D.build_transform(False, make_args()).transforms
-    assert ev32[0].size == (32, 32) and not any(isinstance(t, T.CenterCrop) for t in ev32)
+    assert ev32[0].size == (32, 32)  # squashed to the input size, nothing cropped (the crop is a no-op)
     dig = D.build_transform(True, make_args(input_size=64, data_set="DIGITS", aa="none")).transforms
     assert "RandomHorizontalFlip" not in [type(t).__name__ for t in dig] and dig[0].scale == (0.25, 1.0)
+
+
+def _odd_images(root):
+    """Camera-sized images of odd aspect ratios (noise: every interpolation difference shows)."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (w, h) in enumerate([(500, 375), (333, 517), (641, 241), (257, 256)]):
+        paths.append(root / f"img{i}.jpg")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1], quality=90)
+    return paths
+
+
+@pytest.mark.parametrize("size, crop_pct", [(224, None), (384, 1.0), (256, 0.9), (32, None)])
+def test_eval_transform_equals_deits_bit_for_bit(tmp_path, size, crop_pct):
+    """The eval transform (timm's, from the model's pretrained_cfg) against DeiT's hand-built one:
+    Resize(int(size / crop_pct), bicubic) + CenterCrop(size), or for <= 32 px a bicubic resize to
+    size x size; then ToTensor + ImageNet Normalize. crop_pct None is the model's (0.875)."""
+    from torchvision import transforms as T
+    bicubic = T.InterpolationMode.BICUBIC
+    geometry = ([T.Resize((size, size), interpolation=bicubic)] if size <= 32 else
+                [T.Resize(int(size / (crop_pct or 0.875)), interpolation=bicubic), T.CenterCrop(size)])
+    reference = T.Compose(geometry + [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    mine = D.build_transform(False, make_args(model="NALAFORMER_T", input_size=size, eval_crop_ratio=crop_pct))
+    for path in _odd_images(tmp_path):
+        with Image.open(path) as im:
+            img = im.convert("RGB")
+        out = mine(img)
+        assert out.shape == (3, size, size) and torch.equal(out, reference(img)), path
+
+
+def test_data_config_is_the_models_pretrained_cfg_overridden_by_the_command_line(monkeypatch):
+    import timm
+
+    import models  # noqa: F401  (registers the variants)
+    cfg = D.data_config("NALAFORMER_XT")
+    assert (cfg["input_size"], cfg["crop_pct"], cfg["interpolation"]) == ((3, 224, 224), 0.875, "bicubic")
+    assert D.data_config(None) == cfg  # timm's default config, the variants' too
+    own = timm.create_model("NALAFORMER_XT", pretrained_cfg_overlay=dict(
+        crop_pct=0.8, interpolation="bilinear", mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25)))
+    cfg = D.data_config(own)
+    assert (cfg["crop_pct"], cfg["interpolation"], cfg["mean"], cfg["std"]) == (
+        0.8, "bilinear", (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    cfg = D.data_config(own, input_size=96, crop_pct=0.95)
+    assert (cfg["input_size"], cfg["crop_pct"], cfg["interpolation"]) == ((3, 96, 96), 0.95, "bilinear")
+    steps = D.eval_transform(cfg).transforms
+    assert steps[0].size == 101 and tuple(steps[-1].mean.tolist()) == (0.5, 0.5, 0.5)
+    # both splits take mean/std (and the eval geometry) from data_config, for args.model at args' size and crop
+    seen = []
+    monkeypatch.setattr(D, "data_config", lambda *a: seen.append(a) or cfg)
+    for is_train in (True, False):
+        steps = D.build_transform(is_train, make_args(model="M", input_size=96, eval_crop_ratio=0.95)).transforms
+        assert [t for t in steps if type(t).__name__ == "Normalize"][0].mean.tolist() == [0.5, 0.5, 0.5]
+    assert seen == [("M", 96, 0.95)] * 2
 
 
 # ---------------------------------------------------------------------------- layout errors

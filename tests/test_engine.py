@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import checkpoint
+import datasets
 import engine
 import main
 import utils
@@ -28,7 +29,8 @@ def test_defaults_are_the_published_recipe():
     assert (a.reprob, a.remode, a.recount) == (0.25, 'pixel', 1)
     assert (a.mixup, a.cutmix, a.mixup_prob, a.mixup_switch_prob, a.mixup_mode) == (0.8, 1.0, 1.0, 0.5, 'batch')
     assert a.smoothing == 0.1 and a.repeated_aug and a.model_ema and a.model_ema_decay == 0.99996
-    assert a.drop_path is None and a.drop == 0.0 and a.eval_crop_ratio == 0.875 and a.sync_bn
+    assert a.drop_path is None and a.drop == 0.0 and a.eval_crop_ratio is None and a.sync_bn  # None: the model's
+    assert datasets.data_config(a.model, a.input_size, a.eval_crop_ratio)['crop_pct'] == 0.875
     assert a.data_set == 'IMNET' and a.dist_url == 'env://'
 
 

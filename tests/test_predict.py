@@ -40,21 +40,24 @@ def _checkpoint(tmp_path, input_size=48, crop=0.9, num_classes=4):
 
 
 def _expected(ema, paths, input_size, crop, k):
-    tf = datasets.build_transform(False, SimpleNamespace(input_size=input_size, eval_crop_ratio=crop))
+    """Top-k of ``ema`` on ``paths`` through main.py --eval's transform at ``input_size`` and ``crop``."""
+    tf = datasets.build_transform(False, SimpleNamespace(model='NALAFORMER_XT', input_size=input_size,
+                                                         eval_crop_ratio=crop))
     x = torch.stack([tf(Image.open(p).convert('RGB')) for p in paths])
     with torch.no_grad():
         probs = ema.eval()(x).softmax(1)
     return probs.topk(k, dim=1)
 
 
-@pytest.mark.parametrize('size', [32, 48, 64])
-def test_transform_equals_training_evaluation_transform(size, tmp_path):
-    model = timm.create_model('NALAFORMER_XT', num_classes=2)
-    img = Image.fromarray(np.random.default_rng(1).integers(0, 255, (37, 81, 3), dtype=np.uint8))
-    tf, cfg = predict.eval_transform(model, size, 0.9)
-    ref = datasets.build_transform(False, SimpleNamespace(input_size=size, eval_crop_ratio=0.9))
-    assert cfg['input_size'] == (3, size, size)
-    torch.testing.assert_close(tf(img), ref(img))
+def test_an_unrecorded_crop_ratio_is_the_models(tmp_path, one_thread, capsys):
+    path, ema = _checkpoint(tmp_path, crop=None)  # main.py's --eval-crop-ratio default: the model's crop_pct
+    img = _images(tmp_path / 'imgs', n=1)[0]
+    assert predict.main([img, '--checkpoint', str(path), '--format', 'json', '--topk', '2']) == 0
+    captured = capsys.readouterr()
+    assert '48 px, crop_pct 0.875' in captured.err
+    values, _ = _expected(ema, [img], 48, 0.875, 2)
+    np.testing.assert_allclose([t['probability'] for t in json.loads(captured.out)[0]['topk']], values[0].numpy(),
+                               atol=1e-5)
 
 
 def test_predict_csv_uses_checkpoint_size_and_ema_weights(tmp_path, one_thread, capsys):

@@ -1,12 +1,16 @@
 """tools/release.py: training checkpoint -> NAME-<sha8>.safetensors + model card, loadable through timm."""
+import argparse
 import hashlib
 import json
 import os
 
+import numpy as np
 import pytest
 import timm
 import torch
+from PIL import Image
 
+import datasets
 import models  # noqa: F401
 from tools import release
 
@@ -81,6 +85,25 @@ def test_model_card_records_size_params_eval_and_source(tmp_path, one_thread):
     assert 'max_accuracy 61.50' in card and 'test_acc1 60.25' in card and 'test_ema_acc1 61.25' in card
     assert str(path) in card and 'weights `model_ema`' in card
     assert 'License:' in card
+
+
+@pytest.mark.parametrize('input_size', [32, 48])
+def test_model_card_code_gives_timm_users_main_evals_transform(tmp_path, one_thread, monkeypatch, input_size):
+    """The card's loading lines, run as written: timm's own data config of that model reproduces the
+    evaluation transform the run used (for <= 32 px that needs crop_mode 'squash' in the overlay)."""
+    path, _, ema = _tiny_checkpoint(tmp_path, input_size=input_size)
+    info = release.release(str(path), str(tmp_path / 'out'), flops=False)
+    with open(info['card']) as f:
+        code = f.read().split('```python\n')[1].split('```')[0]
+    monkeypatch.chdir(tmp_path / 'out')
+    scope = {}
+    exec(code, scope)
+    timm_eval = timm.data.create_transform(**timm.data.resolve_data_config({}, model=scope['model']))
+    main_eval = datasets.build_transform(False, argparse.Namespace(
+        model='NALAFORMER_XT', input_size=input_size, eval_crop_ratio=0.875))
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (37, 81, 3), dtype=np.uint8))
+    assert torch.equal(timm_eval(img), main_eval(img)) and main_eval(img).shape == (3, input_size, input_size)
+    torch.testing.assert_close(_logits(scope['model']), _logits(ema), rtol=0, atol=0)
 
 
 def test_missing_ema_with_weights_model_ema_is_a_clear_error(tmp_path, capsys):

@@ -31,7 +31,8 @@ softmax stages softmax weights; ``--map-rope`` uses the weights exactly as the m
 
 Nothing is downloaded: the model is built from code, weights come from ``--checkpoint`` (else the
 untrained initialisation, seeded by ``--seed``), images from ``--images`` or the digits bundled with
-scikit-learn.
+scikit-learn. Images go through the evaluation transform of ``main.py --eval`` (``datasets.data_config``:
+the model's pretrained_cfg at the checkpoint's recorded input size and crop ratio).
 """
 import argparse
 import json
@@ -52,12 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import timm
 
 import checkpoint
+import datasets
 import models  # noqa: F401  (registers the variants)
 from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.ppm', '.bmp', '.pgm', '.tif', '.tiff', '.webp')
 METHODS = ('nala', 'softmax', 'relu', 'nala_p45')
 METHOD_LABELS = {'nala': 'NaLa (as implemented)', 'softmax': 'softmax(q·k/√d)',
                  'relu': 'ReLU linear attention', 'nala_p45': 'NaLa with p fixed at 4.5 (direction only)'}
@@ -465,7 +464,8 @@ def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 
     ``weights`` picks the weights as checkpoint.select_weights does: 'default' is the one loader rule
     (the EMA when the file has one, as timm's checkpoint_path loader), 'model' or 'model_ema' ask for
     those. The number of classes comes from the checkpoint's ``head.weight``, the input size from its
-    ``args``. Without a checkpoint the weights are the untrained initialisation under ``seed``."""
+    ``args`` (``input_size``, and ``crop_pct`` from ``eval_crop_ratio``). Without a checkpoint the weights
+    are the untrained initialisation under ``seed``."""
     meta: Dict[str, Any] = {'checkpoint': checkpoint_path, 'weights': None}
     if checkpoint_path is None:
         torch.manual_seed(seed)
@@ -478,31 +478,23 @@ def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 
     model = timm.create_model(name, num_classes=int(state['head.weight'].shape[0]))
     checkpoint.load_weights_into(model, state, name, checkpoint_path)
     meta['weights'] = key or 'state dict'
-    meta['input_size'] = checkpoint.saved_args(ckpt).get('input_size')
+    run = checkpoint.saved_args(ckpt)
+    meta['input_size'], meta['crop_pct'] = run.get('input_size'), run.get('eval_crop_ratio')
     meta['epoch'] = ckpt.get('epoch')
     return model.eval(), meta
 
 
-def eval_transform(input_size: int) -> Callable:
-    """DeiT eval transform: bicubic resize of the shorter side to input_size/0.875, centre crop,
-    ImageNet normalisation (as datasets.build_transform for inputs > 32 px)."""
-    from torchvision import transforms
-    bicubic = transforms.InterpolationMode.BICUBIC
-    steps = ([transforms.Resize((input_size, input_size), interpolation=bicubic)] if input_size <= 32 else
-             [transforms.Resize(int(input_size / 0.875), interpolation=bicubic), transforms.CenterCrop(input_size)])
-    return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-
-
-def images_from_dir(root: str, input_size: int, limit: int) -> torch.Tensor:
-    """The first ``limit`` images under ``root`` (recursive, sorted paths), eval-transformed."""
+def images_from_dir(root: str, cfg: Dict[str, Any], limit: int) -> torch.Tensor:
+    """The first ``limit`` images under ``root`` (recursive, sorted paths) through the evaluation
+    transform of ``cfg`` (a ``datasets.data_config``, as main.py --eval and tools/predict.py)."""
     from PIL import Image
     if not os.path.isdir(root):
         raise ValueError(f'{root}: not a directory')
     paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                   if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith('.'))
+                   if f.lower().endswith(datasets.IMAGE_EXTENSIONS) and not f.startswith('.'))
     if not paths:
-        raise ValueError(f'{root}: no image files ({", ".join(IMAGE_EXTENSIONS)})')
-    t = eval_transform(input_size)
+        raise ValueError(f'{root}: no image files ({", ".join(datasets.IMAGE_EXTENSIONS)})')
+    t = datasets.eval_transform(cfg)
     out = []
     for p in paths[:limit]:
         with Image.open(p) as im:
@@ -510,19 +502,21 @@ def images_from_dir(root: str, input_size: int, limit: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def digits_images(input_size: int, limit: int, data_path: Optional[str]) -> torch.Tensor:
-    """The first ``limit`` images of the DIGITS validation split, through datasets.build_dataset
-    (written once under ``data_path``, default ./data/digits)."""
-    import datasets
-    args = Namespace(data_set='DIGITS', data_path=data_path, input_size=input_size)
+def digits_images(cfg: Dict[str, Any], limit: int, data_path: Optional[str],
+                  model: Optional[str] = None) -> torch.Tensor:
+    """The first ``limit`` images of the DIGITS validation split, through datasets.build_dataset with
+    ``model``'s data config at the input size and crop of ``cfg`` (written once under ``data_path``,
+    default ./data/digits)."""
+    args = Namespace(data_set='DIGITS', data_path=data_path, model=model, input_size=cfg['input_size'][-1],
+                     eval_crop_ratio=cfg['crop_pct'])
     ds, _ = datasets.build_dataset(False, args)
     return torch.stack([ds[i][0] for i in range(min(limit, len(ds)))])
 
 
-def to_display(image: torch.Tensor) -> np.ndarray:
-    """Undo the ImageNet normalisation: (3, H, W) tensor -> (H, W, 3) array in [0, 1]."""
-    mean = torch.tensor(IMAGENET_MEAN)[:, None, None]
-    std = torch.tensor(IMAGENET_STD)[:, None, None]
+def to_display(image: torch.Tensor, cfg: Dict[str, Any]) -> np.ndarray:
+    """Undo the normalisation by ``cfg``'s mean/std: (3, H, W) tensor -> (H, W, 3) array in [0, 1]."""
+    mean = torch.tensor(cfg['mean'])[:, None, None]
+    std = torch.tensor(cfg['std'])[:, None, None]
     return (image * std + mean).clamp(0, 1).permute(1, 2, 0).numpy()
 
 
@@ -554,7 +548,8 @@ def get_parser() -> argparse.ArgumentParser:
     src.add_argument('--data-set', choices=['DIGITS'], default=None, help='the bundled digits (val split)')
     p.add_argument('--data-path', default=None, help='where DIGITS lives / is written (default ./data/digits)')
     p.add_argument('--input-size', type=int, default=None,
-                   help="input resolution (default: the checkpoint's args.input_size, else 64 for DIGITS, 224)")
+                   help="input resolution (default: the checkpoint's args.input_size, else 64 for DIGITS, "
+                        "else the model's, 224)")
     p.add_argument('--num-images', type=int, default=32)
     p.add_argument('--batch-size', type=int, default=16)
     p.add_argument('--stage', type=int, default=0, help='stage whose queries are analysed (0-based, layers.S)')
@@ -574,11 +569,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
     except checkpoint.CheckpointError as e:
         raise SystemExit(f'analyze_attention: error: {e}') from None
-    input_size = args.input_size or meta.get('input_size') or (64 if args.data_set else 224)
+    cfg = datasets.data_config(model, args.input_size or meta.get('input_size') or (64 if args.data_set else None),
+                               meta.get('crop_pct'))
+    input_size = cfg['input_size'][-1]
     if not 0 <= args.stage < len(model.layers):
         raise SystemExit(f'analyze_attention: error: --stage {args.stage} out of range 0..{len(model.layers) - 1}')
-    images = (digits_images(input_size, args.num_images, args.data_path) if args.data_set
-              else images_from_dir(args.images, input_size, args.num_images))
+    images = (digits_images(cfg, args.num_images, args.data_path, args.model) if args.data_set
+              else images_from_dir(args.images, cfg, args.num_images))
     captured = capture(model, images, args.batch_size)
     kinds = {s: stage_kind(model, s) for s in range(len(model.layers))}
 
@@ -605,7 +602,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             raise SystemExit(f'analyze_attention: error: --image-index {args.image_index} out of range')
         maps = attention_maps(captured, kinds, args.image_index, args.query, args.map_rope)
         map_png = os.path.join(args.output_dir, 'attention_map.png')
-        plot_attention_maps(to_display(images[args.image_index]), maps, args.query, map_png,
+        plot_attention_maps(to_display(images[args.image_index], cfg), maps, args.query, map_png,
                             f"{args.model}, {weights}, image {args.image_index}, query (y, x) = "
                             f"({args.query[0]:.2f}, {args.query[1]:.2f}), last block of each stage, mean over "
                             f"heads, RoPE {'on (model weights)' if args.map_rope else 'off'}", args.map_rope)

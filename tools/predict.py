@@ -6,12 +6,12 @@
 
 The checkpoint is a training checkpoint (``.pth``; its EMA weights when it has them, as timm loads
 it, or ``--weights``) or a released ``.safetensors`` file (``tools/release.py``). Images are read with
-the evaluation transform of the checkpoint's training run: its recorded ``--input-size`` and
-``--eval-crop-ratio`` (``--input-size`` here overrides), bicubic resize, centre crop, the model's
-mean/std. Folders are searched recursively for image files, in sorted order. ``--class-names`` is a
-text file with one name per line (line i is class i) or a JSON list; without it classes are printed
-as their index. Output: CSV (``image,rank,class_index,class_name,probability``) or JSON, to stdout or
-``--output``.
+the evaluation transform of ``main.py --eval`` (``datasets.data_config``): the model's pretrained_cfg
+(bicubic resize, centre crop, mean/std) at the checkpoint's recorded ``--input-size`` and
+``--eval-crop-ratio`` (``--input-size`` here overrides). Folders are searched recursively for image
+files, in sorted order. ``--class-names`` is a text file with one name per line (line i is class i) or
+a JSON list; without it classes are printed as their index. Output: CSV
+(``image,rank,class_index,class_name,probability``) or JSON, to stdout or ``--output``.
 """
 import argparse
 import csv
@@ -26,12 +26,11 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 import checkpoint
+import datasets
 import models  # noqa: F401  (registers the variants)
 import utils
 from tools.release import WEIGHT_CHOICES, select_weights
 from utils import CheckpointError, UserError
-
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.ppm', '.bmp', '.pgm', '.tif', '.tiff', '.webp', '.gif')
 
 
 def list_images(paths: Sequence[str]) -> List[str]:
@@ -40,9 +39,9 @@ def list_images(paths: Sequence[str]) -> List[str]:
     for path in paths:
         if os.path.isdir(path):
             found = sorted(os.path.join(root, f) for root, _, files in os.walk(path) for f in files
-                           if f.lower().endswith(IMAGE_EXTENSIONS))
+                           if f.lower().endswith(datasets.IMAGE_EXTENSIONS))
             if not found:
-                raise UserError(f'{path}: no image files ({", ".join(IMAGE_EXTENSIONS)}) in this folder')
+                raise UserError(f'{path}: no image files ({", ".join(datasets.IMAGE_EXTENSIONS)}) in this folder')
             out += found
         elif os.path.isfile(path):
             out.append(path)
@@ -91,21 +90,6 @@ def build_model(model_name: str, sd: Dict[str, torch.Tensor], path: str) -> torc
         raise CheckpointError(msg)
     model.load_state_dict(sd, strict=True)
     return model.eval()
-
-
-def eval_transform(model: torch.nn.Module, input_size: Optional[int], crop_pct: Optional[float]):
-    """timm's eval transform from the model's pretrained config at the run's input size and crop ratio.
-    Inputs of 32 px or less are resized to the input size without a crop, as in training's evaluation."""
-    from timm.data import create_transform, resolve_data_config
-    overrides: Dict[str, Any] = {}
-    if input_size:
-        overrides['input_size'] = (3, input_size, input_size)
-    if crop_pct:
-        overrides['crop_pct'] = crop_pct
-    cfg = resolve_data_config(overrides, model=model)
-    if cfg['input_size'][-1] <= 32:
-        cfg.update(crop_pct=1.0, crop_mode='squash')
-    return create_transform(**cfg, is_training=False), cfg
 
 
 def read_class_names(path: str, num_classes: int) -> List[str]:
@@ -189,8 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UserError(f'{args.checkpoint} does not record its model; pass --model NAME')
         model = build_model(model_name, sd, args.checkpoint).to(args.device)
         class_names = read_class_names(args.class_names, model.num_classes) if args.class_names else None
-        transform, cfg = eval_transform(model, args.input_size or recorded.get('input_size'), recorded.get('crop_pct'))
-        results = predict(model, transform, images, args.topk, args.batch_size, args.device)
+        cfg = datasets.data_config(model, args.input_size or recorded.get('input_size'), recorded.get('crop_pct'))
+        results = predict(model, datasets.eval_transform(cfg), images, args.topk, args.batch_size, args.device)
         text = format_results(images, results, class_names, args.format)
     except UserError as e:
         parser.exit(2, f'{parser.prog}: error: {e}\n')

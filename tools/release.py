@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import timm
 
 import checkpoint
+import datasets
 import models  # noqa: F401  (registers the variants)
 from checkpoint import describe_mismatch, load_checkpoint_file, saved_args
 from utils import CheckpointError, UserError
@@ -68,26 +69,37 @@ def eval_numbers(ckpt: Dict[str, Any], path: str) -> Dict[str, Any]:
     return out
 
 
+def describe_eval(cfg: Dict[str, Any]) -> str:
+    """What the evaluation transform of a ``datasets.data_config`` does, read off the transform itself."""
+    from torchvision import transforms
+    steps = datasets.eval_transform(cfg).transforms
+    resize = next(t for t in steps if isinstance(t, transforms.Resize)).size
+    size = tuple(cfg['input_size'][1:])
+    how = (f'resize the shorter side to {resize}' if isinstance(resize, int) else
+           f'resize to {resize[0]}x{resize[1]}') + f" {cfg['interpolation']}"
+    cropped = isinstance(resize, int) or tuple(resize) != size
+    how += f", centre crop {size[0]}x{size[1]} (crop_pct {cfg['crop_pct']})" if cropped else ', no crop'
+    return f"{how}; mean {tuple(cfg['mean'])}, std {tuple(cfg['std'])}"
+
+
 def model_card(info: Dict[str, Any]) -> str:
     """Markdown model card for a released file."""
     n_cls = info['num_classes']
     file = os.path.basename(info['file'])
+    cfg = info['data_config']
     overlay = f"file='{file}'"
     if n_cls != 1000:
         overlay += f', num_classes={n_cls}'
-    if info['input_size'] != 224:
-        overlay += f", input_size=(3, {info['input_size']}, {info['input_size']}), crop_pct={info['crop_pct']}"
+    # the evaluation settings that differ from the variant's registered pretrained_cfg
+    registered = datasets.data_config(info['model'])
+    overlay += ''.join(f', {k}={cfg[k]!r}' for k in ('input_size', 'crop_pct', 'crop_mode') if cfg[k] != registered[k])
     kw = f', num_classes={n_cls}' if n_cls != 1000 else ''
     size = info['input_size']
-    if size > 32:
-        how = f"resize to {int(size / info['crop_pct'])} bicubic, centre crop, crop_pct {info['crop_pct']}"
-    else:  # DeiT's rule for small inputs: resize to the input size, no crop
-        how = f'resize to {size}x{size} bicubic, no crop'
     lines = [
         f"# {info['name']}",
         '',
         f"- Model: `{info['model']}` (NaLaFormer), {n_cls} classes",
-        f"- Input size: {size}x{size} (eval: {how}; ImageNet mean/std)",
+        f"- Input size: {size}x{size} (eval: {describe_eval(cfg)})",
         f"- Parameters: {info['params'] / 1e6:.2f}M ({info['params']})",
     ]
     if info.get('gflops') is not None:
@@ -135,8 +147,8 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     if not timm.is_model(model_name):
         raise UserError(f'unknown model {model_name!r}; pass --model with a NaLaFormer variant')
     sd, taken = select_weights(ckpt, weights, checkpoint)
-    input_size = int(args.get('input_size', 224))
-    crop_pct = float(args.get('eval_crop_ratio', 0.875))
+    cfg = datasets.data_config(model_name, args.get('input_size'), args.get('eval_crop_ratio'))
+    input_size, crop_pct = cfg['input_size'][-1], cfg['crop_pct']
 
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
@@ -158,7 +170,8 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     os.replace(tmp, final)
 
     info = dict(name=os.path.basename(final)[:-len('.safetensors')], model=model_name, num_classes=num_classes,
-                input_size=input_size, crop_pct=crop_pct, params=sum(p.numel() for p in model.parameters()),
+                input_size=input_size, crop_pct=crop_pct, data_config=cfg,
+                params=sum(p.numel() for p in model.parameters()),
                 gflops=None, eval=eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {},
                 data_set=args.get('data_set'), source=checkpoint, weights=taken, sha256=digest,
                 license=license_line, file=final)
