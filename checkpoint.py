@@ -26,6 +26,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import stat
@@ -33,11 +34,13 @@ import tempfile
 import zipfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-import utils
+import distributed
+import metrics
+from errors import CheckpointError, CheckpointWriteError, UserError, first_line
 from models.weights import weights_key
-from utils import CheckpointError, CheckpointWriteError, UserError
 
 TMP_PREFIX = '.tmp-'
 NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
@@ -65,7 +68,7 @@ def _write_failure_reason(e: BaseException) -> str:
     for c in _chain(e):
         if isinstance(c, OSError) and c.errno:
             return 'no space left on device' if c.errno == errno.ENOSPC else os.strerror(c.errno)
-    return utils.first_line(e)
+    return first_line(e)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +244,7 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
                         or 'failed reading' in msg)) or isinstance(e, EOFError) or 'EOF' in msg:
             raise CheckpointError(f'checkpoint {path} is truncated or corrupt ({os.path.getsize(path)} bytes); '
                                   f'{other_checkpoints_hint(path)}') from e
-        raise CheckpointError(f'{path} is not a PyTorch checkpoint ({utils.first_line(e)})') from e
+        raise CheckpointError(f'{path} is not a PyTorch checkpoint ({first_line(e)})') from e
     if verify:
         verify_checksum(ckpt, path)
     return ckpt
@@ -397,8 +400,8 @@ def finetune_from(model: torch.nn.Module, path: str, model_name: str) -> None:
 def _agree(err: Optional[str], device: Any) -> None:
     """Raise UserError(err) on every rank when any rank (in practice rank 0) found a problem."""
     failed = bool(err)
-    if utils.is_dist_avail_and_initialized():
-        failed = utils.all_reduce_max([1.0 if err else 0.0], device)[0] > 0
+    if distributed.is_dist_avail_and_initialized():
+        failed = distributed.all_reduce_max([1.0 if err else 0.0], device)[0] > 0
     if failed:
         raise UserError(err or 'rank 0 could not prepare --output_dir (see its error); stopped')
 
@@ -458,7 +461,7 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
     if not args.output_dir:
         return
     err = None
-    if utils.is_main_process():
+    if distributed.is_main_process():
         try:
             os.makedirs(args.output_dir, exist_ok=True)
         except OSError as e:
@@ -477,7 +480,7 @@ def check_room(directory: str, nbytes: int, device: Any) -> None:
     """Before training: `directory` is writable and has room for two checkpoints of about `nbytes`
     (the new one is written next to the previous one, then renamed)."""
     err = None
-    if directory and utils.is_main_process():
+    if directory and distributed.is_main_process():
         try:
             fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + 'probe.', dir=directory)
             os.close(fd)
@@ -492,15 +495,6 @@ def check_room(directory: str, nbytes: int, device: Any) -> None:
                        f'{nbytes / 2**20:.0f} MiB and two must fit while one replaces the other; free some space '
                        f'or choose another --output_dir')
     _agree(err, device)
-
-
-def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every rank's RNG state, in rank order (collective under torch.distributed)."""
-    if not utils.is_dist_avail_and_initialized():
-        return [state]
-    out = [None] * utils.get_world_size()
-    torch.distributed.all_gather_object(out, state)
-    return out
 
 
 def describe_best(ckpt: Any) -> str:
@@ -523,6 +517,79 @@ def _order(ckpt: Dict[str, Any]) -> Tuple[int, float]:
 
 def _plain(v: Any) -> Any:
     return tuple(v) if isinstance(v, list) else v
+
+
+# --------------------------------------------------------------------------------------------------
+# Random-number state (torch, CUDA, numpy, python) as weights_only-loadable plain objects
+# --------------------------------------------------------------------------------------------------
+def get_rng_state() -> dict:
+    """torch, numpy and python RNG state (and this process's CUDA device's) as plain objects."""
+    np_state = np.random.get_state()
+    state = {
+        'torch': torch.get_rng_state(),
+        'numpy': {'name': str(np_state[0]), 'keys': torch.from_numpy(np_state[1].astype(np.int64)),
+                  'pos': int(np_state[2]), 'has_gauss': int(np_state[3]), 'cached_gaussian': float(np_state[4])},
+        'python': _to_plain(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # this process's own device only: another launch may see fewer GPUs per process
+        state['cuda'] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore get_rng_state()'s result; the CUDA state goes to this process's current device."""
+    torch.set_rng_state(state['torch'])
+    n = state['numpy']
+    np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'],
+                         n['cached_gaussian']))
+    py = state['python']
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    cuda = state.get('cuda')
+    if cuda is not None and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state
+            cuda = cuda[device] if device < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+class preserved_rng:
+    """Context manager: the torch/numpy/python RNG state is the same after the block as before."""
+
+    def __enter__(self):
+        self.state = get_rng_state()
+
+    def __exit__(self, *exc):
+        set_rng_state(self.state)
+        return False
+
+
+def _to_plain(obj: Any) -> Any:
+    """Convert to types that torch.load(weights_only=True) accepts (dict/list/tuple/str/int/float/bool/None)."""
+    if isinstance(obj, dict):
+        return {str(k): _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_plain(v) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return str(obj)
+
+
+def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
+    """The command line as a plain dict (the checkpoint's ``args``)."""
+    return _to_plain(dict(vars(args)))
+
+
+def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every rank's RNG state, in rank order (collective under torch.distributed)."""
+    if not distributed.is_dist_avail_and_initialized():
+        return [state]
+    out = [None] * distributed.get_world_size()
+    torch.distributed.all_gather_object(out, state)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -577,7 +644,7 @@ class TrainingCheckpoints:
             'lr_scheduler': self.lr_scheduler.state_dict(),
             'epoch': epoch,
             'scaler': self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            'args': utils.args_to_dict(self.args),
+            'args': args_to_dict(self.args),
             'max_accuracy': self.max_accuracy,
             'n_parameters': self.n_parameters,
             **self.best,
@@ -593,15 +660,15 @@ class TrainingCheckpoints:
     def save(self, epoch: int, extra: Dict[str, Any], names: Sequence[str]) -> None:
         """Write the run's state after `epoch` to each of `names` in --output_dir (nothing without one)."""
         err = None
-        if utils.is_main_process() and self.output_dir:
+        if distributed.is_main_process() and self.output_dir:
             state = self.state(epoch, names, extra)
             try:
                 for name in names:
                     save_atomic(state, os.path.join(self.output_dir, name))
             except CheckpointWriteError as e:
                 err = e
-        if utils.is_dist_avail_and_initialized():
-            failed, = utils.all_reduce_max([1.0 if err else 0.0], self.device)
+        if distributed.is_dist_avail_and_initialized():
+            failed, = distributed.all_reduce_max([1.0 if err else 0.0], self.device)
             if failed and err is None:
                 raise CheckpointWriteError('rank 0 could not write a checkpoint (see its error); stopped')
         if err is not None:
@@ -610,11 +677,11 @@ class TrainingCheckpoints:
     def append_log(self, record: Dict[str, Any]) -> None:
         """Append the epoch's record to log.txt (rank 0). The record is also in the checkpoint, so a line
         lost to a crash or a full disk is written at the next resume."""
-        if not (self.output_dir and utils.is_main_process()):
+        if not (self.output_dir and distributed.is_main_process()):
             return
         path = os.path.join(self.output_dir, 'log.txt')
         try:
-            utils.write_json_line(path, record)
+            metrics.write_json_line(path, record)
         except OSError as e:
             raise UserError(f'could not append to {path}: {_write_failure_reason(e)}; the checkpoint of epoch '
                             f'{record.get("epoch")} holds the line, it is added when the run resumes') from e
@@ -666,19 +733,19 @@ class TrainingCheckpoints:
             r.loss_meter = ckpt.get('loss_meter')
         else:
             r.start_epoch = int(ckpt['epoch']) + 1
-        world, rank = utils.get_world_size(), utils.get_rank()
+        world, rank = distributed.get_world_size(), distributed.get_rank()
         rng = ckpt.get('rng_state')
         if isinstance(rng, list) and len(rng) == world:
             r.resume_rng = rng[rank]
             if r.start_step:
                 r.epoch_rng = ckpt['epoch_rng_state'][rank]
             else:
-                utils.set_rng_state(r.resume_rng)
+                set_rng_state(r.resume_rng)
         else:
             writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
             print(f'Note: the checkpoint was written by {writers} '
                   f'process(es), this run has {world}: random-number state not restored')
-        if utils.is_main_process() and self.output_dir and _same_dir(path, self.output_dir):
+        if distributed.is_main_process() and self.output_dir and _same_dir(path, self.output_dir):
             self._repair_files(path, ckpt)
             self._repair_log(ckpt.get('log'))
         where = f'epoch {r.start_epoch} step {r.start_step}' if r.start_step else f'epoch {r.start_epoch}'
@@ -703,7 +770,7 @@ class TrainingCheckpoints:
         try:
             self.optimizer.load_state_dict(ckpt['optimizer'])
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f'the optimizer state in {path} does not fit this run ({utils.first_line(e)}); '
+            raise CheckpointError(f'the optimizer state in {path} does not fit this run ({first_line(e)}); '
                                   f'were --opt/--attn-only different? use --finetune to start from its weights') from e
         changed: Dict[str, List[Tuple[Any, Any]]] = {}
         for group, want in zip(self.optimizer.param_groups, fresh):

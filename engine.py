@@ -9,7 +9,10 @@ from typing import Optional
 import torch
 from timm.utils import dispatch_clip_grad
 
-import utils
+from checkpoint import get_rng_state, set_rng_state
+from distributed import all_reduce_max, all_reduce_sum, get_world_size, is_dist_avail_and_initialized
+from errors import NonFiniteLossError, eprint
+from metrics import MetricLogger, SmoothedValue
 
 
 @dataclass
@@ -87,24 +90,24 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
     """
     model.train(set_training_mode)
     device = torch.device(device)
-    distributed = utils.is_dist_avail_and_initialized()
+    distributed = is_dist_avail_and_initialized()
     module = ema_source if ema_source is not None else model
     carry = TrainCarry(**asdict(carry)) if carry is not None else TrainCarry()
     accum_steps = max(1, int(accum_steps))
-    metric_logger = utils.MetricLogger(delimiter='  ')
-    metric_logger.add_meter('lr', utils.SmoothedValue(window_size=1, fmt='{value:.6f}'))
+    metric_logger = MetricLogger(delimiter='  ')
+    metric_logger.add_meter('lr', SmoothedValue(window_size=1, fmt='{value:.6f}'))
     if loss_meter_state:
         metric_logger.meters['loss'].total = loss_meter_state['total']
         metric_logger.meters['loss'].count = loss_meter_state['count']
     header = f'Epoch: [{epoch}]'
 
     if epoch_rng_state is not None:
-        utils.set_rng_state(epoch_rng_state)
-    epoch_rng_state = utils.get_rng_state()
+        set_rng_state(epoch_rng_state)
+    epoch_rng_state = get_rng_state()
     if start_step > 0:
         print(f'Resuming epoch {epoch} at step {start_step}: replaying the data order of the first {start_step} steps')
     batch_size = data_loader.batch_size or 1
-    world = utils.get_world_size()
+    world = get_world_size()
     n_steps = len(data_loader)
     window_end = 0
     saved_buffers, losses, window_finite, window_loss = [], [], True, float('nan')
@@ -113,7 +116,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
             data_loader, print_freq, header, images_per_step=batch_size * world)):
         if step < start_step:
             if step == start_step - 1 and resume_rng_state is not None:
-                utils.set_rng_state(resume_rng_state)
+                set_rng_state(resume_rng_state)
             continue
         if step >= window_end:  # the first micro-step of an accumulation window
             window_end = min((step // accum_steps + 1) * accum_steps, n_steps)
@@ -151,7 +154,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
         stop_req = bool(stop_flag is not None and stop_flag.requested)
         finite = window_finite
         if distributed:
-            bad_any, stop_any = utils.all_reduce_max([0.0 if finite else 1.0, 1.0 if stop_req else 0.0], device)
+            bad_any, stop_any = all_reduce_max([0.0 if finite else 1.0, 1.0 if stop_req else 0.0], device)
             finite, stop_req = bad_any == 0.0, stop_any > 0.0
 
         if not finite:
@@ -162,10 +165,10 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
             carry.bad_steps += 1
             carry.skipped_steps += 1
             bad_value = window_loss if not window_finite else 'on another rank'
-            utils.eprint(f'warning: non-finite loss ({bad_value}) at epoch {epoch} step {step}; step skipped '
-                         f'({carry.bad_steps}/{max_bad_steps} consecutive)')
+            eprint(f'warning: non-finite loss ({bad_value}) at epoch {epoch} step {step}; step skipped '
+                   f'({carry.bad_steps}/{max_bad_steps} consecutive)')
             if carry.bad_steps > max_bad_steps:
-                raise utils.NonFiniteLossError(
+                raise NonFiniteLossError(
                     f'non-finite loss ({bad_value}) at epoch {epoch} step {step}: {carry.bad_steps} consecutive bad '
                     f'steps (more than --max-bad-steps {max_bad_steps}); stopped, the last checkpoint is left intact')
         else:
@@ -184,7 +187,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
                     carry.bad_steps += 1
                     carry.skipped_steps += 1
                     if carry.bad_steps > max_bad_steps:
-                        raise utils.NonFiniteLossError(
+                        raise NonFiniteLossError(
                             f'non-finite gradients at epoch {epoch} step {step}: {carry.bad_steps} consecutive fp16 '
                             f'steps skipped (more than --max-bad-steps {max_bad_steps}); stopped, the last '
                             f'checkpoint is left intact')
@@ -210,7 +213,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, los
 
         if stop_req and step + 1 < n_steps:
             meter = metric_logger.meters['loss']
-            return EpochResult(stats={}, stopped=True, next_step=step + 1, rng_state=utils.get_rng_state(),
+            return EpochResult(stats={}, stopped=True, next_step=step + 1, rng_state=get_rng_state(),
                                epoch_rng_state=epoch_rng_state,
                                loss_meter={'total': meter.total, 'count': meter.count}, carry=carry)
 
@@ -237,7 +240,7 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
     A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval)."""
     criterion = torch.nn.CrossEntropyLoss(reduction='sum')
     device = torch.device(device)
-    metric_logger = utils.MetricLogger(delimiter='  ')
+    metric_logger = MetricLogger(delimiter='  ')
     model.eval()
     loss_sum = correct1 = correct5 = n = seen = aborted = 0.0
     for images, target in metric_logger.log_every(data_loader, print_freq, header,
@@ -264,7 +267,7 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
         seen += target.shape[0]
         metric_logger.update(loss=loss_sum / max(n, 1))
     if sum_over_ranks:
-        loss_sum, correct1, correct5, n, seen, aborted = utils.all_reduce_sum(
+        loss_sum, correct1, correct5, n, seen, aborted = all_reduce_sum(
             [loss_sum, correct1, correct5, n, seen, aborted], device)
     n, seen = int(round(n)), int(round(seen))
     stats = {

@@ -24,8 +24,9 @@ import torch
 
 import checkpoint
 import datasets
+import distributed
 import utils
-from utils import UserError
+from errors import UserError, eprint, first_line
 
 
 def str2bool_flag(parser, name, default, help_on, dest=None):
@@ -254,7 +255,7 @@ def validate_args(args, parser):
         parser.error('--cosub (DeiT III) is not supported by this engine')
     if args.batch_size < 1:
         parser.error(f'--batch-size must be at least 1, got {args.batch_size}')
-    _, world, _, _ = utils.launch_env()
+    _, world, _, _ = distributed.launch_env()
     mixup_active = mixup_is_active(args) and not args.eval
     if mixup_active and args.mixup_mode in ('batch', 'pair') and args.batch_size % 2:
         parser.error(f'--batch-size {args.batch_size} is odd; mixup/cutmix in {args.mixup_mode} mode needs an even '
@@ -344,7 +345,7 @@ def check_optimizer(args, parser):
                             momentum=args.momentum, eps=args.opt_eps,
                             **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
     except Exception as e:  # any failure here is a bad flag or a missing optional package
-        parser.error(f'--opt {args.opt}: cannot build it with these flags ({utils.first_line(e)})')
+        parser.error(f'--opt {args.opt}: cannot build it with these flags ({first_line(e)})')
 
 
 def check_scheduler(args, parser):
@@ -353,7 +354,7 @@ def check_scheduler(args, parser):
     try:
         build_lr_scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr))
     except (ValueError, AssertionError, TypeError) as e:
-        parser.error(f'--sched {args.sched}: {utils.first_line(e)}')
+        parser.error(f'--sched {args.sched}: {first_line(e)}')
 
 
 def check_auto_augment(aa, parser):
@@ -366,7 +367,7 @@ def check_auto_augment(aa, parser):
     try:
         build(aa, {})
     except (AssertionError, ValueError, KeyError, IndexError) as e:
-        detail = utils.first_line(e) if str(e).strip() else 'not a valid policy string'
+        detail = first_line(e) if str(e).strip() else 'not a valid policy string'
         parser.error(f"--aa {aa}: {detail}; use a timm policy such as rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
                      f"original, v0, 3a, or none")
 
@@ -441,13 +442,13 @@ def count_flops(model, input_size, device):
     try:
         return fvcore_flops(model, input_size)
     except Exception as e:  # FLOPs are information only
-        print(f'(fvcore FLOP count failed: {utils.first_line(e)})')
+        print(f'(fvcore FLOP count failed: {first_line(e)})')
         return None
 
 
 def build_loaders(args, dataset_train, dataset_val):
     import samplers
-    world, rank = utils.get_world_size(), utils.get_rank()
+    world, rank = distributed.get_world_size(), distributed.get_rank()
     sampler_train = loader_train = None  # evaluation only: no training set
     if dataset_train is None:
         pass
@@ -480,7 +481,7 @@ def build_loaders(args, dataset_train, dataset_val):
 def main(args, parser):
     validate_args(args, parser)
     want_cuda = str(args.device).startswith('cuda')
-    utils.init_distributed_mode(args)
+    distributed.init_distributed_mode(args)
     stop_flag = utils.StopFlag()
     stop_flag.install()
     if want_cuda and args.device == 'cpu':
@@ -488,9 +489,9 @@ def main(args, parser):
     device = torch.device(args.device)
     if device.type == 'cpu' and args.cpu_malloc == 'retain' and not utils.retain_freed_cpu_memory():
         print('--cpu-malloc retain: this C library has no mallopt; using its defaults')
-    world, rank = utils.get_world_size(), utils.get_rank()
+    world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), backend {args.dist_backend or "none"}, device {device}')
-    print(json.dumps({k: v for k, v in utils.args_to_dict(args).items()}, default=str))
+    print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
 
     import timm
     from timm.data import Mixup
@@ -546,7 +547,7 @@ def main(args, parser):
             p.requires_grad = ('.attn.' in name) or name in clf
     n_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f'number of params: {n_parameters} ({n_parameters / 1e6:.2f}M)')
-    if args.flops and utils.is_main_process():
+    if args.flops and distributed.is_main_process():
         flops = count_flops(model, args.input_size, 'cpu')
         if flops is not None:
             print(f'fvcore FLOPs at 1x3x{args.input_size}x{args.input_size}: {flops / 1e9:.3f} G')
@@ -654,7 +655,7 @@ def main(args, parser):
     gather_rng = checkpoint.gather_rng
 
     tb = None
-    if args.log_dir and utils.is_main_process():
+    if args.log_dir and distributed.is_main_process():
         import tb_logger
         tb = tb_logger.TensorBoardLogger(args.log_dir)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
@@ -686,18 +687,18 @@ def main(args, parser):
         if args.distributed:
             # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
             # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
-            utils.broadcast_tensors_(list(model_without_ddp.buffers()))
+            distributed.broadcast_tensors_(list(model_without_ddp.buffers()))
             if model_ema is not None:  # a CPU EMA (--model-ema-force-cpu) goes through the device under NCCL
-                utils.broadcast_tensors_(list(model_ema.module.state_dict().values()), device=device)
+                distributed.broadcast_tensors_(list(model_ema.module.state_dict().values()), device=device)
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
         bad = datasets.bad_sample_count_all_ranks(dataset_train, device)
 
-        with utils.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
+        with checkpoint.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
             test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last,
                                          args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
             ema_stats = None
             if model_ema is not None and not test_stats['aborted']:
-                with utils.moved_to(model_ema.module, device):  # a CPU EMA is evaluated where the data is
+                with distributed.moved_to(model_ema.module, device):  # a CPU EMA is evaluated where the data is
                     ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
                                                 args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks,
                                                 stop_flag=stop_flag)
@@ -705,7 +706,7 @@ def main(args, parser):
         flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
                  float(stop_flag.requested or res.stopped)]
         if args.distributed:
-            flags = utils.all_reduce_max(flags, device)
+            flags = distributed.all_reduce_max(flags, device)
         eval_aborted, stop_now = flags[0] > 0, flags[1] > 0
         improved = False
         if eval_aborted:
@@ -731,7 +732,7 @@ def main(args, parser):
                      'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
                      'bad_train_images': bad}
         # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
-        save(epoch, {'rng_state': gather_rng(utils.get_rng_state()), 'train_carry': carry.state_dict(),
+        save(epoch, {'rng_state': gather_rng(checkpoint.get_rng_state()), 'train_carry': carry.state_dict(),
                      'log': log_stats}, names)
         run_ckpt.append_log(log_stats)
         if tb is not None:
@@ -742,7 +743,8 @@ def main(args, parser):
             return 128 + int(stop_flag.signum or signal.SIGTERM)
 
     if args.distributed:  # every rank reports a digest of its weights: DDP keeps them identical
-        print(f'[rank {rank}] final weights sha256: {utils.state_digest(model_without_ddp.state_dict())}', force=True)
+        digest = distributed.state_digest(model_without_ddp.state_dict())
+        print(f'[rank {rank}] final weights sha256: {digest}', force=True)
     total_time = str(datetime.timedelta(seconds=int(time.time() - start_time)))
     print(f'Training time {total_time}')
     print(f'Final top-1: {test_stats["acc1"]:.2f}% (EMA {ema_stats["acc1"]:.2f}%), best {max_accuracy:.2f}%'
@@ -756,7 +758,7 @@ def _is_peer_failure(e):
                       getattr(dist, 'DistStoreError', ()))):
         return True
     msg = str(e)
-    return isinstance(e, RuntimeError) and utils.is_dist_avail_and_initialized() and any(
+    return isinstance(e, RuntimeError) and distributed.is_dist_avail_and_initialized() and any(
         s in msg for s in ('Connection closed by peer', 'Connection reset', 'Broken pipe', 'timed out',
                            'Timed out', 'ProcessGroupGloo', 'gloo', 'NCCL', 'Socket Timeout'))
 
@@ -771,22 +773,22 @@ def run(argv=None):
     try:
         code = main(args, parser)
     except UserError as e:
-        prefix = f'[rank {utils.get_rank()}] ' if utils.get_world_size() > 1 else ''
-        utils.eprint(f'{prefix}error: {e}')
+        prefix = f'[rank {distributed.get_rank()}] ' if distributed.get_world_size() > 1 else ''
+        eprint(f'{prefix}error: {e}')
         code = e.exit_code
     except BadSampleError as e:  # --strict-data: raised in a loader worker, re-raised here
         # from a worker, the message is the last line of the worker's traceback
-        utils.eprint(f"error: {str(e).strip().splitlines()[-1].split('BadSampleError: ', 1)[-1]}")
+        eprint(f"error: {str(e).strip().splitlines()[-1].split('BadSampleError: ', 1)[-1]}")
         # the failed epoch's loader workers ignore SIGTERM, so a normal exit would wait for them forever
         sys.stdout.flush()
         os._exit(1)
     except KeyboardInterrupt:
-        utils.eprint('interrupted')
+        eprint('interrupted')
         code = 130
     except Exception as e:
         if _is_peer_failure(e):
-            utils.eprint(f'[rank {utils.get_rank()}] error: lost contact with the other processes '
-                         f'({utils.first_line(e)}); another rank probably died or stopped - see its log')
+            eprint(f'[rank {distributed.get_rank()}] error: lost contact with the other processes '
+                   f'({first_line(e)}); another rank probably died or stopped - see its log')
             sys.stdout.flush()
             os._exit(1)  # do not wait in process-group shutdown for a dead peer
         # An unexpected error: show it, then leave at once. Its traceback keeps the data loaders alive,
@@ -796,7 +798,7 @@ def run(argv=None):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    if utils.is_dist_avail_and_initialized():
+    if distributed.is_dist_avail_and_initialized():
         if code == 0:
             torch.distributed.destroy_process_group()
         else:

@@ -16,8 +16,9 @@ import torch
 from test_runs import BASE, PY, REPO, env, make_imagefolder, run_main
 
 import checkpoint
+import errors
 import main
-import utils
+import metrics
 from tools import analyze_attention as aa
 
 
@@ -100,7 +101,7 @@ def test_select_weights_errors():
 # ------------------------------------------------------------------------------------------ checksums
 def _write_state(tmp_path, name='checkpoint.pth', **extra):
     run = _run(tmp_path, with_state=True)
-    run.save(0, {'rng_state': [utils.get_rng_state()], **extra}, [name])
+    run.save(0, {'rng_state': [checkpoint.get_rng_state()], **extra}, [name])
     return tmp_path / name
 
 
@@ -177,7 +178,7 @@ def test_disk_full_names_the_cause_and_keeps_the_previous_file(tmp_path, monkeyp
     checkpoint.save_atomic({'w': torch.zeros(10)}, str(path))
     before = path.read_bytes()
     _failing_fdopen(monkeypatch, OSError(errno.ENOSPC, 'No space left on device'))
-    with pytest.raises(utils.CheckpointWriteError) as e:
+    with pytest.raises(errors.CheckpointWriteError) as e:
         checkpoint.save_atomic({'w': torch.zeros(100000)}, str(path))
     assert str(e.value) == (f'could not write checkpoint {path}: no space left on device; '
                             f'the previous checkpoint.pth (if any) is kept')
@@ -213,8 +214,8 @@ def test_a_full_disk_during_the_log_append_is_one_line(tmp_path, monkeypatch):
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, 'No space left on device')
-    monkeypatch.setattr(utils, 'write_json_line', full)
-    with pytest.raises(utils.UserError, match=r'could not append to .*log\.txt: no space left on device; the '
+    monkeypatch.setattr(metrics, 'write_json_line', full)
+    with pytest.raises(errors.UserError, match=r'could not append to .*log\.txt: no space left on device; the '
                                               r'checkpoint of epoch 3 holds the line'):
         run.append_log({'epoch': 3})
 
@@ -280,7 +281,7 @@ def test_resume_follows_the_optimizer_flags_of_the_command_line(tmp_path, capsys
 
 def test_resume_with_another_optimizer_is_refused(tmp_path):
     _write_state(tmp_path)
-    with pytest.raises(utils.CheckpointError) as e:
+    with pytest.raises(errors.CheckpointError) as e:
         _run(tmp_path, ['--opt', 'sgd']).resume(str(tmp_path / 'checkpoint.pth'))
     assert 'is from --opt adamw, this run has --opt sgd: relaunch with --opt adamw' in str(e.value)
 
@@ -295,7 +296,7 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
         (tmp_path / name).write_bytes(b'x')
     (tmp_path / 'log.txt').write_text('{"epoch": 0}\n')
     (tmp_path / 'notes.md').write_text('mine')
-    with pytest.raises(utils.UserError) as e:
+    with pytest.raises(errors.UserError) as e:
         checkpoint.prepare_output_dir(_args(tmp_path, '--no-auto-resume'), 'cpu')
     assert 'already holds a run (checkpoint.pth, best.pth, checkpoint_0049.pth, log.txt): relaunch without ' \
            '--no-auto-resume to continue it' in str(e.value) and '--overwrite' in str(e.value)
@@ -312,11 +313,11 @@ def test_an_unwritable_or_full_output_dir_is_found_before_training(tmp_path, mon
         raise OSError(errno.EROFS, 'Read-only file system')
     with monkeypatch.context() as m:
         m.setattr(checkpoint.tempfile, 'mkstemp', read_only)
-        with pytest.raises(utils.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
+        with pytest.raises(errors.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
             checkpoint.check_room(str(tmp_path), 100, 'cpu')
     monkeypatch.setattr(checkpoint.shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(10 << 30, 0, 150 << 20))
     checkpoint.check_room(str(tmp_path), 70 << 20, 'cpu')
-    with pytest.raises(utils.UserError, match=r'has 150 MiB free, but a checkpoint takes about 80 MiB'):
+    with pytest.raises(errors.UserError, match=r'has 150 MiB free, but a checkpoint takes about 80 MiB'):
         checkpoint.check_room(str(tmp_path), 80 << 20, 'cpu')
     run = _run(tmp_path)
     n = sum(p.numel() for p in run.model.parameters())
@@ -341,24 +342,24 @@ class _FakeCuda:
 
 
 def test_cuda_rng_state_is_the_own_device_only(monkeypatch):
-    saved = utils.get_rng_state()
+    saved = checkpoint.get_rng_state()
     cuda = _FakeCuda(device=3, n_devices=8)
     cuda.install(monkeypatch)
-    state = utils.get_rng_state()
+    state = checkpoint.get_rng_state()
     assert torch.equal(state['cuda'], torch.tensor([3], dtype=torch.uint8))
     one = _FakeCuda(device=0, n_devices=1)  # resumed with one visible GPU per process
     one.install(monkeypatch)
-    utils.set_rng_state(state)
+    checkpoint.set_rng_state(state)
     assert one.set == [(3, 0)]
     old = dict(state, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)])  # older list form
-    utils.set_rng_state(old)
+    checkpoint.set_rng_state(old)
     assert one.set[-1] == (0, 0)
     few = _FakeCuda(device=2, n_devices=4)
     few.install(monkeypatch)
-    utils.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
+    checkpoint.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
     assert few.set == []
     monkeypatch.undo()
-    utils.set_rng_state(saved)
+    checkpoint.set_rng_state(saved)
 
 
 # ------------------------------------------------------------------------------------------ real runs

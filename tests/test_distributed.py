@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-import utils
+import distributed
 
 
 @pytest.fixture
@@ -39,15 +39,15 @@ def fake_nccl(monkeypatch, fake_gpu):
             raise RuntimeError('No backend type associated with device type cpu')
         t.fill_(1.0)
 
-    monkeypatch.setattr(utils, 'is_dist_avail_and_initialized', lambda: True)
-    monkeypatch.setattr(utils.dist, 'broadcast', broadcast)
+    monkeypatch.setattr(distributed, 'is_dist_avail_and_initialized', lambda: True)
+    monkeypatch.setattr(distributed.dist, 'broadcast', broadcast)
 
 
 def test_cpu_tensors_are_broadcast_through_the_gpu(fake_nccl):
     ema = torch.nn.BatchNorm2d(3)  # an EMA kept on the CPU: weights and running statistics
     tensors = list(ema.state_dict().values())
     floating = [t for t in tensors if t.is_floating_point()]
-    utils.broadcast_tensors_(tensors, device='cuda:0')
+    distributed.broadcast_tensors_(tensors, device='cuda:0')
     assert all(t.device.type == 'cpu' for t in tensors)
     assert all(torch.equal(t, torch.ones_like(t)) for t in floating)  # rank 0's values arrived
 
@@ -55,7 +55,7 @@ def test_cpu_tensors_are_broadcast_through_the_gpu(fake_nccl):
 def test_cpu_module_runs_on_the_gpu_for_the_block_and_returns(fake_gpu):
     ema = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
     before = {k: v.clone() for k, v in ema.state_dict().items()}
-    with utils.moved_to(ema, 'cuda:0'):
+    with distributed.moved_to(ema, 'cuda:0'):
         assert all(fake_gpu(t) for t in ema.state_dict().values())
     assert not any(fake_gpu(t) for t in ema.state_dict().values())
     assert all(torch.equal(before[k], v) for k, v in ema.state_dict().items())
@@ -64,7 +64,7 @@ def test_cpu_module_runs_on_the_gpu_for_the_block_and_returns(fake_gpu):
 def test_moved_to_the_same_device_changes_nothing():
     m = torch.nn.Linear(2, 2)
     weight = m.weight
-    with utils.moved_to(m, 'cpu'):
+    with distributed.moved_to(m, 'cpu'):
         assert m.weight is weight
 
 
@@ -89,11 +89,11 @@ def test_slurm_task_seeing_only_its_own_gpu_uses_cuda_0(monkeypatch):
         chosen.append(i)
 
     monkeypatch.setattr(torch.cuda, 'set_device', set_device)
-    monkeypatch.setattr(utils.dist, 'init_process_group', lambda **kw: joined.update(kw))
-    monkeypatch.setattr(utils, 'barrier', lambda: None)
-    monkeypatch.setattr(utils, 'setup_for_distributed', lambda is_master: None)
+    monkeypatch.setattr(distributed.dist, 'init_process_group', lambda **kw: joined.update(kw))
+    monkeypatch.setattr(distributed, 'barrier', lambda: None)
+    monkeypatch.setattr(distributed, 'setup_for_distributed', lambda is_master: None)
     args = argparse.Namespace(device='cuda', local_rank=None, dist_url='env://', dist_timeout=60)
-    utils.init_distributed_mode(args)
+    distributed.init_distributed_mode(args)
     assert chosen == [0] and args.gpu == 0 and args.device == 'cuda:0'
     assert joined['device_id'] == torch.device('cuda', 0) and joined['backend'] == 'nccl'
     assert (args.rank, args.world_size, args.launcher) == (3, 4, 'slurm')
@@ -107,9 +107,9 @@ def test_one_process_under_torchrun_joins_a_process_group(monkeypatch):
     monkeypatch.setenv('RANK', '0')
     monkeypatch.setenv('WORLD_SIZE', '1')
     joined = {}
-    monkeypatch.setattr(utils.dist, 'init_process_group', lambda **kw: joined.update(kw))
-    monkeypatch.setattr(utils, 'barrier', lambda: None)
-    monkeypatch.setattr(utils, 'setup_for_distributed', lambda is_master: None)
+    monkeypatch.setattr(distributed.dist, 'init_process_group', lambda **kw: joined.update(kw))
+    monkeypatch.setattr(distributed, 'barrier', lambda: None)
+    monkeypatch.setattr(distributed, 'setup_for_distributed', lambda is_master: None)
     args = argparse.Namespace(device='cpu', local_rank=None, dist_url='env://', dist_timeout=60)
-    utils.init_distributed_mode(args)
+    distributed.init_distributed_mode(args)
     assert args.distributed and args.dist_backend == 'gloo' and joined['world_size'] == 1

@@ -11,6 +11,7 @@ import torch
 import checkpoint
 import datasets
 import engine
+import errors
 import main
 import utils
 
@@ -97,7 +98,7 @@ def _state():
     m(torch.ones(1, 3)).sum().backward()
     opt.step()
     return {'model': m.state_dict(), 'optimizer': opt.state_dict(), 'epoch': 4, 'max_accuracy': 12.5,
-            'args': utils.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [utils.get_rng_state()]}
+            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [checkpoint.get_rng_state()]}
 
 
 def test_checkpoint_round_trip_weights_only(tmp_path):
@@ -123,7 +124,7 @@ def test_failing_write_keeps_previous_checkpoint_and_names_the_path(tmp_path, mo
         raise OSError(28, 'No space left on device')  # ... then the disk fills up
 
     monkeypatch.setattr(torch, 'save', half_then_disk_full)
-    with pytest.raises(utils.CheckpointWriteError) as ei:
+    with pytest.raises(errors.CheckpointWriteError) as ei:
         checkpoint.save_atomic({'model': {'w': torch.zeros(2)}, 'epoch': 2}, p)
     assert str(p) in str(ei.value) and 'no space left' in str(ei.value)
     assert p.read_bytes() == before
@@ -141,12 +142,12 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
     torch.manual_seed(1)
     np.random.seed(2)
     random.seed(3)
-    checkpoint.save_atomic({'rng': utils.get_rng_state()}, tmp_path / 'r.pth')
+    checkpoint.save_atomic({'rng': checkpoint.get_rng_state()}, tmp_path / 'r.pth')
     want = (torch.rand(3), np.random.rand(3), random.random())
     torch.manual_seed(9)
     np.random.seed(9)
     random.seed(9)
-    utils.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
+    checkpoint.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
 
@@ -183,7 +184,7 @@ def test_non_finite_loss_is_skipped_then_stops_with_epoch_and_step():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = _Loader([(torch.ones(4, 2), torch.zeros(4, dtype=torch.long))] * 6)
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    with pytest.raises(utils.NonFiniteLossError) as ei:
+    with pytest.raises(errors.NonFiniteLossError) as ei:
         engine.train_one_epoch(model, crit, loader, opt, 'cpu', epoch=3, max_bad_steps=2, print_freq=100)
     assert 'epoch 3 step 2' in str(ei.value) and '--max-bad-steps 2' in str(ei.value)
     for k, v in model.state_dict().items():  # skipped steps never touched the weights
@@ -273,7 +274,7 @@ def test_preserved_rng_restores_every_generator():
     seed()
     want = draw()
     seed()
-    with utils.preserved_rng():
+    with checkpoint.preserved_rng():
         draw()
     assert draw() == want
 

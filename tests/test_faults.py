@@ -29,8 +29,8 @@ from test_runs import (
 )
 
 import checkpoint
+import errors
 import main
-import utils
 
 
 @pytest.fixture(scope='module')
@@ -61,33 +61,33 @@ def xt_ckpt(tmp_path_factory):
 def test_not_a_checkpoint(tmp_path):
     p = tmp_path / 'notes.pth'
     p.write_text('these are not weights\n')
-    with pytest.raises(utils.CheckpointError, match=r'is not a PyTorch checkpoint'):
+    with pytest.raises(errors.CheckpointError, match=r'is not a PyTorch checkpoint'):
         checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
 
 
 def test_truncated_checkpoint(xt_ckpt, tmp_path):
     p = tmp_path / 'cut.pth'
     p.write_bytes(xt_ckpt.read_bytes()[: xt_ckpt.stat().st_size // 2])
-    with pytest.raises(utils.CheckpointError, match=r'truncated or corrupt'):
+    with pytest.raises(errors.CheckpointError, match=r'truncated or corrupt'):
         checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
 
 
 def test_arbitrary_objects_are_never_unpickled(xt_ckpt, tmp_path):
     p = tmp_path / 'obj.pth'
     torch.save({'model': load(xt_ckpt)['model'], 'extra': fractions.Fraction(1, 3)}, p)
-    with pytest.raises(utils.CheckpointError, match=r'refusing to unpickle'):
+    with pytest.raises(errors.CheckpointError, match=r'refusing to unpickle'):
         checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
 
 
 def test_checkpoint_of_another_variant_names_it(xt_ckpt):
     import timm
     t = timm.create_model('NALAFORMER_T', num_classes=3)
-    with pytest.raises(utils.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
+    with pytest.raises(errors.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
         checkpoint.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
 
 
 def test_other_number_of_classes_points_to_finetune(xt_ckpt):
-    with pytest.raises(utils.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
+    with pytest.raises(errors.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
         checkpoint.load_model_weights(_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
 
 

@@ -13,7 +13,9 @@ import timm
 import torch
 
 import engine
+import errors
 import main
+import metrics
 import models  # noqa: F401  (registers the variants)
 import utils
 from models.nalaformer import VARIANTS
@@ -106,7 +108,7 @@ def test_an_epoch_of_skipped_steps_changes_nothing_and_logs_strict_json(one_thre
     assert_bitwise_equal(model.state_dict(), before)
     assert_bitwise_equal(ema.module.state_dict(), before)
     assert math.isnan(res.stats['loss'])
-    utils.write_json_line(tmp_path / 'log.txt', {f'train_{k}': v for k, v in res.stats.items()})
+    metrics.write_json_line(tmp_path / 'log.txt', {f'train_{k}': v for k, v in res.stats.items()})
 
     def no_constants(name):
         raise ValueError(f'non-standard JSON constant {name}')
@@ -121,7 +123,7 @@ def test_consecutive_bad_steps_are_counted_across_epochs(one_thread):
     assert res.carry.bad_steps == 2
     carry = engine.TrainCarry.from_state(res.carry.state_dict())  # as saved in and loaded from a checkpoint
     carry.skipped_steps = 0  # a new epoch
-    with pytest.raises(utils.NonFiniteLossError) as ei:
+    with pytest.raises(errors.NonFiniteLossError) as ei:
         train(model, [poisoned(good[0]), good[1]], epoch=1, max_bad_steps=2, carry=carry, ema=ema)
     assert 'epoch 1 step 0' in str(ei.value) and '3 consecutive' in str(ei.value)
 

@@ -28,9 +28,8 @@ from PIL import Image, UnidentifiedImageError
 import checkpoint
 import datasets
 import models  # noqa: F401  (registers the variants)
-import utils
+from errors import CheckpointError, UserError, first_line
 from tools.release import WEIGHT_CHOICES, select_weights
-from utils import CheckpointError, UserError
 
 
 def list_images(paths: Sequence[str]) -> List[str]:
@@ -71,7 +70,7 @@ def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.T
                 meta = f.metadata() or {}
                 sd = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:  # safetensors raises its own error types
-            raise CheckpointError(f'{path} is not a readable safetensors file ({utils.first_line(e)})') from e
+            raise CheckpointError(f'{path} is not a readable safetensors file ({first_line(e)})') from e
         return sd, _run_info(meta, 'crop_pct')
     ckpt = checkpoint.load_checkpoint_file(path)
     sd, _ = select_weights(ckpt, weights, path)
@@ -121,7 +120,7 @@ def predict(model: torch.nn.Module, transform, images: Sequence[str], topk: int 
                 with Image.open(path) as im:
                     batch.append(transform(im.convert('RGB')))
             except (UnidentifiedImageError, OSError) as e:
-                raise UserError(f'{path}: cannot read this image ({utils.first_line(e)}); remove it or pass other '
+                raise UserError(f'{path}: cannot read this image ({first_line(e)}); remove it or pass other '
                                 f'files') from e
         probs = model(torch.stack(batch).to(device)).float().softmax(dim=1)
         values, indices = probs.topk(k, dim=1)

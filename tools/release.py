@@ -30,7 +30,7 @@ import checkpoint
 import datasets
 import models  # noqa: F401  (registers the variants)
 from checkpoint import describe_mismatch, load_checkpoint_file, saved_args
-from utils import CheckpointError, UserError
+from errors import CheckpointError, UserError
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 

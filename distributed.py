@@ -1,0 +1,183 @@
+"""The process group: which launcher started this process, joining the group, and the few collectives the
+engine uses (DeiT's distributed helpers, with SLURM's srun and one-line errors for a failed rendezvous)."""
+import argparse
+import contextlib
+import datetime
+import hashlib
+import os
+import subprocess
+from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from errors import PeerLostError, first_line
+
+
+def is_dist_avail_and_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def launch_env() -> Tuple[int, int, int, str]:
+    """(rank, world_size, local_rank, launcher) read from the environment, without starting anything.
+
+    torchrun and `torch.distributed.launch --use_env` set RANK/WORLD_SIZE/LOCAL_RANK; SLURM's srun
+    sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; otherwise this is a plain single process.
+    """
+    env = os.environ
+    if 'RANK' in env and 'WORLD_SIZE' in env:
+        return int(env['RANK']), int(env['WORLD_SIZE']), int(env.get('LOCAL_RANK', 0)), 'torchrun'
+    if 'SLURM_PROCID' in env and int(env.get('SLURM_NTASKS', '1')) > 1:
+        return int(env['SLURM_PROCID']), int(env['SLURM_NTASKS']), int(env.get('SLURM_LOCALID', 0)), 'slurm'
+    return 0, 1, 0, 'none'
+
+
+def _slurm_master_addr() -> str:
+    nodelist = (os.environ.get('SLURM_STEP_NODELIST') or os.environ.get('SLURM_JOB_NODELIST')
+                or os.environ.get('SLURM_NODELIST', ''))
+    try:
+        out = subprocess.run(['scontrol', 'show', 'hostnames', nodelist], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    # simple fallback for "node[01-04],other" style lists: take the first host
+    first = nodelist.split(',')[0]
+    if '[' in first:
+        prefix, rest = first.split('[', 1)
+        first = prefix + rest.split('-')[0].split(',')[0].rstrip(']')
+    return first or '127.0.0.1'
+
+
+def init_distributed_mode(args: argparse.Namespace) -> None:
+    """Start the process group when a launcher (torchrun, srun with several tasks) started this process, also
+    for one process; sets args.rank, args.world_size, args.gpu, args.distributed, args.dist_backend and
+    args.device.
+
+    timm.utils.init_distributed_device is not used: it sets no MASTER_ADDR under srun, no timeout, no GPU per task.
+    """
+    rank, world_size, local_rank, launcher = launch_env()
+    if args.local_rank is not None and launcher == 'none':
+        # old `torch.distributed.launch` without --use_env passes --local-rank; the rest is in env
+        local_rank = args.local_rank
+    use_cuda = str(args.device).startswith('cuda') and torch.cuda.is_available()
+    # the GPU of this process among those it can see: with one GPU per task (SLURM's --gpus-per-task, or
+    # CUDA_VISIBLE_DEVICES set per process) every process sees only its own, as cuda:0 (as DeiT does)
+    gpu = local_rank % torch.cuda.device_count() if use_cuda else local_rank
+    args.rank, args.world_size, args.gpu, args.launcher = rank, world_size, gpu, launcher
+    if use_cuda:
+        args.device = f'cuda:{gpu}' if launcher != 'none' else (args.device if ':' in str(args.device) else 'cuda')
+    else:
+        args.device = 'cpu'
+    if launcher == 'none':  # a launcher starts a process group even for one process (DDP paths on one GPU)
+        args.distributed = False
+        args.dist_backend = None
+        return
+    if launcher == 'slurm':
+        os.environ.setdefault('MASTER_ADDR', _slurm_master_addr())
+        os.environ.setdefault('MASTER_PORT', '29500')
+        os.environ['RANK'], os.environ['WORLD_SIZE'] = str(rank), str(world_size)
+        os.environ['LOCAL_RANK'] = str(local_rank)
+    args.distributed = True
+    args.dist_backend = 'nccl' if use_cuda else 'gloo'
+    if use_cuda:
+        torch.cuda.set_device(gpu)
+    kwargs = dict(backend=args.dist_backend, init_method=args.dist_url, world_size=world_size, rank=rank,
+                  timeout=datetime.timedelta(seconds=args.dist_timeout))
+    if use_cuda:
+        kwargs['device_id'] = torch.device('cuda', gpu)
+    try:
+        dist.init_process_group(**kwargs)
+    except Exception as e:  # report rendezvous problems as one line
+        raise PeerLostError(f'could not join the process group (rank {rank} of {world_size}, '
+                            f'{args.dist_url}, backend {args.dist_backend}): {first_line(e)}') from e
+    barrier()
+    setup_for_distributed(rank == 0)
+
+
+def barrier() -> None:
+    if is_dist_avail_and_initialized():
+        dist.barrier()
+
+
+def setup_for_distributed(is_master: bool) -> None:
+    """Only rank 0 prints, unless print(..., force=True)."""
+    import builtins as __builtin__
+    builtin_print = __builtin__.print
+
+    def print(*args, **kwargs):
+        force = kwargs.pop('force', False)
+        if is_master or force:
+            builtin_print(*args, **kwargs)
+
+    __builtin__.print = print
+
+
+def broadcast_tensors_(tensors: Iterable[torch.Tensor], src: int = 0, device: Any = None) -> None:
+    """Overwrite the tensors of every rank with rank `src`'s (in place). A tensor not on `device` (the
+    process group's device) travels through it: NCCL only broadcasts CUDA tensors, and an EMA kept on the
+    CPU (--model-ema-force-cpu) holds CPU tensors."""
+    if not is_dist_avail_and_initialized():
+        return
+    device = torch.device(device) if device is not None else None
+    for t in tensors:
+        if device is None or t.device == device:
+            dist.broadcast(t.data, src)
+        else:
+            staged = t.data.to(device)
+            dist.broadcast(staged, src)
+            t.data.copy_(staged)
+
+
+@contextlib.contextmanager
+def moved_to(module: torch.nn.Module, device: Any) -> Iterator[torch.nn.Module]:
+    """Run the block with `module` on `device`, then move it back to where its parameters were (evaluate
+    a CPU-held EMA on the GPU the data and the collectives of the evaluation use)."""
+    home = next(module.parameters()).device
+    device = torch.device(device)
+    if device == home:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to(home)
+
+
+def all_reduce_sum(values: Sequence[float], device: Any) -> List[float]:
+    """Sum a list of numbers over all processes (float64 so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if is_dist_avail_and_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_max(values: Sequence[float], device: Any) -> List[float]:
+    """Element-wise maximum of a list of numbers over all processes (flags: any rank set it)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if is_dist_avail_and_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def state_digest(state_dict: Dict[str, torch.Tensor]) -> str:
+    """sha256 over the names and bytes of a state dict (compare weights across ranks/runs)."""
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        v = state_dict[k].detach().cpu().contiguous()
+        h.update(k.encode())
+        h.update(v.view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b'')
+    return h.hexdigest()[:16]

@@ -1,0 +1,37 @@
+"""Errors that end a run with one line and a non-zero exit status (no stack trace), and how that line is
+written (docs/usage.md lists the messages)."""
+import sys
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad flag, bad file, bad checkpoint): printed as one line."""
+
+    exit_code = 1
+
+
+class CheckpointError(UserError):
+    pass
+
+
+class CheckpointWriteError(UserError):
+    pass
+
+
+class NonFiniteLossError(UserError):
+    pass
+
+
+class PeerLostError(UserError):
+    """Another process of the job died or stopped answering."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    msg = str(e).strip().splitlines()
+    return msg[0] if msg else type(e).__name__
+
+
+def eprint(*a) -> None:
+    """Print to stderr on every rank (error lines)."""
+    sys.stderr.write(' '.join(str(x) for x in a) + '\n')
+    sys.stderr.flush()

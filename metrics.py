@@ -1,0 +1,128 @@
+"""Progress output and the run's log: DeiT's MetricLogger/SmoothedValue (with an img/s meter) and log.txt's
+strict-JSON lines."""
+import datetime
+import json
+import math
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+import numpy as np
+import torch
+
+from distributed import all_reduce_sum, is_dist_avail_and_initialized
+
+
+class SmoothedValue:
+    """A series of numbers: median/average of the last `window_size` values and the average of all, summed over
+    ranks by synchronize_between_processes (timm.utils.AverageMeter has neither the window nor the sum)."""
+
+    def __init__(self, window_size=20, fmt=None):
+        self.deque = deque(maxlen=window_size)
+        self.total = 0.0
+        self.count = 0
+        self.fmt = fmt or '{median:.4f} ({global_avg:.4f})'
+
+    def update(self, value, n=1):
+        self.deque.append(value)
+        self.count += n
+        self.total += value * n
+
+    def synchronize_between_processes(self, device='cpu'):
+        if not is_dist_avail_and_initialized():
+            return
+        count, total = all_reduce_sum([self.count, self.total], device)
+        self.count, self.total = int(count), total
+
+    @property
+    def median(self):
+        return float(np.median(list(self.deque))) if self.deque else 0.0
+
+    @property
+    def avg(self):
+        return float(np.mean(list(self.deque))) if self.deque else 0.0
+
+    @property
+    def global_avg(self):
+        return self.total / max(self.count, 1)
+
+    @property
+    def max(self):
+        return max(self.deque) if self.deque else 0.0
+
+    @property
+    def value(self):
+        return self.deque[-1] if self.deque else 0.0
+
+    def __str__(self):
+        return self.fmt.format(median=self.median, avg=self.avg, global_avg=self.global_avg,
+                               max=self.max, value=self.value)
+
+
+class MetricLogger:
+    """Named SmoothedValues of a loop, printed as one progress line every `print_freq` steps (log_every)."""
+
+    def __init__(self, delimiter='  '):
+        self.meters = defaultdict(SmoothedValue)
+        self.delimiter = delimiter
+
+    def update(self, n=1, **kwargs):
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            self.meters[k].update(float(v), n=n)
+
+    def __getattr__(self, attr):
+        if attr in self.__dict__.get('meters', {}):
+            return self.meters[attr]
+        raise AttributeError(attr)
+
+    def __str__(self):
+        return self.delimiter.join(f'{name}: {meter}' for name, meter in self.meters.items())
+
+    def synchronize_between_processes(self, device='cpu'):
+        for meter in self.meters.values():
+            meter.synchronize_between_processes(device)
+
+    def add_meter(self, name, meter):
+        self.meters[name] = meter
+
+    def log_every(self, iterable, print_freq, header='', total=None, start=0, images_per_step=None):
+        """Yield from `iterable`, printing a progress line (ETA, meters, img/s) every `print_freq` steps."""
+        total = len(iterable) if total is None else total
+        start_time = end = time.time()
+        iter_time = SmoothedValue(fmt='{avg:.4f}')
+        data_time = SmoothedValue(fmt='{avg:.4f}')
+        width = len(str(total))
+        for i, obj in enumerate(iterable, start=start):
+            data_time.update(time.time() - end)
+            yield obj
+            iter_time.update(time.time() - end)
+            if i % print_freq == 0 or i == total - 1:
+                eta = str(datetime.timedelta(seconds=int(iter_time.global_avg * (total - i - 1))))
+                ips = ''
+                if images_per_step and iter_time.avg > 0:
+                    ips = f'{self.delimiter}img/s: {images_per_step / iter_time.avg:.1f}'
+                print(f'{header} [{i:>{width}}/{total}]{self.delimiter}eta: {eta}{self.delimiter}{self}'
+                      f'{ips}{self.delimiter}time: {iter_time}{self.delimiter}data: {data_time}', flush=True)
+            end = time.time()
+        total_time = str(datetime.timedelta(seconds=int(time.time() - start_time)))
+        print(f'{header} Total time: {total_time}', flush=True)
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, inf) replaced by None, so that it serialises as strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json_line(path: Any, obj: Any) -> None:
+    """Append `obj` as one strict-JSON line (non-finite numbers written as null)."""
+    with open(path, 'a') as f:
+        f.write(json.dumps(json_safe(obj), allow_nan=False) + '\n')
+        f.flush()
