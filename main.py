@@ -12,14 +12,12 @@ import datetime
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
 import traceback
 import warnings
 
-import numpy as np
 import torch
 
 import checkpoint
@@ -30,6 +28,8 @@ from errors import UserError, eprint, first_line
 
 
 def str2bool_flag(parser, name, default, help_on, dest=None):
+    """--name / --no-name setting one boolean (the last one given wins), help text on --name."""
+    # not timm.utils.add_bool_arg: it makes the pair exclusive (tools/smoke.py appends --model-ema to --no-model-ema)
     dest = dest or name.replace('-', '_')
     parser.add_argument(f'--{name}', action='store_true', dest=dest, help=help_on)
     parser.add_argument(f'--no-{name}', action='store_false', dest=dest)
@@ -429,12 +429,6 @@ def build_criterion(args, mixup_active: bool) -> torch.nn.Module:
     return torch.nn.CrossEntropyLoss()
 
 
-def seed_everything(seed):
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-
-
 def count_flops(model, input_size, device):
     """fvcore FLOPs (multiply-adds) of one image (models.flops.count_flops); None if fvcore fails.
     The model is counted where it is (``device`` is unused: kept for callers)."""
@@ -495,12 +489,12 @@ def main(args, parser):
 
     import timm
     from timm.data import Mixup
-    from timm.utils import ModelEmaV3
+    from timm.utils import ModelEmaV3, distribute_bn, random_seed
 
     import engine
     from losses import DistillationLoss
 
-    seed_everything(args.seed + rank)
+    random_seed(args.seed, rank)  # torch, numpy and python seeded with --seed + rank
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
     engine.set_tf32(device, args.tf32)
@@ -687,7 +681,7 @@ def main(args, parser):
         if args.distributed:
             # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
             # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
-            distributed.broadcast_tensors_(list(model_without_ddp.buffers()))
+            distribute_bn(model_without_ddp, world, reduce=False)
             if model_ema is not None:  # a CPU EMA (--model-ema-force-cpu) goes through the device under NCCL
                 distributed.broadcast_tensors_(list(model_ema.module.state_dict().values()), device=device)
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
