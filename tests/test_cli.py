@@ -74,6 +74,20 @@ def test_good_flags_pass(argv, plain_process):
     main.validate_args(args, main.get_args_parser())
 
 
+@pytest.mark.parametrize('name, dest', [('model-ema', 'model_ema'), ('repeated-aug', 'repeated_aug'),
+                                        ('train-mode', 'train_mode'), ('auto-resume', 'auto_resume'),
+                                        ('pin-mem', 'pin_mem'), ('tf32', 'tf32'), ('sync-bn', 'sync_bn')])
+def test_paired_switches_default_on_and_the_last_one_wins(name, dest):
+    """--x / --no-x: on by default; a later one overrides an earlier one (tools/smoke.py appends --model-ema to
+    base flags holding --no-model-ema), and only --x carries the help text."""
+    parser = main.get_args_parser()
+    value = lambda *argv: getattr(parser.parse_args(list(argv)), dest)  # noqa: E731
+    assert value() is True and value(f'--{name}') is True and value(f'--no-{name}') is False
+    assert value(f'--no-{name}', f'--{name}') is True and value(f'--{name}', f'--no-{name}') is False
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.dest == dest}
+    assert helps[f'--{name}'] and helps[f'--no-{name}'] is None
+
+
 def test_world_size_matching_the_launcher_passes(monkeypatch):
     monkeypatch.setenv('RANK', '0')
     monkeypatch.setenv('WORLD_SIZE', '4')
