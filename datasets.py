@@ -114,6 +114,8 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+import distributed
+
 __all__ = [
     "DataLayoutError", "BadSampleError", "BadSampleWarning", "IGNORE_TARGET", "RobustImageFolder",
     "INatDataset", "build_dataset", "build_transform", "data_config", "eval_transform", "default_data_path",
@@ -965,11 +967,6 @@ def evaluate_real(loader: Any, model: torch.nn.Module, real: RealLabels, device:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             output = model(images)
         counts += real.count(output.float().cpu(), index)
-    if sum_over_ranks:
-        import torch.distributed as dist
-        t = counts.to(device)
-        dist.all_reduce(t)
-        counts = t.cpu()
-    hit1, hit5, n = counts.tolist()
+    hit1, hit5, n = distributed.all_reduce_sum(counts.tolist(), device) if sum_over_ranks else counts.tolist()
     return {"acc1": 100.0 * hit1 / n if n else float("nan"),
             "acc5": 100.0 * hit5 / n if n else float("nan"), "n": int(n)}
