@@ -1,19 +1,21 @@
 """The checkpoint format (checkpoint.py): which weights every loader takes, checksums, atomic writes and
-their error messages, crash repair on resume, optimizer flags on resume, the output-directory checks and
-the per-device CUDA RNG state. Fast tests build tiny models in-process; the real-process runs are slow."""
+their error messages, crash repair on resume, optimizer flags on resume, the output-directory checks, the RNG state, and
+weights that do not fit the model. Tiny models in-process; the killed-process runs are in test_faults.py."""
 import errno
+import fractions
 import io
 import json
 import os
+import random
 import re
 import shutil
-import subprocess
 from argparse import Namespace
 
+import numpy as np
 import pytest
 import timm
 import torch
-from test_runs import BASE, PY, REPO, env, make_imagefolder, run_main
+from conftest import build_xt, load, parse
 
 import checkpoint
 import errors
@@ -324,7 +326,125 @@ def test_an_unwritable_or_full_output_dir_is_found_before_training(tmp_path, mon
     assert run.estimate_bytes() == 4 * n * 3  # weights + two optimizer moments, fp32
 
 
-# ------------------------------------------------------------------------------------------ RNG
+# ------------------------------------------------------------------------------------ atomic round trip
+def _state():
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return {'model': m.state_dict(), 'optimizer': opt.state_dict(), 'epoch': 4, 'max_accuracy': 12.5,
+            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [checkpoint.get_rng_state()]}
+
+
+def test_checkpoint_round_trip_weights_only(tmp_path):
+    st = _state()
+    p = tmp_path / 'checkpoint.pth'
+    checkpoint.save_atomic(st, p)
+    back = torch.load(p, weights_only=True)
+    assert back['epoch'] == 4 and back['max_accuracy'] == 12.5 and isinstance(back['args'], dict)
+    assert back['args']['output_dir'] == 'x'
+    for k, v in st['model'].items():
+        assert torch.equal(v, back['model'][k])
+    assert os.listdir(tmp_path) == ['checkpoint.pth']  # no temporary file left behind
+
+
+def test_failing_write_keeps_previous_checkpoint_and_names_the_path(tmp_path, monkeypatch):
+    p = tmp_path / 'checkpoint.pth'
+    checkpoint.save_atomic({'model': {'w': torch.ones(2)}, 'epoch': 1}, p)
+    before = p.read_bytes()
+    real_save = torch.save
+
+    def half_then_disk_full(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)  # bytes reach the temporary file ...
+        raise OSError(28, 'No space left on device')  # ... then the disk fills up
+
+    monkeypatch.setattr(torch, 'save', half_then_disk_full)
+    with pytest.raises(errors.CheckpointWriteError) as ei:
+        checkpoint.save_atomic({'model': {'w': torch.zeros(2)}, 'epoch': 2}, p)
+    assert str(p) in str(ei.value) and 'no space left' in str(ei.value)
+    assert p.read_bytes() == before
+    assert os.listdir(tmp_path) == ['checkpoint.pth']
+
+
+def test_stale_temporary_files_are_removed(tmp_path):
+    (tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.abc')).write_bytes(b'partial')
+    (tmp_path / 'checkpoint.pth').write_bytes(b'keep')
+    checkpoint.remove_stale_tmp(str(tmp_path))
+    assert os.listdir(tmp_path) == ['checkpoint.pth']
+
+
+# ------------------------------------------------------------------------------ weights that do not fit
+@pytest.fixture(scope='module')
+def xt_ckpt(tmp_path_factory):
+    p = tmp_path_factory.mktemp('ck') / 'xt.pth'
+    torch.save({'model': build_xt(3).state_dict(), 'epoch': 0}, p)
+    return p
+
+
+def test_not_a_checkpoint(tmp_path):
+    p = tmp_path / 'notes.pth'
+    p.write_text('these are not weights\n')
+    with pytest.raises(errors.CheckpointError, match=r'is not a PyTorch checkpoint'):
+        checkpoint.load_model_weights(build_xt(), str(p), 'NALAFORMER_XT')
+
+
+def test_truncated_checkpoint(xt_ckpt, tmp_path):
+    p = tmp_path / 'cut.pth'
+    p.write_bytes(xt_ckpt.read_bytes()[: xt_ckpt.stat().st_size // 2])
+    with pytest.raises(errors.CheckpointError, match=r'truncated or corrupt'):
+        checkpoint.load_model_weights(build_xt(), str(p), 'NALAFORMER_XT')
+
+
+def test_arbitrary_objects_are_never_unpickled(xt_ckpt, tmp_path):
+    p = tmp_path / 'obj.pth'
+    torch.save({'model': load(xt_ckpt)['model'], 'extra': fractions.Fraction(1, 3)}, p)
+    with pytest.raises(errors.CheckpointError, match=r'refusing to unpickle'):
+        checkpoint.load_model_weights(build_xt(), str(p), 'NALAFORMER_XT')
+
+
+def test_checkpoint_of_another_variant_names_it(xt_ckpt):
+    import timm
+    t = timm.create_model('NALAFORMER_T', num_classes=3)
+    with pytest.raises(errors.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
+        checkpoint.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
+
+
+def test_other_number_of_classes_points_to_finetune(xt_ckpt):
+    with pytest.raises(errors.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
+        checkpoint.load_model_weights(build_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
+
+# RNG state: a round trip through a weights-only file, preserved_rng, the CUDA state of the own device only
+def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    checkpoint.save_atomic({'rng': checkpoint.get_rng_state()}, tmp_path / 'r.pth')
+    want = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(9)
+    np.random.seed(9)
+    random.seed(9)
+    checkpoint.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+
+
+def test_preserved_rng_restores_every_generator():
+    def seed():
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+
+    def draw():
+        return torch.rand(1).item(), float(np.random.rand()), random.random()
+
+    seed()
+    want = draw()
+    seed()
+    with checkpoint.preserved_rng():
+        draw()
+    assert draw() == want
+
+
 class _FakeCuda:
     def __init__(self, device, n_devices):
         self.device, self.set = device, []
@@ -360,38 +480,3 @@ def test_cuda_rng_state_is_the_own_device_only(monkeypatch):
     assert few.set == []
     monkeypatch.undo()
     checkpoint.set_rng_state(saved)
-
-
-# ------------------------------------------------------------------------------------------ real runs
-@pytest.fixture(scope='module')
-def data(tmp_path_factory):
-    return make_imagefolder(tmp_path_factory.mktemp('tinyc'))
-
-
-@pytest.mark.slow
-def test_killed_between_the_writes_then_resumed(data, tmp_path):
-    """The process dies right after checkpoint.pth of epoch 0 (always a new best) is renamed into place:
-    best.pth and the log line of epoch 0 are missing. The same command repairs both."""
-    out = tmp_path / 'out'
-    args = BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(out), '--no-model-ema']
-    script = tmp_path / 'inject.py'
-    script.write_text(
-        'import os, sys, checkpoint, main\n'
-        'real = checkpoint.save_atomic\n'
-        'def save(state, path):\n'
-        '    real(state, path)\n'
-        '    if path.endswith("checkpoint.pth"):\n'
-        '        os._exit(9)\n'
-        'checkpoint.save_atomic = save\n'
-        'sys.exit(main.run(sys.argv[1:]))\n')
-    p = subprocess.run([PY, str(script)] + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, capture_output=True,
-                       text=True, timeout=240)
-    assert p.returncode == 9, p.stderr[-2000:]
-    ck = torch.load(out / 'checkpoint.pth', weights_only=True)
-    assert ck['epoch'] == 0 and ck['files'] == ['checkpoint.pth', 'best.pth'] and ck['best_epoch'] == 0
-    assert sorted(os.listdir(out)) == ['checkpoint.pth']
-    p = run_main(args)  # the same command: nothing left to train, the state is repaired
-    assert re.search(r'Repaired \S+best\.pth: it was missing', p.stdout), p.stdout[-3000:]
-    assert 'added the line of epoch 0' in p.stdout
-    assert (out / 'best.pth').read_bytes() == (out / 'checkpoint.pth').read_bytes()
-    assert [json.loads(x) for x in open(out / 'log.txt')] == [ck['log']]

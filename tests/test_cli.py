@@ -1,12 +1,14 @@
 """The command line of main.py: flags that would crash or quietly do harm end in an argparse-style error
-(exit 2) naming the flag, before any work; sensible values still pass."""
-import os
+(exit 2) naming the flag, before any work; sensible values still pass; the defaults are the published
+recipe and the reference's flag spellings are accepted."""
 import re
-import shutil
-import signal
+import sys
 
 import pytest
+import torch
+from conftest import parse
 
+import datasets
 import main
 
 LAUNCH_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID')
@@ -94,39 +96,84 @@ def test_world_size_matching_the_launcher_passes(monkeypatch):
     assert parse_and_validate(['--world_size', '4']).world_size == 4
 
 
-# ------------------------------------------------------------------------------------------ signals
-SIG_RUN = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
-           '--num_workers', '0', '--no-flops', '--unscale-lr', '--lr', '2e-3', '--warmup-epochs', '0', '--epochs', '1',
-           '--mixup', '0', '--cutmix', '0', '--no-model-ema']
+# ------------------------------------------------------------------------------------------ recipe, more flags
+def test_defaults_are_the_published_recipe():
+    a = parse()
+    assert (a.batch_size, a.epochs, a.lr, a.opt, a.weight_decay, a.opt_eps) == (128, 300, 5e-4, 'adamw', 0.05, 1e-8)
+    assert (a.sched, a.min_lr, a.warmup_lr, a.warmup_epochs) == ('cosine', 1e-5, 1e-6, 5)
+    assert a.clip_grad is None and a.opt_betas is None  # AdamW default betas (0.9, 0.999), no clipping
+    assert (a.aa, a.color_jitter, a.train_interpolation) == ('rand-m9-mstd0.5-inc1', 0.4, 'bicubic')
+    assert (a.reprob, a.remode, a.recount) == (0.25, 'pixel', 1)
+    assert (a.mixup, a.cutmix, a.mixup_prob, a.mixup_switch_prob, a.mixup_mode) == (0.8, 1.0, 1.0, 0.5, 'batch')
+    assert a.smoothing == 0.1 and a.repeated_aug and a.model_ema and a.model_ema_decay == 0.99996
+    assert a.drop_path is None and a.drop == 0.0 and a.eval_crop_ratio is None and a.sync_bn  # None: the model's
+    assert datasets.data_config(a.model, a.input_size, a.eval_crop_ratio)['crop_pct'] == 0.875
+    assert a.data_set == 'IMNET' and a.dist_url == 'env://'
 
 
-@pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-    """A finished 1-epoch run whose validation set is long enough (300 images, one per batch) to signal."""
-    from test_runs import make_imagefolder, run_main
-    data = make_imagefolder(tmp_path_factory.mktemp('sig'), n_train=4, n_val=100)
-    out = str(tmp_path_factory.mktemp('sigrun') / 'out')
-    run_main(SIG_RUN + ['--data-path', data, '--output_dir', out])
-    return data, out
+def test_reference_flag_spellings_are_accepted():
+    a = parse('--output_dir', 'o', '--start_epoch', '3', '--num_workers', '2', '--world_size', '1',
+              '--dist_url', 'env://', '--no-model-ema', '--no-repeated-aug', '--no-pin-mem', '--amp',
+              '--local_rank', '0', '--dist-eval', '--drop-path', '0.3', '--data-set', 'DIGITS')
+    assert (a.output_dir, a.start_epoch, a.num_workers, a.amp) == ('o', 3, 2, 'fp16')
+    assert not a.model_ema and not a.repeated_aug and not a.pin_mem and a.dist_eval and a.drop_path == 0.3
+    assert parse('--output-dir', 'p', '--amp', 'bf16').output_dir == 'p'
+    assert parse('--amp', 'bf16').amp == 'bf16'
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('mode, sig', [('eval', signal.SIGTERM), ('nothing-to-train', signal.SIGINT)])
-def test_signal_stops_evaluation_at_the_next_batch(trained, mode, sig, tmp_path):
-    from test_faults import _signal_when, _start
-    from test_runs import PY
-    data, out = trained
-    flags = ['--batch-size', '1', '--print-freq', '1', '--data-path', data]
-    if mode == 'eval':
-        cmd = [PY, 'main.py'] + SIG_RUN + flags + ['--eval', '--resume', os.path.join(out, 'checkpoint.pth')]
-    else:  # the same command again after the last epoch: the checkpoint is evaluated
-        shutil.copytree(out, tmp_path / 'out')
-        cmd = [PY, 'main.py'] + SIG_RUN + flags + ['--output_dir', str(tmp_path / 'out')]
-    proc = _start(cmd)
-    stdout, stderr, waited = _signal_when(proc, r'Test: \[ *2/300\]', sig)
-    assert proc.returncode == 128 + sig, stdout[-2000:] + stderr[-2000:]
-    assert 'Traceback' not in stderr, stderr[-3000:]
-    m = re.search(rf'Evaluation stopped by {sig.name} after (\d+) of 300 images', stdout)
-    assert m and int(m.group(1)) < 300, stdout[-3000:]
-    assert 'Accuracy of the network' not in stdout
-    assert waited < 30
+def test_layer_decay_out_of_range_is_an_argument_error(capsys):
+    parser = main.get_args_parser()
+    args = parser.parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '1.5'])
+    with pytest.raises(SystemExit) as e:
+        main.validate_args(args, parser)
+    assert e.value.code == 2 and '--layer-decay must be in (0, 1]' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--sched', 'plateau'], r"--sched: invalid choice: 'plateau'"),
+    (['--accum-steps', '0'], r'--accum-steps must be at least 1, got 0'),
+    (['--bce-target-thresh', '0.2'], r'--bce-target-thresh needs --bce-loss'),
+])
+def test_refused_recipe_flags_fail_like_argparse(argv, message, capsys):
+    parser = main.get_args_parser()
+    with pytest.raises(SystemExit) as ei:
+        main.validate_args(parser.parse_args(argv), parser)
+    assert ei.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_tf32_is_on_by_default_and_can_be_turned_off():
+    assert parse().tf32 is True and parse('--no-tf32').tf32 is False
+    assert parse('--tf32').tf32 is True
+
+
+def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, 'tensorboard', None)  # as if it were not installed
+    parser = main.get_args_parser()
+    args = parser.parse_args(['--model', 'NALAFORMER_XT', '--log-dir', 'runs/x'])
+    with pytest.raises(SystemExit) as e:
+        main.validate_args(args, parser)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and 'pip install tensorboard' in err[-1] and '--log-dir' in err[-1]
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--model', 'NOT_A_MODEL'], r"unknown model 'NOT_A_MODEL'; known NaLaFormer variants: NALAFORMER_B, NALAFORMER_L"),
+    (['--distillation-type', 'hard', '--teacher-path', 't.pth', '--finetune', 'x.pth'],
+     r'--distillation-type with --finetune'),
+    (['--eval'], r'--eval needs a checkpoint'),
+    (['--batch-size', '0'], r'--batch-size must be at least 1'),
+    (['--batch-size', '5'], r'--batch-size 5 is odd; mixup'),
+    (['--resume', '/nonexistent/ck.pth'], r'--resume /nonexistent/ck.pth: no such file'),
+    (['--teacher-path', 'https://x/y.pth', '--distillation-type', 'soft'], r'local file'),
+])
+def test_incompatible_flags_fail_like_argparse_before_any_work(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('RANK', '0')
+    with pytest.raises(SystemExit) as ei:
+        main.run(argv + ['--data-path', '/nonexistent'])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert 'usage:' in err and 'Traceback' not in err
+    assert not torch.distributed.is_initialized()

@@ -4,8 +4,7 @@ import subprocess
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 
 # Allocates, touches and frees a 64 MiB tensor 20 times; prints the page faults of the last 4 rounds
 # (with retain, glibc's heap takes up to ~10 rounds of alignment leftovers before it reuses blocks).
@@ -26,8 +25,8 @@ print(retained, sum(faults[-4:]))
 
 
 def faults_of_last_rounds(mode: str):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1')
-    out = subprocess.run([sys.executable, '-c', SCRIPT, mode], env=env, cwd=ROOT, capture_output=True,
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1')
+    out = subprocess.run([sys.executable, '-c', SCRIPT, mode], env=env, cwd=REPO, capture_output=True,
                          text=True, check=True).stdout.split()
     return out[0], int(out[1])
 

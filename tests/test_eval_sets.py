@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO
 from PIL import Image
 
 import datasets as D
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
@@ -36,7 +35,7 @@ def test_eval_prints_every_set_asked_for(tmp_path):
     model = timm.create_model("NALAFORMER_XT", num_classes=3).eval()
     torch.save({"model": model.state_dict()}, tmp_path / "ck.pth")
 
-    cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--eval", "--resume", str(tmp_path / "ck.pth"),
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), "--eval", "--resume", str(tmp_path / "ck.pth"),
            "--model", "NALAFORMER_XT", "--data-path", str(tmp_path / "d"), "--input-size", "32",
            "--device", "cpu", "--num-workers", "0", "--batch-size", "4",
            "--eval-sets", f"V2={tmp_path / 'v2'}", "--real-labels", str(tmp_path / "real.json")]

@@ -1,8 +1,7 @@
-"""Faults of the engine: bad checkpoints, failing and killed
-writes, preemption by SIGINT/SIGTERM with exact resume (plain process and torchrun), non-finite loss,
-incompatible flags, a dead rank, dist-eval with fewer images than processes. Process-level faults are
-provoked on real processes."""
-import fractions
+"""Faults of real main.py processes: a bad checkpoint, failing and killed writes, preemption by
+SIGINT/SIGTERM with exact resume (plain process, torchrun, gradient accumulation), signals during
+evaluation, non-finite loss, a dead rank, dist-eval with fewer images than processes."""
+import json
 import os
 import re
 import resource
@@ -13,7 +12,7 @@ import time
 
 import pytest
 import torch
-from test_runs import (
+from conftest import (
     BASE,
     LAUNCH,
     PY,
@@ -21,21 +20,18 @@ from test_runs import (
     TORCHRUN,
     accuracy_line,
     assert_same_weights,
+    build_xt,
     env,
     free_port,
+    kill_group,
     load,
     make_imagefolder,
     run_main,
+    signal_when,
+    start_process,
 )
 
 import checkpoint
-import errors
-import main
-
-
-@pytest.fixture(scope='module')
-def data(tmp_path_factory):
-    return make_imagefolder(tmp_path_factory.mktemp('tinyf'))
 
 
 def one_line_error(p):
@@ -47,48 +43,6 @@ def one_line_error(p):
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-def _xt(num_classes=3):
-    return main.build_model(main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT']), num_classes)
-
-
-@pytest.fixture(scope='module')
-def xt_ckpt(tmp_path_factory):
-    p = tmp_path_factory.mktemp('ck') / 'xt.pth'
-    torch.save({'model': _xt(3).state_dict(), 'epoch': 0}, p)
-    return p
-
-
-def test_not_a_checkpoint(tmp_path):
-    p = tmp_path / 'notes.pth'
-    p.write_text('these are not weights\n')
-    with pytest.raises(errors.CheckpointError, match=r'is not a PyTorch checkpoint'):
-        checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
-
-
-def test_truncated_checkpoint(xt_ckpt, tmp_path):
-    p = tmp_path / 'cut.pth'
-    p.write_bytes(xt_ckpt.read_bytes()[: xt_ckpt.stat().st_size // 2])
-    with pytest.raises(errors.CheckpointError, match=r'truncated or corrupt'):
-        checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
-
-
-def test_arbitrary_objects_are_never_unpickled(xt_ckpt, tmp_path):
-    p = tmp_path / 'obj.pth'
-    torch.save({'model': load(xt_ckpt)['model'], 'extra': fractions.Fraction(1, 3)}, p)
-    with pytest.raises(errors.CheckpointError, match=r'refusing to unpickle'):
-        checkpoint.load_model_weights(_xt(), str(p), 'NALAFORMER_XT')
-
-
-def test_checkpoint_of_another_variant_names_it(xt_ckpt):
-    import timm
-    t = timm.create_model('NALAFORMER_T', num_classes=3)
-    with pytest.raises(errors.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
-        checkpoint.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
-
-
-def test_other_number_of_classes_points_to_finetune(xt_ckpt):
-    with pytest.raises(errors.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
-        checkpoint.load_model_weights(_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
 
 
 @pytest.mark.slow
@@ -152,38 +106,6 @@ def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ preemption
-def _start(cmd):
-    return subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def _signal_when(proc, pattern, sig, timeout=180):
-    """Send `sig` once stdout shows `pattern`; return (stdout, stderr) after exit."""
-    out = []
-    t0 = time.time()
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if re.search(pattern, line):
-                proc.send_signal(sig)
-                t_sig = time.time()
-                break
-            assert time.time() - t0 < timeout
-        else:
-            raise AssertionError('no line matched ' + pattern + ':\n' + ''.join(out)[-3000:]
-                                 + proc.stderr.read()[-3000:])
-        rest, err = proc.communicate(timeout=120)
-    finally:
-        _kill_group(proc)
-    return ''.join(out) + rest, err, time.time() - t_sig
-
-
-def _kill_group(proc):
-    """Leave no process of a failed test behind (torchrun workers included)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 STOP = BASE[:-1] + ['1', '--batch-size', '2']  # one epoch of 12 steps: room for a stop in the middle
@@ -195,7 +117,7 @@ def test_sigint_stops_at_a_step_and_resume_is_exact(data, tmp_path):
     run_main(STOP + ['--data-path', data, '--output_dir', ref])
     out = str(tmp_path / 'out')
     cmd = [PY, 'main.py'] + STOP + ['--data-path', data, '--output_dir', out]
-    stdout, stderr, waited = _signal_when(_start(cmd), r'Epoch: \[0\] \[ ?2/', signal.SIGINT)
+    stdout, stderr, waited = signal_when(start_process(cmd), r'Epoch: \[0\] \[ ?2/', signal.SIGINT)
     assert 'Traceback' not in stderr, stderr[-3000:]
     m = re.search(r'Stopped by SIGINT at epoch 0 step (\d+)', stdout)
     assert m, stdout[-3000:] + stderr[-3000:]
@@ -217,7 +139,7 @@ def test_sigterm_under_torchrun_stops_all_ranks_and_resume_is_exact(data, tmp_pa
     out = str(tmp_path / 'out')
     cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'] \
         + args + ['--output_dir', out]
-    stdout, stderr, waited = _signal_when(_start(cmd), r'Epoch: \[0\] \[1/', signal.SIGTERM)
+    stdout, stderr, waited = signal_when(start_process(cmd), r'Epoch: \[0\] \[1/', signal.SIGTERM)
     assert waited < 40
     m = re.search(r'Stopped by SIGTERM at epoch 0 step (\d+)', stdout)
     assert m, stdout[-3000:] + stderr[-3000:]
@@ -246,29 +168,6 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_last_checkpoint(dat
     assert ck['epoch'] == 0 and all(torch.isfinite(v).all() for v in ck['model'].values() if v.is_floating_point())
 
 
-# ------------------------------------------------------------------------------------------ command line
-@pytest.mark.parametrize('argv, message', [
-    (['--model', 'NOT_A_MODEL'], r"unknown model 'NOT_A_MODEL'; known NaLaFormer variants: NALAFORMER_B, NALAFORMER_L"),
-    (['--distillation-type', 'hard', '--teacher-path', 't.pth', '--finetune', 'x.pth'],
-     r'--distillation-type with --finetune'),
-    (['--eval'], r'--eval needs a checkpoint'),
-    (['--batch-size', '0'], r'--batch-size must be at least 1'),
-    (['--batch-size', '5'], r'--batch-size 5 is odd; mixup'),
-    (['--resume', '/nonexistent/ck.pth'], r'--resume /nonexistent/ck.pth: no such file'),
-    (['--teacher-path', 'https://x/y.pth', '--distillation-type', 'soft'], r'local file'),
-])
-def test_incompatible_flags_fail_like_argparse_before_any_work(argv, message, capsys, monkeypatch):
-    monkeypatch.setenv('WORLD_SIZE', '2')
-    monkeypatch.setenv('RANK', '0')
-    with pytest.raises(SystemExit) as ei:
-        main.run(argv + ['--data-path', '/nonexistent'])
-    assert ei.value.code == 2
-    err = capsys.readouterr().err
-    assert re.search(message, err), err
-    assert 'usage:' in err and 'Traceback' not in err
-    assert not torch.distributed.is_initialized()
-
-
 # ------------------------------------------------------------------------------------------ distributed
 @pytest.mark.slow
 def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
@@ -295,7 +194,7 @@ def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
         procs[1].wait()
     finally:
         for p in procs:
-            _kill_group(p)
+            kill_group(p)
     assert any('Launcher: slurm, 2 process(es), backend gloo' in line for line in seen), ''.join(seen)[-2000:]
     assert time.time() - t0 < 70
     assert procs[0].returncode != 0
@@ -308,10 +207,92 @@ def test_dist_eval_with_fewer_images_than_processes_is_exact(tmp_path):
     data = make_imagefolder(tmp_path / 'd', classes=2, n_train=1, n_val=1)  # 2 val images, 3 processes
     ck = tmp_path / 'm.pth'
     torch.manual_seed(0)
-    torch.save({'model': _xt(2).state_dict()}, ck)
+    torch.save({'model': build_xt(2).state_dict()}, ck)
     ev = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
           '--num_workers', '0', '--no-flops', '--eval', '--resume', str(ck), '--data-path', data, '--dist-eval']
     single, multi = run_main(ev), run_main(ev, nproc=3, launcher=LAUNCH)
     assert 'Launcher: torchrun, 3 process(es)' in multi.stdout  # env:// variables of launch --use_env
     assert accuracy_line(multi.stdout) == accuracy_line(single.stdout)
     assert 'on the 2 test images' in accuracy_line(multi.stdout)[0]
+
+
+# ---------------------------------------------------------------- preemption with gradient accumulation
+@pytest.mark.slow
+def test_a_stop_with_accumulation_lands_on_a_window_boundary_and_resumes_exactly(tmp_path):
+    root = make_imagefolder(tmp_path / 'data')
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '3', '--data-path', root]  # 12 steps, 4 windows
+    ref = str(tmp_path / 'ref')
+    run_main(args + ['--output_dir', ref])
+    out = str(tmp_path / 'out')
+    stdout, stderr, _ = signal_when(start_process([PY, 'main.py'] + args + ['--output_dir', out]),
+                                     r'Epoch: \[0\] \[ ?1/', signal.SIGINT)
+    m = re.search(r'Stopped by SIGINT at epoch 0 step (\d+)', stdout)
+    assert m, stdout[-3000:] + stderr[-3000:]
+    assert int(m.group(1)) % 3 == 0
+    run_main(args + ['--output_dir', out])
+    assert_same_weights(load(os.path.join(ref, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth')))
+
+
+# ---------------------------------------------------------------------------- signals during evaluation
+SIG_RUN = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+           '--num_workers', '0', '--no-flops', '--unscale-lr', '--lr', '2e-3', '--warmup-epochs', '0', '--epochs', '1',
+           '--mixup', '0', '--cutmix', '0', '--no-model-ema']
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A finished 1-epoch run whose validation set is long enough (300 images, one per batch) to signal."""
+    data = make_imagefolder(tmp_path_factory.mktemp('sig'), n_train=4, n_val=100)
+    out = str(tmp_path_factory.mktemp('sigrun') / 'out')
+    run_main(SIG_RUN + ['--data-path', data, '--output_dir', out])
+    return data, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode, sig', [('eval', signal.SIGTERM), ('nothing-to-train', signal.SIGINT)])
+def test_signal_stops_evaluation_at_the_next_batch(trained, mode, sig, tmp_path):
+    data, out = trained
+    flags = ['--batch-size', '1', '--print-freq', '1', '--data-path', data]
+    if mode == 'eval':
+        cmd = [PY, 'main.py'] + SIG_RUN + flags + ['--eval', '--resume', os.path.join(out, 'checkpoint.pth')]
+    else:  # the same command again after the last epoch: the checkpoint is evaluated
+        shutil.copytree(out, tmp_path / 'out')
+        cmd = [PY, 'main.py'] + SIG_RUN + flags + ['--output_dir', str(tmp_path / 'out')]
+    proc = start_process(cmd)
+    stdout, stderr, waited = signal_when(proc, r'Test: \[ *2/300\]', sig)
+    assert proc.returncode == 128 + sig, stdout[-2000:] + stderr[-2000:]
+    assert 'Traceback' not in stderr, stderr[-3000:]
+    m = re.search(rf'Evaluation stopped by {sig.name} after (\d+) of 300 images', stdout)
+    assert m and int(m.group(1)) < 300, stdout[-3000:]
+    assert 'Accuracy of the network' not in stdout
+    assert waited < 30
+
+
+# ---------------------------------------------------------------------------- killed between the writes
+@pytest.mark.slow
+def test_killed_between_the_writes_then_resumed(data, tmp_path):
+    """The process dies right after checkpoint.pth of epoch 0 (always a new best) is renamed into place:
+    best.pth and the log line of epoch 0 are missing. The same command repairs both."""
+    out = tmp_path / 'out'
+    args = BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(out), '--no-model-ema']
+    script = tmp_path / 'inject.py'
+    script.write_text(
+        'import os, sys, checkpoint, main\n'
+        'real = checkpoint.save_atomic\n'
+        'def save(state, path):\n'
+        '    real(state, path)\n'
+        '    if path.endswith("checkpoint.pth"):\n'
+        '        os._exit(9)\n'
+        'checkpoint.save_atomic = save\n'
+        'sys.exit(main.run(sys.argv[1:]))\n')
+    p = subprocess.run([PY, str(script)] + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 9, p.stderr[-2000:]
+    ck = torch.load(out / 'checkpoint.pth', weights_only=True)
+    assert ck['epoch'] == 0 and ck['files'] == ['checkpoint.pth', 'best.pth'] and ck['best_epoch'] == 0
+    assert sorted(os.listdir(out)) == ['checkpoint.pth']
+    p = run_main(args)  # the same command: nothing left to train, the state is repaired
+    assert re.search(r'Repaired \S+best\.pth: it was missing', p.stdout), p.stdout[-3000:]
+    assert 'added the line of epoch 0' in p.stdout
+    assert (out / 'best.pth').read_bytes() == (out / 'checkpoint.pth').read_bytes()
+    assert [json.loads(x) for x in open(out / 'log.txt')] == [ck['log']]

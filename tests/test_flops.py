@@ -1,17 +1,18 @@
-"""FLOP counting: plain fvcore sees the same model as models.flops, and tracers take the plain path."""
+"""FLOP counting: plain fvcore sees the same model as models.flops, tracers take the plain path, and the
+tools/flops.py command line."""
 import ast
 import logging
 import os
 import warnings
 
+import pytest
 import timm
 import torch
+from conftest import REPO
 
 import models  # noqa: F401  (registers the variants)
 from models.flops import count_flops, count_params
 from models.ops import use_plain_ops
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def raw_fvcore(model, x):
@@ -63,3 +64,12 @@ def test_main_counts_flops_without_tools():
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert imported and not [m for m in imported if m and m.split('.')[0] == 'tools']
+
+
+def test_flops_cli_prints_every_variant(capsys):
+    from tools.flops import main
+    main(['--model', 'NALAFORMER_XT', 'nalaformer_t', '--input-size', '64', '96'])
+    out = capsys.readouterr().out
+    assert '3x64x96' in out and 'NALAFORMER_XT' in out and 'nalaformer_t' in out
+    with pytest.raises(SystemExit):
+        main(['--model', 'NALAFORMER_XXL'])

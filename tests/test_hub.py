@@ -4,10 +4,9 @@ import os
 import pytest
 import timm
 import torch
+from conftest import REPO
 
 import models
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_hub_has_every_variant_and_lowercase_alias():

@@ -8,13 +8,13 @@ import timm
 import timm.optim
 import torch
 import torch.nn.functional as F
+from conftest import REPO
 from reference_impl import read_keys, reference_forward, seeded_state_dict
 
 from models import NALA_IMPLS, VARIANTS
 from models.flops import count_flops, count_params
 from models.nala import NALA_EPS, RoPE, apply_rope, nala_kernel_terms
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_REFERENCE = os.path.join(os.path.dirname(REPO), 'shared', 'reference')
 # Copies of the reference key lists (docs/method.md#reference-test-vector), so the layout tests never depend
 # on ../shared.
@@ -101,15 +101,6 @@ def test_params_and_fvcore_flops_match_reference(variant):
     params, gflops = REFERENCE_FIGURES[variant]
     assert count_params(model) / 1e6 == pytest.approx(params, abs=0.006)
     assert count_flops(model) / 1e9 == pytest.approx(gflops, rel=0.01)
-
-
-def test_flops_cli_prints_every_variant(capsys):
-    from tools.flops import main
-    main(['--model', 'NALAFORMER_XT', 'nalaformer_t', '--input-size', '64', '96'])
-    out = capsys.readouterr().out
-    assert '3x64x96' in out and 'NALAFORMER_XT' in out and 'nalaformer_t' in out
-    with pytest.raises(SystemExit):
-        main(['--model', 'NALAFORMER_XXL'])
 
 
 # ---- the NaLa math ---------------------------------------------------------------------------
@@ -398,3 +389,17 @@ def test_attn_impl_switch():
         timm.create_model('NALAFORMER_XT', attn_impl='nope')
     plain = model.eval()(torch.randn(1, 3, 32, 32))
     assert math.isfinite(plain.sum().item())
+
+
+# ---- drop path of each variant -------------------------------------------------------------
+
+def last_block_drop_prob(model):
+    return [m.drop_prob for m in model.modules() if hasattr(m, 'drop_prob')][-1]
+
+
+@pytest.mark.parametrize('variant, rate', [('NALAFORMER_XT', 0.10), ('NALAFORMER_T', 0.10), ('NALAFORMER_S', 0.15),
+                                           ('NALAFORMER_B', 0.40), ('NALAFORMER_L', 0.55)])
+def test_create_model_builds_the_variants_own_drop_path(variant, rate):
+    assert last_block_drop_prob(timm.create_model(variant)) == pytest.approx(rate)
+    assert VARIANTS[variant]['drop_path'] == rate  # the table itself is not consumed by building
+    assert last_block_drop_prob(timm.create_model(variant.lower(), drop_path_rate=0.3)) == pytest.approx(0.3)

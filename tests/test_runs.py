@@ -1,95 +1,31 @@
 """Real runs of main.py on a tiny ImageFolder on the CPU: 1-epoch training, --eval of the saved
 checkpoint, resume equality (2 epochs == 1 + resume + 1, bit for bit), a torchrun gloo run with two
-ranks (identical weights, exact dist-eval equal to a single-process eval), and --finetune."""
+ranks (identical weights, exact dist-eval equal to a single-process eval), --finetune, --eval without a
+training set, and torchrun with gradient accumulation."""
 import json
+import math
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 
 import pytest
+import timm
 import torch
-
-from tools.smoke import write_imagefolder
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PY = sys.executable
-TORCHRUN = [PY, '-m', 'torch.distributed.run']
-LAUNCH = [PY, '-W', 'ignore::FutureWarning', '-m', 'torch.distributed.launch', '--use_env']  # the reference's launcher
-
-# small and fast: 32 px NALAFORMER_XT, 3 classes x 8 train images, 15 val images (odd: not divisible by 2 ranks)
-BASE = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
-        '--num_workers', '1', '--no-flops', '--print-freq', '1', '--unscale-lr', '--lr', '2e-3',
-        '--warmup-epochs', '1', '--epochs', '2']
+from conftest import (
+    BASE,
+    PY,
+    REPO,
+    accuracy_line,
+    assert_same_weights,
+    env,
+    load,
+    make_imagefolder,
+    run_main,
+)
 
 pytestmark = pytest.mark.slow  # every test here runs main.py in real processes
-
-
-def make_imagefolder(root, classes=3, n_train=8, n_val=5, size=32, seed=0):
-    """Colour-coded classes (class c brightens channel c % 3), PNG files in train/ and val/."""
-    return write_imagefolder(str(root), classes, n_train, n_val, size, seed)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-def env():
-    e = dict(os.environ)
-    e.update(OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', PYTHONWARNINGS='ignore::UserWarning')
-    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'SLURM_PROCID', 'SLURM_NTASKS'):
-        e.pop(k, None)
-    return e
-
-
-def run_main(args, nproc=1, timeout=240, check=True, launcher=TORCHRUN, **kw):
-    """main.py as a plain process (nproc=1) or under `launcher` (torchrun, or the old
-    `torch.distributed.launch --use_env`) with nproc CPU processes."""
-    cmd = ([PY, 'main.py'] if nproc == 1 else
-           launcher + [f'--nproc_per_node={nproc}', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
-                       'main.py'])
-    if nproc > 1 and '--dist-timeout' not in args:
-        # a test that hangs in a collective fails instead of waiting 30 min
-        args = list(args) + ['--dist-timeout', '120']
-    proc = subprocess.Popen(cmd + list(args), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, **kw)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, not only the launcher
-        out, err = proc.communicate()
-        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}') from None
-    p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    if check and p.returncode != 0:
-        raise AssertionError(f'exit {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\nSTDERR:\n{p.stderr[-4000:]}')
-    return p
-
-
-def load(path):
-    return torch.load(path, map_location='cpu', weights_only=True)
-
-
-def assert_same_weights(a, b):
-    for key in ('model', 'model_ema'):
-        assert a[key].keys() == b[key].keys()
-        diff = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
-        assert not diff, f'{key}: {len(diff)} tensors differ, e.g. {diff[:3]}'
-
-
-def accuracy_line(out):
-    lines = [line for line in out.splitlines() if line.startswith('Accuracy of the network')]
-    assert lines, out[-3000:]
-    return lines
-
-
-@pytest.fixture(scope='module')
-def data(tmp_path_factory):
-    return make_imagefolder(tmp_path_factory.mktemp('tiny'))
 
 
 @pytest.fixture(scope='module')
@@ -274,3 +210,29 @@ def test_an_unexpected_error_with_loader_workers_exits_instead_of_hanging(data, 
         proc.communicate()
         raise AssertionError('main.py hung after an unexpected error instead of exiting') from None
     assert proc.returncode == 1 and 'RuntimeError: injected failure' in err
+
+
+@pytest.mark.slow
+def test_eval_needs_no_training_set(tmp_path):
+    root = make_imagefolder(tmp_path / 'data')
+    shutil.rmtree(os.path.join(root, 'train'))
+    ck = str(tmp_path / 'xt.pth')
+    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=3).state_dict()}, ck)
+    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+                  '--num_workers', '0', '--no-flops', '--eval', '--resume', ck, '--data-path', root])
+    assert 'Data: IMNET, 15 val images, 3 classes' in p.stdout
+    assert 'Accuracy of the network on the 15 test images' in p.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_with_gradient_accumulation_completes(tmp_path):
+    root = make_imagefolder(tmp_path / 'data')
+    out = str(tmp_path / 'out')
+    p = run_main(BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '2', '--data-path', root,
+                              '--output_dir', out, '--num_workers', '0', '--no-model-ema'], nproc=2)
+    assert 'global batch 8 = 2 x 2 x 2 accumulated' in p.stdout
+    digests = re.findall(r'\[rank (\d)\] final weights sha256: (\w+)', p.stdout + p.stderr)
+    assert sorted(r for r, _ in digests) == ['0', '1'] and len({d for _, d in digests}) == 1
+    with open(os.path.join(out, 'log.txt')) as f:
+        line = json.loads(f.readline())
+    assert line['train_skipped_steps'] == 0 and math.isfinite(line['train_loss'])

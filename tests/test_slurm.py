@@ -7,8 +7,8 @@ import sys
 import time
 
 import pytest
+from conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(REPO, 'slurm', 'train.sbatch')
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_runs import REPO, env
+from conftest import REPO, env
 
 import main
 from tools import smoke

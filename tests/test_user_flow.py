@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from test_runs import BASE, make_imagefolder, run_main
+from conftest import BASE, make_imagefolder, run_main
 
 from tools import predict, release
 

@@ -1,0 +1,189 @@
+"""main.py's builders: the model (drop path, dropout, classes), the optimizer with --layer-decay, the LR
+schedule of every epoch, the loss (BCE targets), the data loaders and the start-of-run FLOPs count."""
+import argparse
+import math
+
+import pytest
+import timm
+import torch
+from conftest import parse
+
+import main
+import models
+
+
+# ------------------------------------------------------------------------------------------------ model
+def test_drop_path_dropout_and_classes_reach_the_model():
+    a = parse('--model', 'NALAFORMER_XT', '--drop-path', '0.3', '--drop', '0.2')
+    m = main.build_model(a, 7)
+    assert m.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
+    probs = [mod.drop_prob for mod in m.modules() if hasattr(mod, 'drop_prob')]
+    assert probs and max(probs) == pytest.approx(0.3)
+    drops = [mod.p for mod in m.modules() if isinstance(mod, torch.nn.Dropout)]
+    assert drops and max(drops) == pytest.approx(0.2)
+
+
+def test_main_build_uses_the_variant_rate_unless_drop_path_is_given(capsys):
+    assert main.drop_path_rate(main.build_model(parse('--model', 'NALAFORMER_S'), 10)) == pytest.approx(0.15)
+    a = parse('--model', 'NALAFORMER_S', '--drop-path', '0.05')
+    assert main.drop_path_rate(main.build_model(a, 10)) == pytest.approx(0.05)
+    assert main.drop_path_rate(main.build_model(parse('--model', 'NALAFORMER_XT', '--drop-path', '0'), 10)) == 0.0
+
+
+# -------------------------------------------------------------------------------------------- optimizer
+def _depth(name):
+    """Position of a parameter in the forward order: stem 0, then each block, a stage's downsample with its
+    last block, then the head (proj, norm, head)."""
+    if name.startswith('patch_embed'):
+        return 0
+    if name.startswith('layers.'):
+        stage, rest = int(name.split('.')[1]), name.split('.')[2]
+        depths = models.VARIANTS['NALAFORMER_XT']['depths']
+        before = sum(depths[:stage])
+        if rest == 'blocks':
+            return 1 + before + int(name.split('.')[3])
+        return before + depths[stage]  # downsample: after the stage's last block
+    return 1 + sum(models.VARIANTS['NALAFORMER_XT']['depths'])
+
+
+def test_layer_decay_scales_lr_by_depth(one_thread):
+    args = main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.5', '--lr', '1e-3',
+                                              '--warmup-epochs', '0', '--epochs', '10'])
+    model = timm.create_model('NALAFORMER_XT', num_classes=10)
+    optimizer = main.build_optimizer(args, model)
+    scheduler = main.build_lr_scheduler(args, optimizer)
+    scheduler.step(3)
+    # the schedule's LR at epoch 3, from the same flags without layer decay
+    args.layer_decay = None
+    plain = main.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    main.build_lr_scheduler(args, plain).step(3)
+    sched_lr = plain.param_groups[0]['lr']
+    assert sched_lr < 1e-3
+    group_of = {id(p): g for g in optimizer.param_groups for p in g['params']}
+    head = 1 + sum(models.VARIANTS['NALAFORMER_XT']['depths'])
+    for name, p in model.named_parameters():
+        g = group_of[id(p)]
+        expected = 0.5 ** (head - _depth(name))
+        assert g['lr_scale'] == pytest.approx(expected), name
+        assert g['lr'] == pytest.approx(sched_lr * expected), name
+        assert g['weight_decay'] == (0.0 if p.ndim <= 1 or name.endswith('.bias') else 0.05), name
+    assert max(g['lr'] for g in optimizer.param_groups) == pytest.approx(sched_lr)
+
+
+def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
+    args = main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--lr', '1e-3'])
+    optimizer = main.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    assert {g['lr'] for g in optimizer.param_groups} == {1e-3}
+    assert all(g.get('lr_scale', 1.0) == 1.0 for g in optimizer.param_groups)
+
+
+# ------------------------------------------------------------------------------------------ LR schedule
+def _expected_lr(e, lr, epochs, warmup, warmup_lr, min_lr):
+    if e < warmup:
+        return warmup_lr + e * (lr - warmup_lr) / warmup
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * e / epochs))
+
+
+def test_lr_of_every_epoch_is_the_intended_one():
+    a = parse('--epochs', '30', '--lr', '1e-3', '--warmup-epochs', '5')
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
+    sched = main.build_lr_scheduler(a, opt)
+    for e in range(a.epochs):
+        sched.step(e)  # as main.py does at the start of epoch e
+        assert opt.param_groups[0]['lr'] == pytest.approx(_expected_lr(e, 1e-3, 30, 5, 1e-6, 1e-5), rel=1e-9), e
+    # epoch 0 runs at the warmup LR and the first post-warmup epoch at (almost) the peak LR: no lag
+    sched.step(0)
+    assert opt.param_groups[0]['lr'] == pytest.approx(1e-6)
+    sched.step(5)
+    assert opt.param_groups[0]['lr'] == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5) * (1 + math.cos(math.pi * 5 / 30)))
+
+
+def test_scheduler_state_round_trip_keeps_lr():
+    a = parse('--epochs', '10')
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
+    sched = main.build_lr_scheduler(a, opt)
+    sched.step(3)
+    sd = sched.state_dict()
+    opt2 = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
+    sched2 = main.build_lr_scheduler(a, opt2)
+    sched2.load_state_dict(sd)
+    for e in range(4, 10):
+        sched.step(e)
+        sched2.step(e)
+        assert opt.param_groups[0]['lr'] == opt2.param_groups[0]['lr']
+
+
+# ------------------------------------------------------------------------------------------------- loss
+def test_bce_learns_the_smoothed_mixup_targets_not_all_ones():
+    from timm.data import Mixup
+    F = torch.nn.functional
+    a = parse('--bce-loss', '--smoothing', '0.1')
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=a.smoothing, num_classes=5)
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    _, soft = mixup(x, y)
+    assert (soft < 0.5).any()  # smoothed, mixed probabilities: most classes are (nearly) off
+    logits = torch.randn(4, 5)
+    crit = main.build_criterion(a, mixup_active=True)
+    assert crit(logits, soft).item() == pytest.approx(F.binary_cross_entropy_with_logits(logits, soft).item())
+    assert crit(logits, soft).item() != pytest.approx(
+        F.binary_cross_entropy_with_logits(logits, torch.ones_like(soft)).item())
+    # without mixup: the labels one-hot encoded with --smoothing
+    crit = main.build_criterion(a, mixup_active=False)
+    t = torch.full((4, 5), 0.1 / 5).scatter_(1, y.view(-1, 1), 0.9 + 0.1 / 5)
+    assert crit(logits, y).item() == pytest.approx(F.binary_cross_entropy_with_logits(logits, t).item())
+    # --bce-target-thresh: binarised targets (both mixed classes on when each weighs more than the threshold)
+    crit = main.build_criterion(parse('--bce-loss', '--bce-target-thresh', '0.2'), mixup_active=True)
+    assert crit(logits, soft).item() == pytest.approx(
+        F.binary_cross_entropy_with_logits(logits, soft.gt(0.2).float()).item())
+
+
+# ----------------------------------------------------------------------------------------- data loaders
+class RandomDraws(torch.utils.data.Dataset):
+    """Each item is a random draw made in the loader worker, like a random augmentation."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(1)
+
+
+def loader_args(num_workers: int) -> argparse.Namespace:
+    return argparse.Namespace(repeated_aug=False, seed=0, dist_eval=False, pin_mem=True, device='cpu',
+                              num_workers=num_workers, batch_size=4)
+
+
+def draws(loader) -> list:
+    return [round(float(x), 7) for batch in loader for x in batch]
+
+
+def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
+    torch.manual_seed(0)
+    sampler, train, _ = main.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler.set_epoch(0)
+    draws(train)                         # epoch 0
+    state = torch.get_rng_state()        # what a checkpoint after epoch 0 holds
+    sampler.set_epoch(1)
+    epoch1 = draws(train)
+
+    torch.set_rng_state(state)           # a resumed run: fresh loaders, the saved state
+    sampler2, train2, _ = main.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler2.set_epoch(1)
+    assert draws(train2) == epoch1
+
+
+def test_no_workers_loads_in_process():
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    _, train, val = main.build_loaders(loader_args(0), data, data)
+    assert train.num_workers == 0 and not train.persistent_workers
+    assert len(list(val)) == 2
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def test_start_of_run_flops_match_the_reference_count():
+    # docs/method.md#variants: NALAFORMER_XT, fvcore at 1x3x224x224 in eval mode = 0.652 G
+    # (also with the fast attention path)
+    m = main.build_model(parse('--model', 'NALAFORMER_XT'), 1000)
+    assert main.count_flops(m, 224, 'cpu') / 1e9 == pytest.approx(0.652, abs=0.001)
+    assert m.training  # the count leaves the model as it found it

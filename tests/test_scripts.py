@@ -1,0 +1,86 @@
+"""The launch scripts pretrain.sh, eval.sh and finetune.sh print (or dry-run) valid main.py command lines."""
+import os
+import subprocess
+
+import pytest
+from conftest import REPO
+
+import main
+import models
+
+
+# --------------------------------------------------------------------------------- pretrain.sh, eval.sh
+@pytest.mark.parametrize('variant', ['NALAFORMER_XT', 'NALAFORMER_T', 'NALAFORMER_S', 'NALAFORMER_B',
+                                     'NALAFORMER_L'])
+def test_pretrain_sh_holds_each_variant_recipe(variant):
+    import subprocess
+    e = dict(os.environ, MODEL=variant, PYTHON='echo', DATA='/d', OUTPUT='/o', NPROC='4', NNODES='2',
+             NODE_RANK='1', MASTER_ADDR='10.0.0.1', MASTER_PORT='1234')
+    e.pop('AMP', None)
+    p = subprocess.run(['bash', os.path.join(main.__file__.rsplit('/', 1)[0], 'pretrain.sh'), '--epochs', '7'],
+                       env=e, capture_output=True, text=True, check=True)
+    printed, ran = p.stdout.splitlines()
+    assert printed.startswith('+ echo -m torch.distributed.run')
+    for piece in ('--nnodes=2', '--node_rank=1', '--nproc_per_node=4', '--master_addr=10.0.0.1',
+                  '--master_port=1234', f'--model {variant}', '--batch-size 128',
+                  '--data-path /d', '--output_dir /o'):
+        assert piece in ran, piece
+    # the variant's drop path is main.py's default; the reference trained in fp32 (+TF32), no --amp
+    assert '--drop-path' not in ran and '--amp' not in ran
+    assert ran.endswith('--epochs 7')  # extra flags come last and override
+    args = main.get_args_parser().parse_args(ran.split(' main.py ', 1)[1].split())
+    assert args.drop_path is None and args.amp is None and args.epochs == 7 and args.lr == 5e-4
+
+
+@pytest.mark.slow
+def test_eval_sh_prints_and_runs_an_exact_evaluation():
+    import subprocess
+    e = dict(os.environ, PYTHON='echo', CKPT='/c.pth', DATA='/d', NPROC='2')
+    p = subprocess.run(['bash', os.path.join(main.__file__.rsplit('/', 1)[0], 'eval.sh')], env=e,
+                       capture_output=True, text=True, check=True)
+    ran = p.stdout.splitlines()[1]
+    assert '--nproc_per_node=2' in ran and '--eval --resume /c.pth' in ran and '--dist-eval' in ran
+
+
+# ------------------------------------------------------------------------------------------ finetune.sh
+def _dry_run(script, env, *extra):
+    out = subprocess.run(['bash', os.path.join(REPO, script), *extra], env={**os.environ, 'DRY_RUN': '1', **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith('+ ')
+    return line[2:].split()
+
+
+@pytest.mark.parametrize('model, layer_decay', [('NALAFORMER_XT', '0.8'), ('NALAFORMER_B', '0.93')])
+def test_finetune_sh_dry_run_prints_a_valid_384_command(tmp_path, model, layer_decay):
+    ckpt = tmp_path / 'best.pth'
+    ckpt.write_bytes(b'')
+    cmd = _dry_run('finetune.sh', {'MODEL': model, 'CKPT': str(ckpt), 'MAX_RESTARTS': '2'}, '--epochs', '7')
+    assert cmd[1:3] == ['-m', 'torch.distributed.run'] and '--max-restarts=2' in cmd
+    argv = cmd[cmd.index('main.py') + 1:]
+    parser = main.get_args_parser()
+    args = parser.parse_args(argv)
+    main.validate_args(args, parser)  # every flag exists and the combination is accepted
+    assert (args.model, args.finetune, args.input_size, args.eval_crop_ratio) == (model, str(ckpt), 384, 1.0)
+    assert args.layer_decay == float(layer_decay) and args.lr == 5e-5 and args.epochs == 7
+    assert args.drop_path == models.VARIANTS[model]['drop_path']
+
+
+def test_finetune_sh_needs_ckpt():
+    out = subprocess.run(['bash', os.path.join(REPO, 'finetune.sh')], env={**os.environ, 'DRY_RUN': '1'},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and 'set CKPT' in out.stderr
+
+
+def test_pretrain_sh_passes_max_restarts():
+    assert '--max-restarts=0' in _dry_run_pretrain({})
+    assert '--max-restarts=3' in _dry_run_pretrain({'MAX_RESTARTS': '3'})
+
+
+def _dry_run_pretrain(env):
+    # pretrain.sh has no dry-run knob: a PYTHON that prints its arguments stands in for the interpreter
+    out = subprocess.run(['bash', os.path.join(REPO, 'pretrain.sh')], env={**os.environ, 'PYTHON': 'echo', **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
