@@ -245,10 +245,6 @@ class _BadSampleMixin:
             warnings.warn(f"cannot decode image {path} ({type(exc).__name__}: {exc}); {what}",
                           BadSampleWarning, stacklevel=3)
 
-    def _load(self, index: int) -> Any:
-        path, _ = self.samples[index]
-        return self.loader(path)
-
     def __getitem__(self, index: int) -> tuple[Any, int]:
         n = len(self.samples)
         first_error: Optional[BaseException] = None
@@ -425,7 +421,6 @@ class INatDataset(_BadSampleMixin, Dataset):
         if not root or not os.path.isdir(root):
             raise _layout_error(root or "--data-path", "data path does not exist", layout)
         self.root, self.transform, self.target_transform, self.loader = root, transform, None, loader
-        self.year = year
 
         def read(name: str) -> Any:
             p = os.path.join(root, name)
@@ -790,7 +785,7 @@ class FlatLabelledFolder(_BadSampleMixin, Dataset):
         label_file = label_file or find_label_file(root)
         if label_file is None:
             raise _layout_error(root, "no class folders and no label file", FLAT_LAYOUT)
-        self.root, self.label_file, self.transform, self.target_transform = root, label_file, transform, None
+        self.root, self.transform, self.target_transform = root, transform, None
         self.loader = loader
         images = sorted(e.name for e in os.scandir(root)
                         if e.is_file() and not e.name.startswith(".") and _is_image_name(e.name))

@@ -124,7 +124,6 @@ def get_args_parser():
     p.add_argument('--decay-epochs', type=float, default=30)
     p.add_argument('--warmup-epochs', type=NON_NEGATIVE_INT, default=5)
     p.add_argument('--cooldown-epochs', type=int, default=10)
-    p.add_argument('--patience-epochs', type=int, default=10)
     p.add_argument('--decay-rate', '--dr', type=float, default=0.1)
 
     # Augmentation
@@ -134,12 +133,11 @@ def get_args_parser():
     p.add_argument('--train-interpolation', type=str, default='bicubic')
     str2bool_flag(p, 'repeated-aug', True, 'repeated augmentation x3 (RASampler, default on)')
     str2bool_flag(p, 'train-mode', True, 'model.train() while training (default on)')
-    p.add_argument('--ThreeAugment', action='store_true')
-    p.add_argument('--src', action='store_true')
+    p.add_argument('--ThreeAugment', action='store_true', help="DeiT III's three-augment (not supported, refused)")
+    p.add_argument('--src', action='store_true', help="DeiT III's simple random crop (not supported, refused)")
     p.add_argument('--reprob', type=PROBABILITY, default=0.25, metavar='PCT')
     p.add_argument('--remode', type=str, default='pixel')
     p.add_argument('--recount', type=int, default=1)
-    p.add_argument('--resplit', action='store_true', default=False)
     p.add_argument('--mixup', type=NON_NEGATIVE, default=0.8)
     p.add_argument('--cutmix', type=NON_NEGATIVE, default=1.0)
     p.add_argument('--cutmix-minmax', type=PROBABILITY, nargs=2, default=None, metavar=('MIN', 'MAX'),
@@ -251,8 +249,9 @@ def validate_args(args, parser):
             parser.error('--teacher-path must be a local file: downloading is disabled')
         if not timm.is_model(args.teacher_model):
             parser.error(f"unknown teacher model '{args.teacher_model}'")
-    if args.cosub:
-        parser.error('--cosub (DeiT III) is not supported by this engine')
+    for flag, on in (('--cosub', args.cosub), ('--ThreeAugment', args.ThreeAugment), ('--src', args.src)):
+        if on:
+            parser.error(f'{flag} (DeiT III) is not supported by this engine (the recipe is DeiT\'s: --aa)')
     if args.batch_size < 1:
         parser.error(f'--batch-size must be at least 1, got {args.batch_size}')
     _, world, _, _ = distributed.launch_env()
@@ -402,7 +401,7 @@ def build_lr_scheduler(args, optimizer):
     from timm.scheduler import create_scheduler_v2
     lr_scheduler, _ = create_scheduler_v2(
         optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
-        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs, decay_rate=args.decay_rate,
+        cooldown_epochs=args.cooldown_epochs, decay_rate=args.decay_rate,
         min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
         noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
     return lr_scheduler
@@ -429,9 +428,9 @@ def build_criterion(args, mixup_active: bool) -> torch.nn.Module:
     return torch.nn.CrossEntropyLoss()
 
 
-def count_flops(model, input_size, device):
+def count_flops(model, input_size):
     """fvcore FLOPs (multiply-adds) of one image (models.flops.count_flops); None if fvcore fails.
-    The model is counted where it is (``device`` is unused: kept for callers)."""
+    The model is counted where it is."""
     from models.flops import count_flops as fvcore_flops
     try:
         return fvcore_flops(model, input_size)
@@ -542,7 +541,7 @@ def main(args, parser):
     n_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f'number of params: {n_parameters} ({n_parameters / 1e6:.2f}M)')
     if args.flops and distributed.is_main_process():
-        flops = count_flops(model, args.input_size, 'cpu')
+        flops = count_flops(model, args.input_size)
         if flops is not None:
             print(f'fvcore FLOPs at 1x3x{args.input_size}x{args.input_size}: {flops / 1e9:.3f} G')
     model.to(device)

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-REFERENCE_DIR_NAME = 'reference'
-
 # dims, depths, heads, mlp ratio (docs/method.md#variants); the shipped variants are all hybrid (2 NaLa stages).
 ARCH = {
     'NALAFORMER_XT': ((32, 64, 128, 384), (2, 2, 2, 2), (1, 2, 4, 12), 3.5),

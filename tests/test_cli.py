@@ -133,6 +133,10 @@ def test_layer_decay_out_of_range_is_an_argument_error(capsys):
     (['--sched', 'plateau'], r"--sched: invalid choice: 'plateau'"),
     (['--accum-steps', '0'], r'--accum-steps must be at least 1, got 0'),
     (['--bce-target-thresh', '0.2'], r'--bce-target-thresh needs --bce-loss'),
+    (['--cosub'], r'--cosub \(DeiT III\) is not supported'),
+    (['--ThreeAugment'], r'--ThreeAugment \(DeiT III\) is not supported'),
+    (['--src'], r'--src \(DeiT III\) is not supported'),
+    (['--patience-epochs', '5'], r'unrecognized arguments: --patience-epochs'),
 ])
 def test_refused_recipe_flags_fail_like_argparse(argv, message, capsys):
     parser = main.get_args_parser()
