@@ -87,14 +87,14 @@ class MetricLogger:
     def add_meter(self, name, meter):
         self.meters[name] = meter
 
-    def log_every(self, iterable, print_freq, header='', total=None, start=0, images_per_step=None):
+    def log_every(self, iterable, print_freq, header='', images_per_step=None):
         """Yield from `iterable`, printing a progress line (ETA, meters, img/s) every `print_freq` steps."""
-        total = len(iterable) if total is None else total
+        total = len(iterable)
         start_time = end = time.time()
         iter_time = SmoothedValue(fmt='{avg:.4f}')
         data_time = SmoothedValue(fmt='{avg:.4f}')
         width = len(str(total))
-        for i, obj in enumerate(iterable, start=start):
+        for i, obj in enumerate(iterable):
             data_time.update(time.time() - end)
             yield obj
             iter_time.update(time.time() - end)
