@@ -13,8 +13,9 @@ A training checkpoint is a dict in the reference layout, loadable with ``torch.l
 and ours: ``best_weights`` ('model' or 'model_ema': which weights gave max_accuracy), ``best_epoch``,
 ``best_acc1`` (the two accuracies of that epoch), ``acc1`` (this epoch's two accuracies), ``log`` (the
 epoch's log.txt record), ``files`` (the names this state was written to), ``rng_state`` (one entry per
-process), mid-epoch stops add ``step``, ``epoch_rng_state`` and ``loss_meter``, and ``checksum`` (a
-sha256 of every part, verified on load).
+process), ``train_carry`` (the skipped-step counts), mid-epoch stops add ``step``, ``epoch_rng_state`` and
+``loss_meter`` (these and ``rng_state``, ``train_carry`` hold an ``EpochState``: ``epoch_state_entries``
+and ``TrainingCheckpoints.resume``), and ``checksum`` (a sha256 of every part, verified on load).
 
 Every loader that takes a single set of weights from a checkpoint uses one rule, the rule of timm's own
 ``checkpoint_path`` loader: ``state_dict_ema``, else ``model_ema``, else ``state_dict``, else ``model``,
@@ -32,6 +33,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -592,15 +594,40 @@ def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
+@dataclass
+class EpochState:
+    """Where training stands inside an epoch: the first step not yet run, what a resume at that step needs,
+    and the skipped-step counts. engine.train_one_epoch takes and returns it; epoch_state_entries and
+    TrainingCheckpoints.resume save and load it (docs/usage.md#checkpoints)."""
+    step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
+    rng_state: Optional[dict] = None        # RNG state at `step` (a mid-epoch stop)
+    epoch_rng_state: Optional[dict] = None  # RNG state before the epoch's data iterator was created
+    loss_meter: Optional[dict] = None       # the epoch's loss meter so far: {'total': ..., 'count': ...}
+    bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
+    skipped_steps: int = 0  # optimizer steps skipped so far in this epoch
+
+
+def epoch_state_entries(state: EpochState) -> Dict[str, Any]:
+    """The checkpoint entries of where training stands (collective: every rank calls it). Between epochs
+    (``state.step`` 0): every rank's RNG state now; inside an epoch: ``step``, every rank's RNG state at
+    the stop and before the epoch's data iterator, and the loss meter. Always the skipped-step counts."""
+    carry = {'bad_steps': state.bad_steps, 'skipped_steps': state.skipped_steps}
+    if not state.step:
+        return {'rng_state': gather_rng(get_rng_state()), 'train_carry': carry}
+    return {'step': state.step, 'rng_state': gather_rng(state.rng_state),
+            'epoch_rng_state': gather_rng(state.epoch_rng_state), 'loss_meter': state.loss_meter,
+            'train_carry': carry}
+
+
 # --------------------------------------------------------------------------------------------------
 # Saving and resuming a training run
 # --------------------------------------------------------------------------------------------------
 class Resume:
-    """Where a resumed run continues: epoch, step inside it, and the RNG / loss-meter state for it."""
+    """Where a resumed run continues: the epoch, and the EpochState to start it with (a step inside it)."""
 
     def __init__(self, start_epoch: int = 0):
-        self.start_epoch, self.start_step = start_epoch, 0
-        self.resume_rng = self.epoch_rng = self.loss_meter = None
+        self.start_epoch = start_epoch
+        self.state = EpochState()
         self.ckpt: Any = None
         self.path = ''
 
@@ -728,19 +755,23 @@ class TrainingCheckpoints:
             self.loss_scaler.load_state_dict(ckpt['scaler'])
         self.max_accuracy = float(ckpt.get('max_accuracy', 0.0))
         self.best = {k: ckpt.get(k) for k in self.best}
+        # consecutive skipped steps survive epochs and resumes; the epoch's own count only a mid-epoch resume
+        carry = ckpt.get('train_carry') or {}
         if ckpt.get('step'):
-            r.start_epoch, r.start_step = int(ckpt['epoch']), int(ckpt['step'])
-            r.loss_meter = ckpt.get('loss_meter')
+            r.start_epoch = int(ckpt['epoch'])
+            r.state = EpochState(step=int(ckpt['step']), loss_meter=ckpt.get('loss_meter'),
+                                 bad_steps=int(carry.get('bad_steps', 0)),
+                                 skipped_steps=int(carry.get('skipped_steps', 0)))
         else:
             r.start_epoch = int(ckpt['epoch']) + 1
+            r.state = EpochState(bad_steps=int(carry.get('bad_steps', 0)))
         world, rank = distributed.get_world_size(), distributed.get_rank()
         rng = ckpt.get('rng_state')
         if isinstance(rng, list) and len(rng) == world:
-            r.resume_rng = rng[rank]
-            if r.start_step:
-                r.epoch_rng = ckpt['epoch_rng_state'][rank]
+            if r.state.step:
+                r.state.rng_state, r.state.epoch_rng_state = rng[rank], ckpt['epoch_rng_state'][rank]
             else:
-                set_rng_state(r.resume_rng)
+                set_rng_state(rng[rank])
         else:
             writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
             print(f'Note: the checkpoint was written by {writers} '
@@ -748,7 +779,7 @@ class TrainingCheckpoints:
         if distributed.is_main_process() and self.output_dir and _same_dir(path, self.output_dir):
             self._repair_files(path, ckpt)
             self._repair_log(ckpt.get('log'))
-        where = f'epoch {r.start_epoch} step {r.start_step}' if r.start_step else f'epoch {r.start_epoch}'
+        where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
         print(f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%')
         return r
 

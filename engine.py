@@ -1,43 +1,50 @@
 """Train for one epoch and evaluate (DeiT's engine, with exact distributed evaluation, gradient accumulation,
 a graceful stop at optimizer-step boundaries, mid-epoch resume and a bounded number of skipped non-finite
-steps that leave the model exactly as it was)."""
+steps that leave the model exactly as it was).
+
+`OptimizerStep` turns micro-batches into optimizer steps (main.py trains with it, tools/benchmark.py times
+it); `TrainSettings` holds the loop's settings for a run; `checkpoint.EpochState` is where training stands
+inside an epoch, which `train_one_epoch` takes and returns and checkpoint.py saves."""
 import math
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, List, Optional, Union
 
 import torch
-from timm.utils import dispatch_clip_grad
+from timm.utils import dispatch_clip_grad, unwrap_model
 
-from checkpoint import get_rng_state, set_rng_state
+from checkpoint import EpochState, get_rng_state, set_rng_state
 from distributed import all_reduce_max, all_reduce_sum, get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
 
 
 @dataclass
-class TrainCarry:
-    """Training-loop state that outlives one epoch (and is saved for a resume)."""
-    bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
-    skipped_steps: int = 0  # optimizer steps skipped so far in the current epoch
+class EpochResult:
+    stats: dict
+    stopped: bool = False  # a stop signal ended the epoch (before its end when state.step > 0)
+    state: EpochState = field(default_factory=EpochState)  # where training continues: the stop point, or the
+    #                                                        start of the next epoch
 
-    def state_dict(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_state(cls, state: dict | None) -> 'TrainCarry':
-        return cls(**{k: int(v) for k, v in (state or {}).items() if k in cls.__dataclass_fields__})
+@dataclass(frozen=True)
+class TrainSettings:
+    """Settings of the training loop that hold for a whole run (the optimizer step's are in OptimizerStep)."""
+    channels_last: bool = False  # feed the batches in channels-last memory format
+    print_freq: int = 10         # a progress line every print_freq steps
+    max_bad_steps: int = 20      # consecutive skipped optimizer steps before NonFiniteLossError
+    train_mode: bool = True      # model.train(train_mode) for the epoch (DeiT's --train-mode)
 
 
 @dataclass
-class EpochResult:
-    stats: dict
-    stopped: bool = False            # a stop signal ended the epoch early
-    next_step: int = 0               # first step not yet run (when stopped)
-    rng_state: Optional[dict] = None  # RNG state at the stop point
-    epoch_rng_state: Optional[dict] = None  # RNG state before the epoch's data iterator was created
-    loss_meter: dict = field(default_factory=dict)
-    carry: TrainCarry = field(default_factory=TrainCarry)
+class StepOutcome:
+    """What one optimizer step did (`OptimizerStep` returns it at the last micro-batch of a window)."""
+    losses: List[float]  # this rank's loss of every micro-batch of the window
+    non_finite: Union[float, str, None] = None  # set when a non-finite loss skipped the step: the loss, or
+    #                                             'on another rank'
+    overflow: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the optimizer step
+    grad_norm: Optional[float] = None  # L2 norm of the gradients before clipping (when asked for)
+    stop: bool = False  # a stop was requested (on any rank)
 
 
 def autocast(device, amp_dtype):
@@ -68,168 +75,207 @@ def _no_sync(model, skip_sync: bool):
     return nullcontext()
 
 
-def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, loss_scaler=None, amp_dtype=None,
-                    clip_grad=None, clip_mode='norm', model_ema=None, mixup_fn=None, set_training_mode=True,
-                    args=None, stop_flag=None, start_step=0, resume_rng_state=None, epoch_rng_state=None,
-                    loss_meter_state=None, channels_last=False, print_freq=10,
-                    max_bad_steps=20, ema_source=None, accum_steps=1, carry=None, logger=None):
-    """One pass over `data_loader`. `model` may be DDP-wrapped and/or compiled; `ema_source` is the bare
-    module the EMA follows (and whose buffers a skipped step restores).
+class OptimizerStep:
+    """One optimizer step from `accum_steps` consecutive micro-batches.
 
-    Gradients of `accum_steps` consecutive batches (loss divided by the window's length) make one optimizer
-    step; the epoch's last window may be shorter. Clipping, the optimizer step, the EMA update, the
-    non-finite check and the stop check happen once per window. A window with a non-finite loss on any rank
-    is skipped: no optimizer step, no EMA update, and every buffer (BatchNorm running statistics) is put
-    back as it was before the window. `carry` (a `TrainCarry`) holds the count of consecutive skipped steps
-    across epochs and the current epoch's skipped steps; the updated one is returned in the result.
+    Each micro-batch runs `criterion(samples, model(samples), targets)` under autocast (`amp_dtype`) and
+    the backward of loss / window length, scaled by the fp16 `scaler` (a torch.amp.GradScaler) when there
+    is one; the micro-batches that do not end the window run under DDP's no_sync(), so gradients are
+    exchanged once per optimizer step. At the window's last micro-batch one small collective tells every
+    rank whether all losses were finite (and whether a stop was requested); then the gradients are
+    unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer steps. A
+    window with a non-finite loss on any rank is skipped: no optimizer step, and every buffer of the bare
+    model (BatchNorm running statistics) is put back as it was before the window. The epoch's last window
+    may be shorter. `model` may be DDP-wrapped and/or compiled."""
 
-    Resuming in the middle of an epoch (`start_step` > 0, always a window boundary): the RNG state from
-    before the epoch's data iterator was created is restored, the first `start_step` batches are loaded
-    again but not trained on (so the random augmentations of data-loader workers come out identical), then
-    the RNG state saved at the stop point is restored.
-    """
-    model.train(set_training_mode)
-    device = torch.device(device)
-    distributed = is_dist_avail_and_initialized()
-    module = ema_source if ema_source is not None else model
-    carry = TrainCarry(**asdict(carry)) if carry is not None else TrainCarry()
-    accum_steps = max(1, int(accum_steps))
-    metric_logger = MetricLogger(delimiter='  ')
-    metric_logger.add_meter('lr', SmoothedValue(window_size=1, fmt='{value:.6f}'))
-    if loss_meter_state:
-        metric_logger.meters['loss'].total = loss_meter_state['total']
-        metric_logger.meters['loss'].count = loss_meter_state['count']
-    header = f'Epoch: [{epoch}]'
+    def __init__(self, optimizer: torch.optim.Optimizer, device: Union[str, torch.device],
+                 amp_dtype: Optional[torch.dtype] = None, scaler: Optional[torch.amp.GradScaler] = None,
+                 clip_grad: Optional[float] = None, clip_mode: str = 'norm', accum_steps: int = 1):
+        self.optimizer, self.device = optimizer, torch.device(device)
+        self.amp_dtype, self.scaler = amp_dtype, scaler
+        self.clip_grad, self.clip_mode = clip_grad, clip_mode
+        self.accum_steps = max(1, int(accum_steps))
+        self._window_end: Optional[int] = None  # the open window's end; None between windows
+        self._window_len = 1
+        self._buffers: List[torch.Tensor] = []
+        self._losses: List[float] = []
+        self._bad_loss: Optional[float] = None
 
-    if epoch_rng_state is not None:
-        set_rng_state(epoch_rng_state)
-    epoch_rng_state = get_rng_state()
-    if start_step > 0:
-        print(f'Resuming epoch {epoch} at step {start_step}: replaying the data order of the first {start_step} steps')
-    batch_size = data_loader.batch_size or 1
-    world = get_world_size()
-    n_steps = len(data_loader)
-    window_end = 0
-    saved_buffers, losses, window_finite, window_loss = [], [], True, float('nan')
-
-    for step, (samples, targets) in enumerate(metric_logger.log_every(
-            data_loader, print_freq, header, images_per_step=batch_size * world)):
-        if step < start_step:
-            if step == start_step - 1 and resume_rng_state is not None:
-                set_rng_state(resume_rng_state)
-            continue
-        if step >= window_end:  # the first micro-step of an accumulation window
-            window_end = min((step // accum_steps + 1) * accum_steps, n_steps)
-            window_len = window_end - step
+    def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
+                 index: int = 0, n_steps: Optional[int] = None, stop_flag: Any = None,
+                 grad_norm: bool = False) -> Optional[StepOutcome]:
+        """Run micro-batch `index` of an epoch of `n_steps` (None: no end). Returns None inside a window,
+        the StepOutcome at its last micro-batch. `stop_flag` (a utils.StopFlag) is read once per optimizer
+        step; `grad_norm` asks for the gradient norm in the outcome."""
+        if self._window_end is None:  # the first micro-batch of a window
+            end = (index // self.accum_steps + 1) * self.accum_steps
+            self._window_end = end if n_steps is None else min(end, n_steps)
+            self._window_len = self._window_end - index
             # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
-            saved_buffers = [b.detach().clone() for b in module.buffers()]
-            losses, window_finite = [], True
-            optimizer.zero_grad(set_to_none=True)
-        last = step + 1 == window_end
-        samples = samples.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        if channels_last:
-            samples = samples.contiguous(memory_format=torch.channels_last)
-        if mixup_fn is not None:
-            samples, targets = mixup_fn(samples, targets)
-
-        # DDP decides at forward time whether the backward all-reduces: the micro-steps that do not end the
-        # window run forward and backward under no_sync(), so gradients are exchanged once per optimizer step
+            self._buffers = [b.detach().clone() for b in unwrap_model(model).buffers()]
+            self._losses, self._bad_loss = [], None
+            self.optimizer.zero_grad(set_to_none=True)
+        last = index + 1 >= self._window_end
+        # DDP decides at forward time whether the backward all-reduces: the micro-batches that do not end the
+        # window run forward and backward under no_sync()
         with _no_sync(model, not last):
-            with autocast(device, amp_dtype):
-                outputs = model(samples)
-                loss = criterion(samples, outputs, targets)
-            loss_value = loss.item()
-            window_finite = window_finite and math.isfinite(loss_value)
-            if not math.isfinite(loss_value):
-                window_loss = loss_value
-            losses.append(loss_value)
+            with autocast(self.device, self.amp_dtype):
+                loss = criterion(samples, model(samples), targets)
+            value = loss.item()
+            self._losses.append(value)
+            if not math.isfinite(value):
+                self._bad_loss = value
             if not last:
-                if window_finite:  # a local backward; a skipped window needs none
-                    scaled = loss / window_len
-                    (loss_scaler.scale(scaled) if loss_scaler is not None else scaled).backward()
-                continue
+                if self._bad_loss is None:  # a local backward; a skipped window needs none
+                    self._backward(loss)
+                return None
+        self._window_end = None
+        return self._step(model, loss, stop_flag, grad_norm)
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        scaled = loss / self._window_len
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+
+    def _step(self, model, loss, stop_flag, grad_norm: bool) -> StepOutcome:
         # one small collective per optimizer step: do all ranks have finite losses, did any get a stop signal?
-        stop_req = bool(stop_flag is not None and stop_flag.requested)
-        finite = window_finite
-        if distributed:
-            bad_any, stop_any = all_reduce_max([0.0 if finite else 1.0, 1.0 if stop_req else 0.0], device)
-            finite, stop_req = bad_any == 0.0, stop_any > 0.0
-
+        stop = bool(stop_flag is not None and stop_flag.requested)
+        finite = self._bad_loss is None
+        if is_dist_avail_and_initialized():
+            bad_any, stop_any = all_reduce_max([0.0 if finite else 1.0, 1.0 if stop else 0.0], self.device)
+            finite, stop = bad_any == 0.0, stop_any > 0.0
+        outcome = StepOutcome(losses=self._losses, stop=stop)
+        buffers, self._buffers = self._buffers, []
         if not finite:
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
-                for b, saved in zip(module.buffers(), saved_buffers):
+                for b, saved in zip(unwrap_model(model).buffers(), buffers):
                     b.copy_(saved)
-            carry.bad_steps += 1
-            carry.skipped_steps += 1
-            bad_value = window_loss if not window_finite else 'on another rank'
-            eprint(f'warning: non-finite loss ({bad_value}) at epoch {epoch} step {step}; step skipped '
-                   f'({carry.bad_steps}/{max_bad_steps} consecutive)')
-            if carry.bad_steps > max_bad_steps:
-                raise NonFiniteLossError(
-                    f'non-finite loss ({bad_value}) at epoch {epoch} step {step}: {carry.bad_steps} consecutive bad '
-                    f'steps (more than --max-bad-steps {max_bad_steps}); stopped, the last checkpoint is left intact')
+            outcome.non_finite = self._bad_loss if self._bad_loss is not None else 'on another rank'
+            return outcome
+        scale_before = self.scaler.get_scale() if self.scaler is not None else None
+        self._backward(loss)
+        if self.scaler is not None and (self.clip_grad is not None or grad_norm):
+            self.scaler.unscale_(self.optimizer)
+        if grad_norm:
+            outcome.grad_norm = _grad_norm(model)
+        if self.clip_grad is not None:
+            dispatch_clip_grad(model.parameters(), self.clip_grad, mode=self.clip_mode)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            outcome.overflow = self.scaler.get_scale() < scale_before  # the scaler skipped this step
         else:
-            scaled = loss / window_len
-            if loss_scaler is not None:
-                scale_before = loss_scaler.get_scale()
-                loss_scaler.scale(scaled).backward()
-                if clip_grad is not None or logger is not None:
-                    loss_scaler.unscale_(optimizer)
-                grad_norm = _grad_norm(model) if logger is not None else None
-                if clip_grad is not None:
-                    dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
-                loss_scaler.step(optimizer)
-                loss_scaler.update()
-                if loss_scaler.get_scale() < scale_before:  # fp16 overflow: the scaler skipped this step
-                    carry.bad_steps += 1
-                    carry.skipped_steps += 1
-                    if carry.bad_steps > max_bad_steps:
-                        raise NonFiniteLossError(
-                            f'non-finite gradients at epoch {epoch} step {step}: {carry.bad_steps} consecutive fp16 '
-                            f'steps skipped (more than --max-bad-steps {max_bad_steps}); stopped, the last '
-                            f'checkpoint is left intact')
-                else:
-                    carry.bad_steps = 0
-            else:
-                scaled.backward()
-                grad_norm = _grad_norm(model) if logger is not None else None
-                if clip_grad is not None:
-                    dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
-                optimizer.step()
-                carry.bad_steps = 0
-            if model_ema is not None:
-                model_ema.update(module)
-            for value in losses:
-                metric_logger.update(loss=value)
-        metric_logger.update(lr=max(g['lr'] for g in optimizer.param_groups))  # the head's LR under --layer-decay
-        if logger is not None:  # e.g. TensorBoard: one call per optimizer step
-            logger({'step': epoch * n_steps + step, 'loss': sum(losses) / len(losses), 'lr': metric_logger.lr.value,
-                    'images': batch_size * world * len(losses),
-                    **({'grad_norm': grad_norm} if finite else {}),
-                    **({'loss_scale': loss_scaler.get_scale()} if loss_scaler else {})})
-
-        if stop_req and step + 1 < n_steps:
-            meter = metric_logger.meters['loss']
-            return EpochResult(stats={}, stopped=True, next_step=step + 1, rng_state=get_rng_state(),
-                               epoch_rng_state=epoch_rng_state,
-                               loss_meter={'total': meter.total, 'count': meter.count}, carry=carry)
-
-    metric_logger.synchronize_between_processes(device)
-    print('Averaged stats:', metric_logger)
-    stats = {k: meter.global_avg for k, meter in metric_logger.meters.items()}
-    stats['lr'] = max(g['lr'] for g in optimizer.param_groups)
-    stats.setdefault('loss', float('nan'))
-    stats['skipped_steps'] = carry.skipped_steps
-    return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested), carry=carry)
+            self.optimizer.step()
+        return outcome
 
 
 def _grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of all gradients (unscaled, before clipping), for the per-step log."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
+def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tensor], data_loader: Any,
+                    step: OptimizerStep, epoch: int, settings: Optional[TrainSettings] = None, model_ema: Any = None,
+                    mixup_fn: Optional[Callable] = None, state: Optional[EpochState] = None, stop_flag: Any = None,
+                    logger: Optional[Callable[[dict], None]] = None) -> EpochResult:
+    """One pass over `data_loader`, one `step` (OptimizerStep) per window of micro-batches, on `step.device`
+    with `step.optimizer`. `model` may be DDP-wrapped and/or compiled; `model_ema` follows the bare module.
+    `logger`, when given, is called with the step's values after every optimizer step.
+
+    `state` (an EpochState; a fresh epoch without one) is where the epoch starts; the result's state is
+    where training continues: the stop point after a stop signal, else the start of the next epoch. The
+    count of consecutive skipped steps carries over; more than `settings.max_bad_steps` of them raise
+    NonFiniteLossError.
+
+    Resuming in the middle of an epoch (`state.step` > 0, always a window boundary): the RNG state from
+    before the epoch's data iterator was created is restored, the first `state.step` batches are loaded
+    again but not trained on (so the random augmentations of data-loader workers come out identical), then
+    the RNG state saved at the stop point is restored.
+    """
+    settings = settings or TrainSettings()
+    state = replace(state) if state is not None else EpochState()
+    model.train(settings.train_mode)
+    device, optimizer = step.device, step.optimizer
+    metric_logger = MetricLogger(delimiter='  ')
+    metric_logger.add_meter('lr', SmoothedValue(window_size=1, fmt='{value:.6f}'))
+    if state.loss_meter:
+        metric_logger.meters['loss'].total = state.loss_meter['total']
+        metric_logger.meters['loss'].count = state.loss_meter['count']
+    header = f'Epoch: [{epoch}]'
+
+    if state.epoch_rng_state is not None:
+        set_rng_state(state.epoch_rng_state)
+    epoch_rng_state = get_rng_state()
+    start_step = state.step
+    if start_step > 0:
+        print(f'Resuming epoch {epoch} at step {start_step}: replaying the data order of the first {start_step} steps')
+    batch_size = data_loader.batch_size or 1
+    world = get_world_size()
+    n_steps = len(data_loader)
+
+    for i, (samples, targets) in enumerate(metric_logger.log_every(
+            data_loader, settings.print_freq, header, images_per_step=batch_size * world)):
+        if i < start_step:
+            if i == start_step - 1 and state.rng_state is not None:
+                set_rng_state(state.rng_state)
+            continue
+        samples = samples.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        if settings.channels_last:
+            samples = samples.contiguous(memory_format=torch.channels_last)
+        if mixup_fn is not None:
+            samples, targets = mixup_fn(samples, targets)
+        out = step(model, criterion, samples, targets, i, n_steps, stop_flag=stop_flag, grad_norm=logger is not None)
+        if out is None:  # inside an accumulation window
+            continue
+
+        max_bad = settings.max_bad_steps
+        if out.non_finite is not None:
+            state.bad_steps += 1
+            state.skipped_steps += 1
+            eprint(f'warning: non-finite loss ({out.non_finite}) at epoch {epoch} step {i}; step skipped '
+                         f'({state.bad_steps}/{max_bad} consecutive)')
+            if state.bad_steps > max_bad:
+                raise NonFiniteLossError(
+                    f'non-finite loss ({out.non_finite}) at epoch {epoch} step {i}: {state.bad_steps} consecutive bad '
+                    f'steps (more than --max-bad-steps {max_bad}); stopped, the last checkpoint is left intact')
+        else:
+            if out.overflow:
+                state.bad_steps += 1
+                state.skipped_steps += 1
+                if state.bad_steps > max_bad:
+                    raise NonFiniteLossError(
+                        f'non-finite gradients at epoch {epoch} step {i}: {state.bad_steps} consecutive fp16 '
+                        f'steps skipped (more than --max-bad-steps {max_bad}); stopped, the last '
+                        f'checkpoint is left intact')
+            else:
+                state.bad_steps = 0
+            if model_ema is not None:
+                model_ema.update(unwrap_model(model))
+            for value in out.losses:
+                metric_logger.update(loss=value)
+        metric_logger.update(lr=max(g['lr'] for g in optimizer.param_groups))  # the head's LR under --layer-decay
+        if logger is not None:  # e.g. TensorBoard: one call per optimizer step
+            logger({'step': epoch * n_steps + i, 'loss': sum(out.losses) / len(out.losses),
+                    'lr': metric_logger.lr.value, 'images': batch_size * world * len(out.losses),
+                    **({'grad_norm': out.grad_norm} if out.non_finite is None else {}),
+                    **({'loss_scale': step.scaler.get_scale()} if step.scaler is not None else {})})
+
+        if out.stop and i + 1 < n_steps:
+            meter = metric_logger.meters['loss']
+            return EpochResult(stats={}, stopped=True, state=replace(
+                state, step=i + 1, rng_state=get_rng_state(), epoch_rng_state=epoch_rng_state,
+                loss_meter={'total': meter.total, 'count': meter.count}))
+
+    metric_logger.synchronize_between_processes(device)
+    print('Averaged stats:', metric_logger)
+    stats = {k: meter.global_avg for k, meter in metric_logger.meters.items()}
+    stats['lr'] = max(g['lr'] for g in optimizer.param_groups)
+    stats.setdefault('loss', float('nan'))
+    stats['skipped_steps'] = state.skipped_steps
+    return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested),
+                       state=EpochState(bad_steps=state.bad_steps))
 
 
 @torch.no_grad()

@@ -590,11 +590,8 @@ def main(args, parser):
                                               loss_scaler, n_parameters, device)
     resume_path = checkpoint.find_resume_path(args)
     resumed = run_ckpt.resume(resume_path, eval_only=args.eval)
-    start_epoch, start_step = resumed.start_epoch, resumed.start_step
-    resume_rng, epoch_rng, loss_meter = resumed.resume_rng, resumed.epoch_rng, resumed.loss_meter
+    start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
     max_accuracy = run_ckpt.max_accuracy
-    # consecutive skipped steps survive epochs and resumes
-    carry = engine.TrainCarry.from_state(resumed.ckpt.get('train_carry') if isinstance(resumed.ckpt, dict) else None)
 
     def accuracy_line(stats, tag='', label=''):
         line = f"Accuracy of the {tag}network{label} on the {stats['n']} test images: {stats['acc1']:.2f}%"
@@ -645,7 +642,10 @@ def main(args, parser):
     # ---------------- train ----------------
     checkpoint.check_room(output_dir, run_ckpt.estimate_bytes(resume_path), device)
     save = run_ckpt.save
-    gather_rng = checkpoint.gather_rng
+    step = engine.OptimizerStep(optimizer, device, amp_dtype, loss_scaler, args.clip_grad, args.clip_mode,
+                                args.accum_steps)
+    settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
+                                    max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
 
     tb = None
     if args.log_dir and distributed.is_main_process():
@@ -656,26 +656,14 @@ def main(args, parser):
     for epoch in range(start_epoch, args.epochs):
         sampler_train.set_epoch(epoch)
         lr_scheduler.step(epoch)  # epoch e runs at the LR of epoch e (the reference lagged one epoch)
-        if not (epoch == start_epoch and start_step):
-            carry.skipped_steps = 0  # a new epoch (a mid-epoch resume keeps the epoch's count so far)
-        res = engine.train_one_epoch(
-            train_model, criterion, loader_train, optimizer, device, epoch, loss_scaler, amp_dtype,
-            args.clip_grad, args.clip_mode, model_ema, mixup_fn, set_training_mode=args.train_mode, args=args,
-            stop_flag=stop_flag, start_step=start_step if epoch == start_epoch else 0,
-            resume_rng_state=resume_rng if (epoch == start_epoch and start_step) else None,
-            epoch_rng_state=epoch_rng if epoch == start_epoch else None,
-            loss_meter_state=loss_meter if epoch == start_epoch else None,
-            channels_last=args.channels_last, print_freq=args.print_freq, max_bad_steps=args.max_bad_steps,
-            ema_source=model_without_ddp, accum_steps=args.accum_steps, carry=carry, logger=tb)
-        carry = res.carry
-        if res.stopped and res.next_step:
-            save(epoch, {'step': res.next_step, 'rng_state': gather_rng(res.rng_state),
-                         'epoch_rng_state': gather_rng(res.epoch_rng_state), 'loss_meter': res.loss_meter,
-                         'train_carry': carry.state_dict()},
-                 ['checkpoint.pth'])
+        res = engine.train_one_epoch(train_model, criterion, loader_train, step, epoch, settings, model_ema, mixup_fn,
+                                     state, stop_flag, logger=tb)
+        state = res.state
+        if res.stopped and state.step:
+            save(epoch, checkpoint.epoch_state_entries(state), ['checkpoint.pth'])
             where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
-                  f'{res.next_step}; checkpoint {where}; run the same command again to resume')
+                  f'{state.step}; checkpoint {where}; run the same command again to resume')
             return 128 + int(stop_flag.signum or signal.SIGTERM)
         if args.distributed:
             # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
@@ -725,8 +713,7 @@ def main(args, parser):
                      'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
                      'bad_train_images': bad}
         # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
-        save(epoch, {'rng_state': gather_rng(checkpoint.get_rng_state()), 'train_carry': carry.state_dict(),
-                     'log': log_stats}, names)
+        save(epoch, {**checkpoint.epoch_state_entries(state), 'log': log_stats}, names)
         run_ckpt.append_log(log_stats)
         if tb is not None:
             tb.log_epoch(log_stats, epoch)

@@ -288,6 +288,57 @@ def test_resume_with_another_optimizer_is_refused(tmp_path):
     assert 'is from --opt adamw, this run has --opt sgd: relaunch with --opt adamw' in str(e.value)
 
 
+# ------------------------------------------------------------------------------------------ where training stands
+def _draws(rng_state):
+    """What the random streams give after `rng_state` is restored."""
+    checkpoint.set_rng_state(rng_state)
+    return torch.rand(4).tolist(), random.random()
+
+
+def _rng_at(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    return checkpoint.get_rng_state()
+
+
+def test_a_mid_epoch_state_written_in_the_checkpoint_layout_resumes_as_it_was(tmp_path):
+    epoch_rng, stop_rng = _rng_at(1), _rng_at(2)
+    # the keys a mid-epoch stop writes, as main.py has written them since before EpochState
+    layout = {'step': 6, 'rng_state': [stop_rng], 'epoch_rng_state': [epoch_rng],
+              'loss_meter': {'total': 4.5, 'count': 6}, 'train_carry': {'bad_steps': 2, 'skipped_steps': 3}}
+    state = checkpoint.EpochState(step=6, rng_state=stop_rng, epoch_rng_state=epoch_rng,
+                                  loss_meter={'total': 4.5, 'count': 6}, bad_steps=2, skipped_steps=3)
+    entries = checkpoint.epoch_state_entries(state)
+    assert entries.keys() == layout.keys() and entries['train_carry'] == layout['train_carry']
+    for extra in (layout, entries):
+        _run(tmp_path, with_state=True).save(1, extra, ['checkpoint.pth'])
+        r = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
+        got = r.state
+        assert r.start_epoch == 1 and (got.step, got.loss_meter, got.bad_steps, got.skipped_steps) == (
+            6, {'total': 4.5, 'count': 6}, 2, 3)
+        assert _draws(got.rng_state) == _draws(stop_rng) and _draws(got.epoch_rng_state) == _draws(epoch_rng)
+
+
+def test_an_end_of_epoch_state_resumes_at_the_next_epoch_with_the_bad_step_count(tmp_path):
+    rng = _rng_at(3)
+    want = _draws(rng)
+    # the count of consecutive skipped steps survives; the finished epoch's own count does not
+    for extra, bad in (({'rng_state': [rng], 'train_carry': {'bad_steps': 4, 'skipped_steps': 5}}, 4),
+                       ({'rng_state': [rng]}, 0)):  # a checkpoint from before the counts were saved
+        _run(tmp_path, with_state=True).save(2, extra, ['checkpoint.pth'])
+        _rng_at(9)
+        r = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
+        assert _draws(checkpoint.get_rng_state()) == want  # the RNG state is restored at once
+        got = r.state
+        assert r.start_epoch == 3 and (got.step, got.bad_steps, got.skipped_steps) == (0, bad, 0)
+        assert got.rng_state is None and got.epoch_rng_state is None and got.loss_meter is None
+    _rng_at(3)
+    entries = checkpoint.epoch_state_entries(checkpoint.EpochState(bad_steps=4))
+    assert set(entries) == {'rng_state', 'train_carry'}
+    assert entries['train_carry'] == {'bad_steps': 4, 'skipped_steps': 0}
+    assert _draws(entries['rng_state'][0]) == want  # between epochs: the RNG state of now
+
+
 # ------------------------------------------------------------------------------------------ output directory
 def _args(tmp_path, *argv):
     return main.get_args_parser().parse_args(['--output_dir', str(tmp_path), *argv])

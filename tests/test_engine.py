@@ -47,7 +47,8 @@ def test_non_finite_loss_is_skipped_then_stops_with_epoch_and_step():
     loader = Loader([(torch.ones(4, 2), torch.zeros(4, dtype=torch.long))] * 6)
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
     with pytest.raises(errors.NonFiniteLossError) as ei:
-        engine.train_one_epoch(model, crit, loader, opt, 'cpu', epoch=3, max_bad_steps=2, print_freq=100)
+        engine.train_one_epoch(model, crit, loader, engine.OptimizerStep(opt, 'cpu'), epoch=3,
+                               settings=engine.TrainSettings(max_bad_steps=2, print_freq=100))
     assert 'epoch 3 step 2' in str(ei.value) and '--max-bad-steps 2' in str(ei.value)
     for k, v in model.state_dict().items():  # skipped steps never touched the weights
         assert torch.equal(v, before[k])
@@ -60,8 +61,10 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
     flag = utils.StopFlag()
     flag.signum = 15
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    res = engine.train_one_epoch(model, crit, loader, opt, 'cpu', epoch=0, stop_flag=flag, print_freq=100)
-    assert res.stopped and res.next_step == 1 and res.rng_state is not None and res.epoch_rng_state is not None
+    res = engine.train_one_epoch(model, crit, loader, engine.OptimizerStep(opt, 'cpu'), epoch=0, stop_flag=flag,
+                                 settings=engine.TrainSettings(print_freq=100))
+    st = res.state
+    assert res.stopped and st.step == 1 and st.rng_state is not None and st.epoch_rng_state is not None
 
 
 # -------------------------------------------------------------------------------- launch scripts
@@ -100,11 +103,13 @@ def poisoned(batch):
     return x, y
 
 
-def train(model, loader, epoch=0, **kw):
+def train(model, loader, epoch=0, max_bad_steps=20, state=None, ema=None):
     from timm.utils import ModelEmaV3
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ema = kw.pop('ema', None) or ModelEmaV3(model, decay=0.5)
-    res = engine.train_one_epoch(model, ce, Loader(loader), opt, 'cpu', epoch, model_ema=ema, print_freq=1000, **kw)
+    ema = ema or ModelEmaV3(model, decay=0.5)
+    settings = engine.TrainSettings(print_freq=1000, max_bad_steps=max_bad_steps)
+    res = engine.train_one_epoch(model, ce, Loader(loader), engine.OptimizerStep(opt, 'cpu'), epoch, settings,
+                                 model_ema=ema, state=state)
     return res, ema
 
 
@@ -120,7 +125,8 @@ def test_a_skipped_step_leaves_batchnorm_statistics_and_ema_untouched(one_thread
     _, ref_ema = train(ref_model, good)
     model = bn_model()
     res, ema = train(model, [good[0], poisoned(good[1]), good[1]])
-    assert res.stats['skipped_steps'] == 1 and res.carry.skipped_steps == 1 and res.carry.bad_steps == 0
+    assert res.stats['skipped_steps'] == 1 and res.state.bad_steps == 0
+    assert res.state.skipped_steps == 0  # the state to continue from: the next epoch, which has skipped none
     assert torch.isfinite(model[1].running_mean).all()
     # skipping the poisoned batch is exactly as if it never existed: weights, BN statistics and EMA
     assert_bitwise_equal(model.state_dict(), ref_model.state_dict())
@@ -131,7 +137,7 @@ def test_an_epoch_of_skipped_steps_changes_nothing_and_logs_strict_json(one_thre
     model = bn_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     res, ema = train(model, [poisoned(b) for b in batches(3)])
-    assert res.stats['skipped_steps'] == 3 and res.carry.bad_steps == 3
+    assert res.stats['skipped_steps'] == 3 and res.state.bad_steps == 3
     assert_bitwise_equal(model.state_dict(), before)
     assert_bitwise_equal(ema.module.state_dict(), before)
     assert math.isnan(res.stats['loss'])
@@ -147,11 +153,9 @@ def test_consecutive_bad_steps_are_counted_across_epochs(one_thread):
     model = bn_model()
     good = batches(3)
     res, ema = train(model, [good[0], poisoned(good[1]), poisoned(good[2])], epoch=0, max_bad_steps=2)
-    assert res.carry.bad_steps == 2
-    carry = engine.TrainCarry.from_state(res.carry.state_dict())  # as saved in and loaded from a checkpoint
-    carry.skipped_steps = 0  # a new epoch
+    assert res.state.bad_steps == 2  # (tests/test_checkpoint.py: the count survives a checkpoint)
     with pytest.raises(errors.NonFiniteLossError) as ei:
-        train(model, [poisoned(good[0]), good[1]], epoch=1, max_bad_steps=2, carry=carry, ema=ema)
+        train(model, [poisoned(good[0]), good[1]], epoch=1, max_bad_steps=2, state=res.state, ema=ema)
     assert 'epoch 1 step 0' in str(ei.value) and '3 consecutive' in str(ei.value)
 
 
@@ -194,13 +198,14 @@ def steps(opt):
     return opt.n_steps
 
 
-def run_accum(batch_list, accum_steps, **kw):
+def run_accum(batch_list, accum_steps, stop_flag=None):
     from timm.utils import ModelEmaV3
     model = linear_model()
     opt = CountingSGD(model.parameters(), lr=0.5, momentum=0.9)  # SGD: a wrong loss scale would show
     ema = ModelEmaV3(model, decay=0.5)
-    res = engine.train_one_epoch(model, ce, Loader(batch_list), opt, 'cpu', 0, model_ema=ema, print_freq=1000,
-                                 accum_steps=accum_steps, **kw)
+    step = engine.OptimizerStep(opt, 'cpu', accum_steps=accum_steps)
+    res = engine.train_one_epoch(model, ce, Loader(batch_list), step, 0, engine.TrainSettings(print_freq=1000),
+                                 model_ema=ema, stop_flag=stop_flag)
     return model, ema, res, opt
 
 
@@ -225,7 +230,7 @@ def test_a_shorter_last_window_still_steps_and_stops_only_at_window_boundaries(o
     flag = utils.StopFlag()
     flag.signum = 15  # already requested: the first optimizer step ends the epoch
     _, _, res, opt = run_accum(batches(5), 2, stop_flag=flag)
-    assert res.stopped and res.next_step == 2
+    assert res.stopped and res.state.step == 2
     assert steps(opt) == 1
 
 
@@ -268,7 +273,8 @@ class SyncRecorder(torch.nn.Module):
 def test_only_the_last_micro_step_of_a_window_synchronises(one_thread):
     model = SyncRecorder()
     opt = CountingSGD(model.parameters(), lr=0.1)
-    engine.train_one_epoch(model, ce, Loader(batches(5)), opt, 'cpu', 0, print_freq=1000, accum_steps=2)
+    engine.train_one_epoch(model, ce, Loader(batches(5)), engine.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+                           engine.TrainSettings(print_freq=1000))
     # windows (0, 1), (2, 3), (4): forward and backward of 0 and 2 under no_sync, the rest synchronised
     assert model.forwards == [False, True, False, True, True]
     assert model.backwards == [False, True, False, True, True]

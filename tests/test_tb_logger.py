@@ -54,7 +54,8 @@ def test_engine_logs_every_step_with_the_head_lr(tmp_path, one_thread):
     loader = torch.utils.data.DataLoader(data, batch_size=2)
     log = tb_logger.TensorBoardLogger(str(tmp_path))
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    res = engine.train_one_epoch(model, crit, loader, optimizer, 'cpu', epoch=2, print_freq=100, logger=log)
+    res = engine.train_one_epoch(model, crit, loader, engine.OptimizerStep(optimizer, 'cpu'), epoch=2,
+                                 settings=engine.TrainSettings(print_freq=100), logger=log)
     log.close()
     s = _scalars(tmp_path)
     assert [st for st, _ in s['train/loss']] == [6, 7, 8]  # global step = epoch x 3 steps + step
@@ -75,8 +76,8 @@ def test_engine_logs_the_gradient_norm_of_each_step(one_thread):
         logged.append((values['grad_norm'], float(grads.double().norm())))
 
     engine.train_one_epoch(model, lambda s, o, t: torch.nn.functional.cross_entropy(o, t),
-                           torch.utils.data.DataLoader(data, batch_size=2), optimizer, 'cpu', epoch=0,
-                           print_freq=100, logger=logger)
+                           torch.utils.data.DataLoader(data, batch_size=2), engine.OptimizerStep(optimizer, 'cpu'),
+                           epoch=0, settings=engine.TrainSettings(print_freq=100), logger=logger)
     assert len(logged) == 2
     for got, expected in logged:
         assert got == pytest.approx(expected, rel=1e-5) and got > 0
@@ -92,7 +93,8 @@ def test_engine_logs_the_fp16_loss_scale(tmp_path):
     scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
     log = tb_logger.TensorBoardLogger(str(tmp_path))
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    engine.train_one_epoch(model, crit, loader, optimizer, 'cpu', epoch=0, loss_scaler=scaler,
-                           amp_dtype=torch.float16, print_freq=100, logger=log)
+    step = engine.OptimizerStep(optimizer, 'cpu', amp_dtype=torch.float16, scaler=scaler)
+    engine.train_one_epoch(model, crit, loader, step, epoch=0, settings=engine.TrainSettings(print_freq=100),
+                           logger=log)
     log.close()
     assert _scalars(tmp_path)['train/loss_scale'] == [(0, 1024.0), (1, 1024.0)]
