@@ -8,15 +8,16 @@
     python tools/benchmark.py --preset paper
     python tools/benchmark.py --make-jpegs /tmp/jpegs --data-loading /tmp/jpegs
 
-A measurement: warm-up steps, then timed steps (median step time). ``train`` times forward + backward +
-AdamW step (SGD-style zero_grad(set_to_none) included); ``inference`` times a no-grad forward in eval
-mode. MACs are fvcore's count of the model at batch 1 (the figure ``tools/flops.py`` prints) times the
-batch, times 3 for a training step (forward, input gradient, weight gradient). The efficiency divides
-the achieved MAC/s by the MAC/s of a large square matrix product of the same dtype, timed in this
-process right before every timed step (median over steps of the per-step ratio), so figures compare
-across noisy runs and machines. Peak memory is the peak of tensor memory during one step above what
-was live before it (params, buffers and optimizer state are listed separately): CUDA's allocator
-statistics on a GPU, the profiler's allocation trace on a CPU.
+A measurement: warm-up steps, then timed steps (median step time). ``train`` times main.py's optimizer
+step (``engine.OptimizerStep``: zero_grad(set_to_none), forward under autocast, the loss check, backward,
+AdamW step, fp16 loss scaling); ``inference`` times a no-grad forward in eval mode. MACs are fvcore's
+count of the model at batch 1 (the figure ``tools/flops.py`` prints) times the batch, times 3 for a
+training step (forward, input gradient, weight gradient). The efficiency divides the achieved MAC/s by
+the MAC/s of a large square matrix product of the same dtype, timed in this process right before every
+timed step (median over steps of the per-step ratio), so figures compare across noisy runs and
+machines. Peak memory is the peak of tensor memory during one step above what was live before it
+(params, buffers and optimizer state are listed separately): CUDA's allocator statistics on a GPU, the
+profiler's allocation trace on a CPU.
 
 On a CPU, glibc gives large freed blocks back to the OS, so activations page-fault again step after
 step; ``--cpu-malloc retain`` (the default for one model, as in main.py) keeps them in the process
@@ -35,7 +36,6 @@ and peak memory per token to ``OUT.json`` and ``OUT.png``; with a fast ``--attn-
 plain softmax block, which forms the N x N matrix (up to ``--sweep-plain-max`` px).
 """
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm
 
+import engine
 import models  # noqa: F401  (registers the variants)
 import utils
 from models import NALA_IMPLS, VARIANTS
@@ -132,40 +133,34 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
     return cpu_peak_bytes(fn)
 
 
-def autocast_ctx(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+def amp_dtype(dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The autocast dtype of a benchmark dtype (fp32: no autocast)."""
+    return None if dtype == torch.float32 else dtype
 
 
 def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str, dtype: torch.dtype,
               device: torch.device, compile_model: bool):
     """The function one benchmark step calls, and the optimizer (None for inference)."""
     fwd = torch.compile(model) if compile_model else model
-    scaler = torch.amp.GradScaler(device.type) if (dtype == torch.float16 and mode == 'train') else None
     if mode == 'inference':
         model.eval()
 
         def step() -> None:
-            with torch.no_grad(), autocast_ctx(device, dtype):
+            with torch.no_grad(), engine.autocast(device, amp_dtype(dtype)):
                 fwd(x)
         return step, None
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
-    criterion = nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    optimizer_step = engine.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
+    cross_entropy = nn.CrossEntropyLoss()
+
+    def criterion(samples: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(outputs, targets)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with autocast_ctx(device, dtype):
-            loss = criterion(fwd(x), target)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        optimizer_step(fwd, criterion, x, target)
     return step, optimizer
 
 
@@ -473,12 +468,12 @@ def sweep(args: argparse.Namespace) -> Dict:
                 sin, cos = rope((side, side))
                 if args.mode == 'train':
                     block.train()
-                    with autocast_ctx(device, dtype):
+                    with engine.autocast(device, amp_dtype(dtype)):
                         out = block(x, sin, cos)
                     out.float().sum().backward()
                 else:
                     block.eval()
-                    with torch.no_grad(), autocast_ctx(device, dtype):
+                    with torch.no_grad(), engine.autocast(device, amp_dtype(dtype)):
                         block(x, sin, cos)
             # small sizes take milliseconds: repeat them for >= 1 s and keep the fastest step, the
             # best estimate of the block's own cost on a machine shared with other processes
