@@ -21,10 +21,11 @@ from metrics import MetricLogger, SmoothedValue
 
 @dataclass
 class EpochResult:
+    """An epoch's stats, whether a stop signal ended it, and the state training continues from: the stop
+    point (`state.step` > 0: the epoch was cut short; `stats` is then empty) or the next epoch's start."""
     stats: dict
-    stopped: bool = False  # a stop signal ended the epoch (before its end when state.step > 0)
-    state: EpochState = field(default_factory=EpochState)  # where training continues: the stop point, or the
-    #                                                        start of the next epoch
+    stopped: bool = False
+    state: EpochState = field(default_factory=EpochState)
 
 
 @dataclass(frozen=True)
@@ -32,22 +33,23 @@ class TrainSettings:
     """Settings of the training loop that hold for a whole run (the optimizer step's are in OptimizerStep)."""
     channels_last: bool = False  # feed the batches in channels-last memory format
     print_freq: int = 10         # a progress line every print_freq steps
-    max_bad_steps: int = 20      # consecutive skipped optimizer steps before NonFiniteLossError
+    max_bad_steps: int = 20      # more consecutive skipped optimizer steps raise NonFiniteLossError
     train_mode: bool = True      # model.train(train_mode) for the epoch (DeiT's --train-mode)
 
 
 @dataclass
 class StepOutcome:
-    """What one optimizer step did (`OptimizerStep` returns it at the last micro-batch of a window)."""
+    """What one optimizer step did (`OptimizerStep` returns it at the last micro-batch of a window).
+    `non_finite` is set when a non-finite loss skipped the step: this rank's loss, or 'on another rank'."""
     losses: List[float]  # this rank's loss of every micro-batch of the window
-    non_finite: Union[float, str, None] = None  # set when a non-finite loss skipped the step: the loss, or
-    #                                             'on another rank'
+    non_finite: Union[float, str, None] = None
     overflow: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the optimizer step
     grad_norm: Optional[float] = None  # L2 norm of the gradients before clipping (when asked for)
     stop: bool = False  # a stop was requested (on any rank)
 
 
-def autocast(device, amp_dtype):
+def autocast(device: Union[str, torch.device], amp_dtype: Optional[torch.dtype]):
+    """torch.autocast on `device`'s type to `amp_dtype`; nothing with None (fp32)."""
     if amp_dtype is None:
         return nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=amp_dtype)
