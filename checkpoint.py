@@ -364,10 +364,11 @@ def load_weights_into(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model
     model.load_state_dict(sd, strict=True)
 
 
-def load_model_weights(model: torch.nn.Module, path: str, model_name: str, which: str = 'default') -> Any:
-    """Load one set of weights of checkpoint `path` into `model` (strict); returns the loaded checkpoint."""
+def load_model_weights(model: torch.nn.Module, path: str, model_name: str) -> Any:
+    """Load the weights of checkpoint `path` (the default rule: the EMA when present) into `model` (strict);
+    returns the loaded checkpoint."""
     ckpt = load_checkpoint_file(path)
-    _, sd = select_weights(ckpt, path, which)
+    _, sd = select_weights(ckpt, path)
     load_weights_into(model, sd, model_name, path)
     return ckpt
 
