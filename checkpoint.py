@@ -33,7 +33,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -623,14 +623,13 @@ def epoch_state_entries(state: EpochState) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # Saving and resuming a training run
 # --------------------------------------------------------------------------------------------------
+@dataclass
 class Resume:
-    """Where a resumed run continues: the epoch, and the EpochState to start it with (a step inside it)."""
-
-    def __init__(self, start_epoch: int = 0):
-        self.start_epoch = start_epoch
-        self.state = EpochState()
-        self.ckpt: Any = None
-        self.path = ''
+    """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), and the
+    checkpoint it was read from (None when the run starts fresh)."""
+    start_epoch: int = 0
+    state: EpochState = field(default_factory=EpochState)
+    ckpt: Any = None
 
 
 class TrainingCheckpoints:
@@ -734,7 +733,7 @@ class TrainingCheckpoints:
         ckpt = load_checkpoint_file(path)
         _, sd = select_weights(ckpt, path, 'model')
         load_weights_into(self.model, sd, args.model, path)
-        r.ckpt, r.path = ckpt, path
+        r.ckpt = ckpt
         print(f'Loaded weights from {path}')
         if eval_only or not (isinstance(ckpt, dict) and all(k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch'))):
             return r
