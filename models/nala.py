@@ -2,12 +2,12 @@
 
 This module holds all attention math of NaLaFormer (docs/method.md). The function
 ``nala_attention_plain`` follows the reference implementation's order of operations step by step
-and is the oracle every faster implementation is tested against. Implementations are chosen by
-name through ``NALA_IMPLS``; they all take and return the same tensors. ``nala_attention_fast``
-(``'fast'``, the default) computes the same numbers with fewer passes over memory and a hand-written
-backward (see its docstring for the algebra).
+and is the oracle the fast path is tested against: ``nala_attention_fast`` takes and returns the
+same tensors and computes the same numbers with fewer passes over memory and a hand-written backward
+(see the notes above ``NaLaFastFunction`` for the algebra). The attention modules run the fast cores
+unless their ``fast_path`` is off.
 """
-from typing import Callable, Dict, Tuple
+from typing import Callable, Tuple
 
 import torch
 import torch.nn as nn
@@ -17,7 +17,7 @@ from .ops import autocast_off, depthwise_conv_same, use_plain_ops
 
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
-    'NALA_IMPLS', 'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
+    'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
     'nala_attention_fast', 'softmax_attention_fast', 'rope_phases', 'rotate', 'rotate_real',
     'rotate_adjoint', 'NaLaFastFunction',
 ]
@@ -263,21 +263,20 @@ def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 AttnCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-#: NaLa core implementations by name; every entry computes the same numbers as ``'plain'``.
-NALA_IMPLS: Dict[str, AttnCore] = {'plain': nala_attention_plain, 'fast': nala_attention_fast}
-
 
 class GatedAttention(nn.Module):
     """Parameters and the shared frame of both attention kinds (docs/method.md#attention-frame).
 
-    x (B, C, H, W) -> tokens -> [q|k|v|g] = qkvg(x) -> lepe = DWConv5x5(v) -> core(q, k, v) per head
-    -> y = LN(o + lepe) * SiLU(g) -> out_proj -> (B, C, H, W). Subclasses choose the core.
-    The part between qkvg and out_proj runs in float32, also under autocast.
-
-    Two frames compute the same numbers: the plain one (``fast = False``, the reference's layout) and
-    ``forward_tokens``, which takes and returns channels-last tokens (B, H, W, C) so that a block can
-    keep its feature map channels-last without a single permute copy.
+    x (B, H, W, C) tokens -> [q|k|v|g] = qkvg(x) -> lepe = DWConv5x5(v) -> core(q, k, v) per head
+    -> y = LN(o + lepe) * SiLU(g) -> out_proj -> (B, H, W, C). The part between qkvg and out_proj runs
+    in float32, also under autocast. Subclasses name their two cores, which compute the same numbers:
+    ``plain_core`` (the reference's order of operations) and ``fast_core``. ``fast_path`` selects the
+    fast core and runs LePE as the custom depthwise op (docs/method.md#fast-path); tracers and
+    exporters always get the plain path (``models.ops.use_plain_ops``).
     """
+
+    plain_core: AttnCore
+    fast_core: AttnCore
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -288,83 +287,42 @@ class GatedAttention(nn.Module):
         self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
         self.out_proj = nn.Linear(dim, dim)
         self.ln = nn.LayerNorm(dim)
-        self.fast = True
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        self.fast_path = True
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        if self.fast and not use_plain_ops():
-            return self.forward_tokens(x.permute(0, 2, 3, 1), sin, cos).permute(0, 3, 1, 2)
-        batch, channels, height, width = x.shape
-        tokens = x.flatten(2).transpose(1, 2)                                   # (B, N, C)
-        qkvg = self.qkvg(tokens)
-        with autocast_off(x):
-            q, k, v, g = qkvg.float().chunk(4, dim=-1)
-            v_map = v.transpose(1, 2).reshape(batch, channels, height, width)
-            lepe = F.conv2d(v_map, self.lepe.weight.float(), self.lepe.bias.float(),
-                            padding=2, groups=channels).flatten(2).transpose(1, 2)
-            heads = [t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for t in (q, k, v)]
-            o = self.core(*heads, sin, cos).transpose(1, 2).flatten(2)            # (B, N, C)
-            # the normalised shape from the module, not x.shape: a traced size is not a constant
-            y = F.layer_norm(o + lepe, self.ln.normalized_shape, self.ln.weight.float(), self.ln.bias.float(),
-                             self.ln.eps) * F.silu(g)
-        out = self.out_proj(y.to(qkvg.dtype))
-        return out.transpose(1, 2).reshape(batch, channels, height, width)
-
-    def forward_tokens(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        """The same frame on channels-last tokens: x (B, H, W, C) -> (B, H, W, C)."""
-        batch, height, width, channels = x.shape
+        fast = self.fast_path and not use_plain_ops()
         qkvg = self.qkvg(x)                                                      # (B, H, W, 4C)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x):
             # Split, then cast (a no-op in fp32): under autocast each part becomes its own fp32
             # tensor, v is already channels-last for LePE, and the backward joins bf16 gradients
-            # instead of fp32 ones.
-            q, k, v, g = (t.float() for t in qkvg.chunk(4, dim=-1))
-            v_map = v.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
-            lepe = depthwise_conv_same(v_map, self.lepe.weight.float(),
-                                       self.lepe.bias.float()).permute(0, 2, 3, 1)  # (B, H, W, C)
-            heads = [t.reshape(batch, height * width, self.num_heads, self.head_dim).transpose(1, 2)
-                     for t in (q, k, v)]                                          # views, no copies
-            o = self.core(*heads, sin, cos).transpose(1, 2).reshape(batch, height, width, channels)
-            y = F.layer_norm(o + lepe, (channels,), self.ln.weight.float(), self.ln.bias.float(),
-                             self.ln.eps) * F.silu(g)
+            # instead of fp32 ones. (Unpacked first: FX cannot iterate over a traced chunk.)
+            q, k, v, g = qkvg.chunk(4, dim=-1)
+            q, k, v, g = q.float(), k.float(), v.float(), g.float()
+            v_map = v.permute(0, 3, 1, 2)                                        # (B, C, H, W) view
+            weight, bias = self.lepe.weight.float(), self.lepe.bias.float()
+            if fast:
+                lepe = depthwise_conv_same(v_map.contiguous(memory_format=torch.channels_last), weight, bias)
+            else:
+                lepe = F.conv2d(v_map, weight, bias, padding=self.lepe.padding, groups=self.lepe.groups)
+            heads = [t.flatten(1, 2).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+                     for t in (q, k, v)]                                         # (B, h, N, d) views
+            o = (self.fast_core if fast else self.plain_core)(*heads, sin, cos)
+            o = o.transpose(1, 2).reshape(x.shape)                               # (B, H, W, C)
+            y = F.layer_norm(o + lepe.permute(0, 2, 3, 1), self.ln.normalized_shape, self.ln.weight.float(),
+                             self.ln.bias.float(), self.ln.eps) * F.silu(g)
         return self.out_proj(y.to(qkvg.dtype))
 
 
 class NaLaAttention(GatedAttention):
-    """Norm×direction linear attention (stages 1-2). ``attn_impl`` names an entry of ``NALA_IMPLS``;
-    ``'plain'`` also selects the plain frame, every other implementation the channels-last one."""
+    """Norm×direction linear attention (stages 1-2)."""
 
-    def __init__(self, dim: int, num_heads: int, attn_impl: str = 'fast') -> None:
-        super().__init__(dim, num_heads)
-        self.attn_impl = attn_impl
-
-    @property
-    def attn_impl(self) -> str:
-        return self._attn_impl
-
-    @attn_impl.setter
-    def attn_impl(self, name: str) -> None:
-        if name not in NALA_IMPLS:
-            raise ValueError(f'unknown attn_impl {name!r}; choose one of {sorted(NALA_IMPLS)}')
-        self._attn_impl = name
-        self.fast = name != 'plain'
-
-    def core(self, q, k, v, sin, cos):
-        return NALA_IMPLS['plain' if use_plain_ops() else self._attn_impl](q, k, v, sin, cos)
+    plain_core = staticmethod(nala_attention_plain)
+    fast_core = staticmethod(nala_attention_fast)
 
 
 class SoftmaxAttention(GatedAttention):
-    """Softmax attention with RoPE (stages 3-4), same parameters and frame as NaLa. ``fast`` selects
+    """Softmax attention with RoPE (stages 3-4), same parameters and frame as NaLa; the fast core is
     ``softmax_attention_fast`` (one rotary pass, fused scaled_dot_product_attention)."""
 
-    def __init__(self, dim: int, num_heads: int, fast: bool = True) -> None:
-        super().__init__(dim, num_heads)
-        self.fast = fast
-
-    def core(self, q, k, v, sin, cos):
-        if self.fast and not use_plain_ops():
-            return softmax_attention_fast(q, k, v, sin, cos)
-        return softmax_attention_plain(q, k, v, sin, cos)
+    plain_core = staticmethod(softmax_attention_plain)
+    fast_core = staticmethod(softmax_attention_fast)

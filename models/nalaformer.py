@@ -17,11 +17,11 @@ from timm.models._features import feature_take_indices
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
 
-from .nala import NALA_IMPLS, NaLaAttention, RoPE, SoftmaxAttention
+from .nala import NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
 from .weights import weights_key
 
-__all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn']
+__all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn', 'set_fast_path']
 
 HEAD_HIDDEN = 1024
 
@@ -32,10 +32,13 @@ HEAD_HIDDEN = 1024
 BATCH_SLICE_BYTES = 16 * 2 ** 20
 
 
-def conv_plus_identity(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """x + conv(x) for a depthwise 'same' conv, as one conv whose kernel has 1 added at its centre:
-    one pass over x instead of two, and no stored sum. The result differs only by rounding.
-    Runs in autocast's dtype under autocast, as F.conv2d would."""
+def conv_residual(x: torch.Tensor, conv: nn.Conv2d, fast: bool) -> torch.Tensor:
+    """x + conv(x) for a depthwise 'same' conv. With ``fast`` it is one conv whose kernel has 1 added at
+    its centre (the custom depthwise op on a channels-last map): one pass over x instead of two, and no
+    stored sum; the result differs only by rounding and runs in autocast's dtype under autocast, as
+    the conv itself would."""
+    if not fast:
+        return x + conv(x)
     kh, kw = conv.kernel_size
     # a 1 at the kernel centre, padded out without item assignment (which FX cannot trace)
     identity = F.pad(conv.weight.new_ones(1, 1, 1, 1), (kw // 2, kw // 2, kh // 2, kh // 2))
@@ -47,22 +50,20 @@ def conv_plus_identity(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
 
 
 class ChannelsLastLayerNorm(nn.Module):
-    """LayerNorm over channels of a (B, C, H, W) map; the LayerNorm is held as ``.norm`` (reference layout)."""
+    """LayerNorm over the channels of (B, H, W, C) tokens, held as ``.norm`` (reference key layout)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """On channels-last tokens (B, H, W, C): the LayerNorm itself, no permutes."""
         return self.norm(x)
 
 
 class ConvFFN(nn.Module):
-    """fc1 -> exact GELU -> y + DWConv3x3(y) -> fc2, on (B, C, H, W) maps."""
+    """fc1 -> exact GELU -> y + DWConv3x3(y) -> fc2, on (B, H, W, C) tokens. The depthwise conv reads
+    the (B, H, W, F) activations as a (B, F, H, W) map by a permute; ``fast_path`` folds its residual
+    into its kernel (``conv_residual``)."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -70,69 +71,51 @@ class ConvFFN(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.dwconv = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
         self.act = nn.GELU()
+        self.fast_path = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, _, height, width = x.shape
-        y = self.act(self.fc1(x.flatten(2).transpose(1, 2)))                  # (B, N, F)
-        y = y.transpose(1, 2).reshape(batch, -1, height, width)
-        y = y + self.dwconv(y)
-        y = self.fc2(y.flatten(2).transpose(1, 2))
-        return y.transpose(1, 2).reshape(batch, -1, height, width)
-
-    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """On channels-last tokens (B, H, W, C) -> (B, H, W, C); the depthwise conv reads the
-        (B, H, W, F) activations as a channels-last map, and its residual is folded into its kernel."""
-        y = self.act(self.fc1(x))
-        y = conv_plus_identity(y.permute(0, 3, 1, 2), self.dwconv).permute(0, 2, 3, 1)
-        return self.fc2(y)
+        fast = self.fast_path and not use_plain_ops()
+        y = self.act(self.fc1(x)).permute(0, 3, 1, 2)                          # (B, F, H, W) view
+        return self.fc2(conv_residual(y, self.dwconv, fast).permute(0, 2, 3, 1))
 
 
 class NaLaBlock(nn.Module):
     """x += cpe1(x); x += DropPath(g1 * attn(norm1(x))); x += cpe2(x); x += DropPath(g2 * ffn(norm2(x))).
 
-    With ``fast`` (every attn_impl but 'plain') the block keeps its map channels-last: x (B, C, H, W)
-    in channels_last memory is (B, H, W, C) tokens by a free permute, so norms, attention and FFN run
-    on tokens without copies; the CPE residuals are folded into their kernels and the layer-scale
-    residuals are one addcmul each.
+    x is a (B, C, H, W) map; the block hands its (B, H, W, C) permute to the norms, the attention and
+    the FFN, which work on tokens. On a map in channels_last memory (the fast path's layout) these
+    permutes are free. ``fast_path`` folds the CPE residuals into their kernels and makes each
+    layer-scale residual one addcmul.
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, linear: bool,
-                 drop_path: float = 0.0, layer_scale_init: float = 1.0, attn_impl: str = 'fast') -> None:
+                 drop_path: float = 0.0, layer_scale_init: float = 1.0) -> None:
         super().__init__()
-        self.fast = attn_impl != 'plain'
         self.gamma_1 = nn.Parameter(torch.full((1, dim, 1, 1), float(layer_scale_init)))
         self.gamma_2 = nn.Parameter(torch.full((1, dim, 1, 1), float(layer_scale_init)))
         self.norm1 = ChannelsLastLayerNorm(dim)
-        self.attn = (NaLaAttention(dim, num_heads, attn_impl) if linear
-                     else SoftmaxAttention(dim, num_heads, fast=self.fast))
+        self.attn = NaLaAttention(dim, num_heads) if linear else SoftmaxAttention(dim, num_heads)
         self.norm2 = ChannelsLastLayerNorm(dim)
         self.ffn = ConvFFN(dim, int(mlp_ratio * dim))
         self.cpe1 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self.cpe2 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.fast_path = True
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        if self.fast and not use_plain_ops():
-            return self.forward_fast(x, sin, cos)
-        x = x + self.cpe1(x)
-        x = x + self.drop_path(self.gamma_1 * self.attn(self.norm1(x), sin, cos))
-        x = x + self.cpe2(x)
-        x = x + self.drop_path(self.gamma_2 * self.ffn(self.norm2(x)))
-        return x
+        fast = self.fast_path and not use_plain_ops()
+        x = conv_residual(x, self.cpe1, fast)
+        x = self._add_scaled(x, self.gamma_1, self.attn(self.norm1(x.permute(0, 2, 3, 1)), sin, cos), fast)
+        x = conv_residual(x, self.cpe2, fast)
+        return self._add_scaled(x, self.gamma_2, self.ffn(self.norm2(x.permute(0, 2, 3, 1))), fast)
 
-    def _add_scaled(self, x: torch.Tensor, gamma: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.drop_path, nn.Identity) or not self.training:
+    def _add_scaled(self, x: torch.Tensor, gamma: torch.Tensor, tokens: torch.Tensor, fast: bool) -> torch.Tensor:
+        """x + DropPath(gamma * y), y the (B, H, W, C) tokens as a map; one addcmul on the fast path
+        when drop path is inactive."""
+        y = tokens.permute(0, 3, 1, 2)
+        if fast and (isinstance(self.drop_path, nn.Identity) or not self.training):
             return torch.addcmul(x, gamma, y)
         return x + self.drop_path(gamma * y)
-
-    def forward_fast(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        """The same block on a channels-last map (any layout works; channels_last avoids copies)."""
-        x = conv_plus_identity(x, self.cpe1)
-        attn = self.attn.forward_tokens(self.norm1.forward_tokens(x.permute(0, 2, 3, 1)), sin, cos)
-        x = self._add_scaled(x, self.gamma_1, attn.permute(0, 3, 1, 2))
-        x = conv_plus_identity(x, self.cpe2)
-        ffn = self.ffn.forward_tokens(self.norm2.forward_tokens(x.permute(0, 2, 3, 1)))
-        return self._add_scaled(x, self.gamma_2, ffn.permute(0, 3, 1, 2))
 
 
 class Downsample(nn.Module):
@@ -157,15 +140,15 @@ class NaLaStage(nn.Module):
     """
 
     def __init__(self, dim: int, out_dim: Optional[int], depth: int, num_heads: int, mlp_ratio: float,
-                 linear: bool, drop_path: Sequence[float], layer_scale_init: float,
-                 attn_impl: str = 'fast') -> None:
+                 linear: bool, drop_path: Sequence[float], layer_scale_init: float) -> None:
         super().__init__()
         self.RoPE = RoPE(dim, num_heads)
         self.blocks = nn.ModuleList([
-            NaLaBlock(dim, num_heads, mlp_ratio, linear, drop_path[i], layer_scale_init, attn_impl)
+            NaLaBlock(dim, num_heads, mlp_ratio, linear, drop_path[i], layer_scale_init)
             for i in range(depth)])
         self.downsample = Downsample(dim, out_dim) if out_dim is not None else None
         self.grad_checkpointing = False
+        self.fast_path = True
         self._input_stage: Tuple['NaLaStage', ...] = ()  # a tuple: not a submodule, no state-dict keys
 
     def link_input(self, previous: 'NaLaStage') -> None:
@@ -175,7 +158,7 @@ class NaLaStage(nn.Module):
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's blocks, without the downsample: the stage's feature map."""
         sin, cos = self.RoPE(x.shape[-2:])
-        if self.blocks and self.blocks[0].fast and not use_plain_ops():
+        if self.fast_path and not use_plain_ops():
             x = x.contiguous(memory_format=torch.channels_last)
             slice_size = self.batch_slice_size(x)
             if slice_size < x.shape[0]:
@@ -231,10 +214,10 @@ class PatchEmbed(nn.Module):
     def __init__(self, in_chans: int, dim: int) -> None:
         super().__init__()
         self.proj = _stem(in_chans, dim)
-        self.fast = True
+        self.fast_path = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast:  # oneDNN's convs, BN and GELU are faster channels-last, the layout the blocks use
+        if self.fast_path:  # oneDNN's convs, BN and GELU are faster channels-last, the layout the blocks use
             x = x.contiguous(memory_format=torch.channels_last)
         return self.proj(x)
 
@@ -243,7 +226,8 @@ class NaLaFormer(nn.Module):
     """NaLaFormer backbone and classifier.
 
     Stages whose index is below ``num_linear_stages`` use NaLa, the rest softmax attention; every
-    shipped variant uses 2. ``attn_impl`` picks the NaLa implementation (``models.nala.NALA_IMPLS``).
+    shipped variant uses 2. ``fast_path`` (default True) runs the fast path (docs/method.md#fast-path);
+    False runs the plain path, the reference's math step by step. Both give the same numbers.
     """
 
     def __init__(
@@ -258,24 +242,21 @@ class NaLaFormer(nn.Module):
             num_linear_stages: int = 2,
             drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
-            attn_impl: str = 'fast',
+            fast_path: bool = True,
             global_pool: str = 'avg',
     ) -> None:
         super().__init__()
         if global_pool != 'avg':
             raise ValueError(f"NaLaFormer supports global_pool='avg' only, got {global_pool!r}")
-        if attn_impl not in NALA_IMPLS:
-            raise ValueError(f'unknown attn_impl {attn_impl!r}; choose one of {sorted(NALA_IMPLS)}')
-        self.attn_impl = attn_impl
         self.num_classes = num_classes
         self.embed_dims = tuple(embed_dims)
         self.num_features = embed_dims[-1]
         self.head_hidden_size = HEAD_HIDDEN
         self.drop_rate = drop_rate
         self.grad_checkpointing = False
+        self.fast_path = True  # set with every submodule's by set_fast_path below
 
         self.patch_embed = PatchEmbed(in_chans, embed_dims[0])
-        self.patch_embed.fast = attn_impl != 'plain'
         dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         stages, self.feature_info = [], []
         for i, depth in enumerate(depths):
@@ -283,7 +264,7 @@ class NaLaFormer(nn.Module):
             stages.append(NaLaStage(
                 embed_dims[i], embed_dims[i + 1] if i + 1 < len(depths) else None, depth, num_heads[i],
                 mlp_ratio, linear=i < num_linear_stages, drop_path=dpr[start:start + depth],
-                layer_scale_init=layer_scale_init[i], attn_impl=attn_impl))
+                layer_scale_init=layer_scale_init[i]))
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=4 * 2 ** i, module=f'layers.{i}'))
         for previous, stage in zip(stages, stages[1:]):
             stage.link_input(previous)
@@ -297,6 +278,7 @@ class NaLaFormer(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Conv2d(HEAD_HIDDEN, num_classes, 1) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
+        self.set_fast_path(fast_path)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -348,17 +330,10 @@ class NaLaFormer(nn.Module):
         else:
             self.head = nn.Identity()
 
-    def set_attn_impl(self, name: str) -> None:
-        """Switch every NaLa layer to another implementation of the same math. ``'plain'`` also
-        selects the reference-layout block, frame and softmax core; every other name the fast ones."""
-        if name not in NALA_IMPLS:
-            raise ValueError(f'unknown attn_impl {name!r}; choose one of {sorted(NALA_IMPLS)}')
-        self.attn_impl = name
-        for module in self.modules():
-            if isinstance(module, NaLaAttention):
-                module.attn_impl = name
-            elif isinstance(module, (NaLaBlock, SoftmaxAttention, PatchEmbed)):
-                module.fast = name != 'plain'
+    def set_fast_path(self, enable: bool = True) -> None:
+        """Switch the whole model between the fast path and the plain path (same numbers): sets
+        ``fast_path`` on the model and on every submodule that has one."""
+        set_fast_path(self, enable)
 
     def forward_intermediates(
             self,
@@ -418,6 +393,15 @@ class NaLaFormer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def set_fast_path(module: nn.Module, enable: bool) -> None:
+    """Set ``fast_path`` on every module in ``module`` (a model, a stage or a block) that has one."""
+    if not isinstance(enable, bool):
+        raise ValueError(f'fast_path must be True or False, got {enable!r}')
+    for m in module.modules():
+        if hasattr(m, 'fast_path'):
+            m.fast_path = enable
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[str, torch.Tensor]:

@@ -135,7 +135,7 @@ def test_hooks_capture_the_layers_q_and_k(tiny_model, images):
         x = tiny_model.layers[0].downsample(tiny_model.layers[0](tiny_model.patch_embed(images)))
         block = tiny_model.layers[1].blocks[0]
         x = x + block.cpe1(x)
-        tokens = block.norm1(x).flatten(2).transpose(1, 2)
+        tokens = block.norm1(x.permute(0, 2, 3, 1)).flatten(1, 2)
         q, k = block.attn.qkvg(tokens).chunk(4, dim=-1)[:2]
     rec = captured[(1, 0)]
     assert rec['hw'] == (4, 4) and rec['q'].shape == (2, 2, 16, 32)
@@ -143,13 +143,13 @@ def test_hooks_capture_the_layers_q_and_k(tiny_model, images):
     torch.testing.assert_close(rec['k'][:, 0], k[..., :32], rtol=1e-4, atol=1e-5)
     assert aa.stage_kind(tiny_model, 1) == 'nala' and aa.stage_kind(tiny_model, 2) == 'softmax'
     # hooks are removed afterwards
-    assert not block.attn.qkvg._forward_hooks and not tiny_model.layers[1].blocks[0]._forward_pre_hooks
+    assert not block.attn.qkvg._forward_hooks
     sin, cos = tiny_model.layers[1].RoPE((4, 4))
     torch.testing.assert_close(rec['sin'], sin)
-    # both model frames (reference layout 'plain' and the default) hand over the same q, k
+    # both paths (the default fast one and the plain one) hand over the same q, k
     plain = timm.create_model('NALAFORMER_XT', num_classes=10).eval()
     plain.load_state_dict(tiny_model.state_dict())
-    plain.set_attn_impl('plain')
+    plain.set_fast_path(False)
     other = aa.capture(plain, images)
     for key in captured:
         assert other[key]['hw'] == captured[key]['hw']

@@ -14,15 +14,15 @@ pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 def test_train_and_inference_report_throughput_memory_and_efficiency(tmp_path, capsys):
     log = tmp_path / 'bench.jsonl'
-    for mode, extra in (('train', ['--attn-impl', 'fast']),
-                        ('inference', ['--attn-impl', 'plain', '--dtype', 'bf16', '--channels-last'])):
+    for mode, extra in (('train', []),
+                        ('inference', ['--no-fast-path', '--dtype', 'bf16', '--channels-last'])):
         result = benchmark.main(TINY + ['--mode', mode, '--json', str(log)] + extra)
         assert result['mode'] == mode and result['input_size'] == [32, 48]
         assert result['img_s'] > 0 and result['achieved_gmac_s'] > 0 and result['gemm_gmac_s'] > 0
         assert 0 < result['efficiency'] < 10 and result['peak_step_mib'] > 0 and result['static_mib'] > 0
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [(r['mode'], r['attn_impl'], r['dtype'], r['channels_last']) for r in lines] == [
-        ('train', 'fast', 'fp32', False), ('inference', 'plain', 'bf16', True)]
+    assert [(r['mode'], r['fast_path'], r['dtype'], r['channels_last']) for r in lines] == [
+        ('train', True, 'fp32', False), ('inference', False, 'bf16', True)]
     assert lines[0]['gmacs_per_image'] == 3 * lines[1]['gmacs_per_image']   # fwd + 2 x bwd
     out = capsys.readouterr().out
     assert 'img/s' in out and 'efficiency' in out and 'peak memory' in out

@@ -15,7 +15,7 @@ TOL = 1e-4
 def model():
     torch.manual_seed(0)
     model = timm.create_model('NALAFORMER_XT').eval()
-    assert model.attn_impl == 'fast'
+    assert model.fast_path
     return model
 
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 import models  # noqa: F401
 from models.nala import (
-    NALA_IMPLS,
     NaLaAttention,
     RoPE,
+    SoftmaxAttention,
     apply_rope,
     nala_attention_fast,
     nala_attention_plain,
@@ -120,12 +120,12 @@ def test_depthwise_conv_op_equals_conv2d_with_gradients(channels_last, kernel):
     torch.library.opcheck(depthwise_conv_same, (x, weight, bias))
 
 
-def test_conv_plus_identity_follows_autocast():
-    from models.nalaformer import conv_plus_identity
+def test_fused_conv_residual_follows_autocast():
+    from models.nalaformer import conv_residual
     conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        out, ref = conv_plus_identity(x, conv), x + conv(x)
+        out, ref = conv_residual(x, conv, fast=True), x + conv(x)
     assert out.dtype == torch.bfloat16
     assert rel_err(out.float(), ref.float()) <= 2e-2
 
@@ -167,8 +167,8 @@ def test_softmax_fast_core_equals_plain(heads, height, width, dim):
     assert rel_err(out_f, out_p) <= TOL and rel_err(grad_f, grad_p) <= TOL
 
 
-def model_pass(model, x, impl, train_bn=False):
-    model.set_attn_impl(impl)
+def model_pass(model, x, fast_path, train_bn=False):
+    model.set_fast_path(fast_path)
     model.train(train_bn)
     model.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
@@ -190,16 +190,16 @@ def test_model_fast_equals_plain_outputs_and_every_gradient(name, size):
                 p.add_(0.1 * torch.randn_like(p))
     x = torch.randn(2, 3, *size)
     # eval-mode BN: a bias in front of a training-mode BN has a zero gradient, i.e. pure noise
-    out_p, xg_p, grads_p = model_pass(model, x, 'plain')
-    out_f, xg_f, grads_f = model_pass(model, x, 'fast')
+    out_p, xg_p, grads_p = model_pass(model, x, False)
+    out_f, xg_f, grads_f = model_pass(model, x, True)
     assert rel_err(out_f, out_p) <= TOL
     assert rel_err(xg_f, xg_p) <= TOL
     assert grads_p.keys() == grads_f.keys()
     worst = max((rel_err(grads_f[n], grads_p[n]), n) for n in grads_p)
     assert worst[0] <= TOL, worst
     # training-mode BN: outputs still agree
-    out_p, _, _ = model_pass(model, x, 'plain', train_bn=True)
-    out_f, _, _ = model_pass(model, x, 'fast', train_bn=True)
+    out_p, _, _ = model_pass(model, x, False, train_bn=True)
+    out_f, _, _ = model_pass(model, x, True, train_bn=True)
     assert rel_err(out_f, out_p) <= TOL
 
 
@@ -210,13 +210,13 @@ def test_batch_slices_give_the_plain_numbers(monkeypatch):
     torch.manual_seed(0)
     model = timm.create_model('NALAFORMER_XT', num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2))
     x = torch.randn(3, 3, 48, 40)
-    out_p, xg_p, grads_p = model_pass(model, x, 'plain')
+    out_p, xg_p, grads_p = model_pass(model, x, False)
     monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
     calls = []
     run_blocks = nalaformer.NaLaStage._run_blocks
     monkeypatch.setattr(nalaformer.NaLaStage, '_run_blocks',
                         lambda self, part, sin, cos: calls.append(part.shape[0]) or run_blocks(self, part, sin, cos))
-    out_f, xg_f, grads_f = model_pass(model, x, 'fast')
+    out_f, xg_f, grads_f = model_pass(model, x, True)
     assert calls == [1] * 3 * len(model.layers)
     assert rel_err(out_f, out_p) <= TOL and rel_err(xg_f, xg_p) <= TOL
     assert max(rel_err(grads_f[n], grads_p[n]) for n in grads_p) <= TOL
@@ -234,25 +234,53 @@ def test_batch_slice_size_follows_the_budget(monkeypatch):
     assert stage.batch_slice_size(x) == 8
 
 
-def test_fast_is_default_and_switchable():
-    assert 'plain' in NALA_IMPLS and 'fast' in NALA_IMPLS
+def fast_path_flags(model):
+    return {(type(m).__name__, m.fast_path) for m in model.modules() if hasattr(m, 'fast_path')}
+
+
+def test_fast_path_is_default_and_switches_every_layer():
+    layers = {'NaLaFormer', 'PatchEmbed', 'NaLaStage', 'NaLaBlock', 'NaLaAttention', 'SoftmaxAttention', 'ConvFFN'}
     model = timm.create_model('NALAFORMER_XT')
-    attn = model.layers[0].blocks[0].attn
-    assert model.attn_impl == 'fast' and attn.attn_impl == 'fast' and model.layers[0].blocks[0].fast
-    plain = timm.create_model('NALAFORMER_XT', attn_impl='plain')
-    assert plain.layers[0].blocks[0].attn.attn_impl == 'plain' and not plain.layers[0].blocks[0].fast
-    assert not plain.layers[2].blocks[0].attn.fast
-    assert model.patch_embed.fast and not plain.patch_embed.fast
-    model.set_attn_impl('plain')
-    assert all(not b.fast and not b.attn.fast for s in model.layers for b in s.blocks)
-    assert not model.patch_embed.fast
-    model.set_attn_impl('fast')
-    assert all(b.fast and b.attn.fast for s in model.layers for b in s.blocks) and model.patch_embed.fast
-    with pytest.raises(ValueError):
-        model.set_attn_impl('nope')
-    with pytest.raises(ValueError):
-        timm.create_model('NALAFORMER_XT', attn_impl='nope')
+    plain = timm.create_model('NALAFORMER_XT', fast_path=False)
+    assert fast_path_flags(model) == {(name, True) for name in layers}
+    assert fast_path_flags(plain) == {(name, False) for name in layers}
+    model.set_fast_path(False)
+    assert fast_path_flags(model) == fast_path_flags(plain)
+    model.set_fast_path()
+    assert fast_path_flags(model) == {(name, True) for name in layers}
+    with pytest.raises(ValueError, match='fast_path must be True or False'):
+        model.set_fast_path('plain')
     assert list(model.state_dict()) == list(plain.state_dict())
+
+
+def test_each_path_runs_its_own_cores_and_convs(monkeypatch):
+    """The fast path runs the fast attention cores and the custom depthwise op, the plain path neither
+    (so that comparing the two compares different code)."""
+    from models import nala, nalaformer
+    calls = []
+
+    def spy(fn, tag):
+        def call(*args):
+            calls.append(tag)
+            return fn(*args)
+        return call
+
+    for cls in (NaLaAttention, SoftmaxAttention):
+        for name in ('plain_core', 'fast_core'):
+            monkeypatch.setattr(cls, name, staticmethod(spy(getattr(cls, name), f'{cls.__name__}.{name}')))
+    for module in (nala, nalaformer):
+        monkeypatch.setattr(module, 'depthwise_conv_same', spy(module.depthwise_conv_same, 'depthwise_conv_same'))
+    model = timm.create_model('NALAFORMER_XT').eval()
+    x = torch.randn(1, 3, 32, 32)
+    for fast_path in (True, False):
+        calls.clear()
+        model.set_fast_path(fast_path)
+        with torch.no_grad():
+            model(x)
+        kind = 'fast_core' if fast_path else 'plain_core'
+        # per block: one attention core; the custom op for both CPEs, LePE and the FFN's conv
+        assert sorted(set(calls) - {'depthwise_conv_same'}) == [f'NaLaAttention.{kind}', f'SoftmaxAttention.{kind}']
+        assert len(calls) == 8 + (4 * 8 if fast_path else 0)
 
 
 def test_analysis_hooks_see_the_fast_path():
@@ -269,26 +297,24 @@ def test_analysis_hooks_see_the_fast_path():
     assert sin.shape == cos.shape == (96, attn.head_dim)
 
 
-def test_autocast_runs_the_attention_core_in_fp32():
+def test_autocast_runs_the_attention_core_in_fp32(monkeypatch):
     dtypes = []
 
     def spy(q, k, v, sin, cos):
         dtypes.append((q.dtype, k.dtype, v.dtype))
         return nala_attention_fast(q, k, v, sin, cos)
 
-    NALA_IMPLS['spy'] = spy
-    try:
-        attn = NaLaAttention(32, 2, attn_impl='spy')
-        sin, cos = RoPE(32, 2)((6, 5))
-        x = torch.randn(2, 32, 6, 5)
-        with torch.autocast('cpu', dtype=torch.bfloat16):
-            out = attn(x, sin, cos)
-        out.float().sum().backward()
-        ref = NaLaAttention(32, 2, attn_impl='plain')
-        ref.load_state_dict(attn.state_dict())
-        expected = ref(x, sin, cos)
-    finally:
-        del NALA_IMPLS['spy']
+    monkeypatch.setattr(NaLaAttention, 'fast_core', staticmethod(spy))
+    attn = NaLaAttention(32, 2)
+    sin, cos = RoPE(32, 2)((6, 5))
+    x = torch.randn(2, 6, 5, 32)                                          # (B, H, W, C) tokens
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = attn(x, sin, cos)
+    out.float().sum().backward()
+    ref = NaLaAttention(32, 2)
+    ref.load_state_dict(attn.state_dict())
+    ref.fast_path = False
+    expected = ref(x, sin, cos)
     assert dtypes == [(torch.float32,) * 3]
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert all(torch.isfinite(p.grad).all() for p in attn.parameters())
@@ -299,7 +325,7 @@ def test_fvcore_counts_are_identical():
     from models.flops import count_flops
     model = timm.create_model('NALAFORMER_XT')
     fast = count_flops(model, (3, 64, 96))
-    model.set_attn_impl('plain')
+    model.set_fast_path(False)
     assert count_flops(model, (3, 64, 96)) == fast
 
 
@@ -307,9 +333,9 @@ def test_grad_checkpointing_and_layouts_give_the_same_numbers():
     torch.manual_seed(0)
     model = timm.create_model('NALAFORMER_XT', num_classes=5).eval()
     x = torch.randn(2, 3, 32, 48)
-    out, xg, grads = model_pass(model, x, 'fast')
+    out, xg, grads = model_pass(model, x, True)
     model.set_grad_checkpointing(True)
-    out_c, xg_c, grads_c = model_pass(model, x.contiguous(memory_format=torch.channels_last), 'fast')
+    out_c, xg_c, grads_c = model_pass(model, x.contiguous(memory_format=torch.channels_last), True)
     assert rel_err(out_c, out) <= TOL and rel_err(xg_c, xg) <= TOL
     assert max(rel_err(grads_c[n], grads[n]) for n in grads) <= TOL
 
@@ -361,6 +387,6 @@ def test_model_fast_inference_equals_plain(name, monkeypatch):
     x = torch.randn(3, 3, 64, 48)
     with torch.no_grad():
         fast = model(x)
-        model.set_attn_impl('plain')
+        model.set_fast_path(False)
         plain = model(x)
     assert rel_err(fast, plain) <= TOL

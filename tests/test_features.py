@@ -8,7 +8,7 @@ import torch
 from reference_impl import read_keys
 
 import models  # noqa: F401  (registers the variants)
-from models.nalaformer import conv_plus_identity
+from models.nalaformer import conv_residual
 
 KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference', 'NALAFORMER_XT.keys.txt')
 X = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(0))
@@ -57,8 +57,8 @@ def test_stage_outputs_are_pre_downsample_and_keys_keep_the_reference_layout():
         torch.testing.assert_close(model.layers[1](s0), model.layers[1].forward_blocks(model.layers[0].downsample(s0)))
 
 
-def test_conv_plus_identity_equals_the_residual_sum():
+def test_fused_conv_residual_equals_the_residual_sum():
     conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
     x = torch.randn(1, 8, 5, 6)
     with torch.no_grad():
-        torch.testing.assert_close(conv_plus_identity(x, conv), x + conv(x))
+        torch.testing.assert_close(conv_residual(x, conv, fast=True), x + conv(x))

@@ -27,9 +27,9 @@ def raw_fvcore(model, x):
 def test_plain_fvcore_counts_the_fast_model_like_the_plain_one():
     x = torch.zeros(1, 3, 64, 96)
     model = timm.create_model('NALAFORMER_XT')
-    assert model.attn_impl == 'fast'
+    assert model.fast_path
     fast = raw_fvcore(model, x)
-    model.set_attn_impl('plain')
+    model.set_fast_path(False)
     assert raw_fvcore(model, x) == fast == count_flops(model, (64, 96))
 
 

@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from conftest import REPO
 from reference_impl import read_keys, reference_forward, seeded_state_dict
 
-from models import NALA_IMPLS, VARIANTS
+from models import VARIANTS
 from models.flops import count_flops, count_params
-from models.nala import NALA_EPS, RoPE, apply_rope, nala_kernel_terms
+from models.nala import NALA_EPS, RoPE, apply_rope, nala_attention_fast, nala_attention_plain, nala_kernel_terms
+
+NALA_CORES = pytest.mark.parametrize('core', [nala_attention_plain, nala_attention_fast], ids=['plain', 'fast'])
 
 SHARED_REFERENCE = os.path.join(os.path.dirname(REPO), 'shared', 'reference')
 # Copies of the reference key lists (docs/method.md#reference-test-vector), so the layout tests never depend
@@ -69,11 +71,11 @@ def test_reference_test_vector():
 
 
 @pytest.mark.parametrize('size', [(224, 224), (32, 32), (96, 40), (45, 77)])
-@pytest.mark.parametrize('attn_impl', sorted(NALA_IMPLS))
-def test_matches_independent_reference(xt_seeded, size, attn_impl):
+@pytest.mark.parametrize('fast_path', [True, False], ids=['fast', 'plain'])
+def test_matches_independent_reference(xt_seeded, size, fast_path):
     """Seeded weights loaded through timm's checkpoint_path give the reference's logits."""
     sd, path = xt_seeded
-    model = timm.create_model('NALAFORMER_XT', checkpoint_path=path, attn_impl=attn_impl).eval()
+    model = timm.create_model('NALAFORMER_XT', checkpoint_path=path, fast_path=fast_path).eval()
     x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_err(model(x), reference_forward(sd, 'NALAFORMER_XT', x)) <= 1e-4
@@ -126,12 +128,12 @@ def explicit_nala(q, k, v, sin, cos):
 
 
 @pytest.mark.parametrize('hw', [(1, 1), (4, 4), (5, 7), (14, 9)])
-@pytest.mark.parametrize('impl', sorted(NALA_IMPLS))
-def test_linear_time_equals_explicit_matrix(hw, impl):
+@NALA_CORES
+def test_linear_time_equals_explicit_matrix(hw, core):
     q, k, v = random_qkv(hw=hw)
     sin, cos = (t.double() for t in RoPE(32, 2)(hw))
     expected = explicit_nala(q, k, v, sin, cos)
-    got = NALA_IMPLS[impl](q.float(), k.float(), v.float(), sin.float(), cos.float())
+    got = core(q.float(), k.float(), v.float(), sin.float(), cos.float())
     assert rel_err(got.double(), expected) <= 1e-4
 
 
@@ -176,13 +178,13 @@ def test_query_norm_controls_spikiness():
         assert torch.allclose(rows, relu_rows[0])
 
 
-@pytest.mark.parametrize('impl', sorted(NALA_IMPLS))
-def test_zero_queries_and_relu_zeros_stay_finite(impl):
+@NALA_CORES
+def test_zero_queries_and_relu_zeros_stay_finite(core):
     q, k, v = (t.float().requires_grad_() for t in random_qkv())
     with torch.no_grad():
         q[:, :, :3] = 0                                   # whole zero query vectors
     sin, cos = RoPE(32, 2)((5, 7))
-    out = NALA_IMPLS[impl](q, k, v, sin, cos)
+    out = core(q, k, v, sin, cos)
     assert torch.isfinite(out).all() and (out[:, :, :3] == 0).all()
     out.square().sum().backward()
     for t in (q, k, v):
@@ -381,12 +383,12 @@ def test_pretrained_without_weights_is_a_clear_error():
         timm.create_model('NALAFORMER_T', pretrained=True)
 
 
-def test_attn_impl_switch():
-    model = timm.create_model('NALAFORMER_XT', attn_impl='plain')
-    with pytest.raises(ValueError, match='unknown attn_impl'):
-        model.set_attn_impl('nope')
-    with pytest.raises(ValueError, match='unknown attn_impl'):
-        timm.create_model('NALAFORMER_XT', attn_impl='nope')
+def test_fast_path_switch_takes_a_bool():
+    model = timm.create_model('NALAFORMER_XT', fast_path=False)
+    with pytest.raises(ValueError, match="fast_path must be True or False, got 'plain'"):
+        model.set_fast_path('plain')
+    with pytest.raises(ValueError, match='fast_path must be True or False'):
+        timm.create_model('NALAFORMER_XT', fast_path='fast')
     plain = model.eval()(torch.randn(1, 3, 32, 32))
     assert math.isfinite(plain.sum().item())
 

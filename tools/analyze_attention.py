@@ -6,7 +6,7 @@
     python tools/analyze_attention.py --model NALAFORMER_T --images ./my_images --input-size 224
 
 The images run through the model in eval mode; forward hooks on every attention layer record its
-raw q and k (the output of ``attn.qkvg``, split into heads; either model frame). For every query of the chosen stage
+raw q and k (the output of ``attn.qkvg``, split into heads; either path). For every query of the chosen stage
 (``--stage``, 0-based as in ``layers.S``; all blocks, heads and images pooled) the tool computes the
 attention row that these attention rules give on the same q, k, with RoPE off:
 
@@ -172,32 +172,17 @@ def attention_layers(model: nn.Module) -> List[Tuple[int, int, nn.Module]]:
 @contextmanager
 def record_qk(model: nn.Module) -> Iterator[Dict[Tuple[int, int], List[Dict[str, Any]]]]:
     """Hook every attention layer; yields {(stage, block): [one dict per forward]} with q, k of shape
-    (B, heads, N, d) taken from the ``attn.qkvg`` output and the map size (H, W).
-
-    The qkvg output is (B, N, 4C) in the reference-layout frame and (B, H, W, 4C) in the channels-last
-    one; for the former (H, W) comes from a pre-hook on the stage's first block (its input map)."""
+    (B, heads, N, d) taken from the ``attn.qkvg`` output, (B, H, W, 4C) tokens, and the map size (H, W)."""
     records: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
-    stage_hw: Dict[int, Tuple[int, int]] = {}
     handles = []
-    for s, stage in enumerate(model.layers):
-        def stage_hook(module: nn.Module, args: Tuple[Any, ...], s=s) -> None:
-            stage_hw[s] = tuple(args[0].shape[-2:])
-
-        handles.append(stage.blocks[0].register_forward_pre_hook(stage_hook))
     for s, b, attn in attention_layers(model):
         key = (s, b)
         records[key] = []
 
         def qkvg_hook(module: nn.Module, args: Tuple[Any, ...], out: torch.Tensor, key=key, attn=attn) -> None:
             out = out.detach().float()
-            if out.dim() == 4:                                   # channels-last tokens (B, H, W, 4C)
-                hw = (int(out.shape[1]), int(out.shape[2]))
-                out = out.flatten(1, 2)
-            else:
-                hw = stage_hw[key[0]]
-            if hw[0] * hw[1] != out.shape[1]:
-                raise RuntimeError(f'layers.{key[0]}.blocks.{key[1]}: {out.shape[1]} tokens, map {hw}')
-            q, k = out.chunk(4, dim=-1)[:2]
+            hw = (int(out.shape[1]), int(out.shape[2]))
+            q, k = out.flatten(1, 2).chunk(4, dim=-1)[:2]
             split = lambda t: t.unflatten(-1, (attn.num_heads, attn.head_dim)).transpose(1, 2)  # noqa: E731
             records[key].append({'q': split(q), 'k': split(k), 'hw': hw})
 

@@ -2,7 +2,7 @@
 
     python tools/benchmark.py --model NALAFORMER_T                      # fp32 train, batch 32, 224^2
     python tools/benchmark.py --model NALAFORMER_T --mode inference --dtype bf16
-    python tools/benchmark.py --model NALAFORMER_XT --attn-impl plain --compile --channels-last
+    python tools/benchmark.py --model NALAFORMER_XT --no-fast-path --compile --channels-last
     python tools/benchmark.py --sweep --out docs/sweep     # NaLa vs softmax block, 224..1024
     python tools/benchmark.py --model NALAFORMER_T --compare convnext_nano,pvt_v2_b1 -b 16
     python tools/benchmark.py --preset paper
@@ -32,7 +32,7 @@ inference and training, and prints GMACs, ms/step, img/s, efficiency and the rat
 
 ``--sweep`` times one NaLa block and one softmax block of the same width (the chosen stage of the
 chosen variant, default stage 2; batch 1) at input sizes 224..1024 and writes time (fastest step)
-and peak memory per token to ``OUT.json`` and ``OUT.png``; with a fast ``--attn-impl`` it adds the
+and peak memory per token to ``OUT.json`` and ``OUT.png``; on the fast path it adds the
 plain softmax block, which forms the N x N matrix (up to ``--sweep-plain-max`` px).
 """
 import argparse
@@ -54,7 +54,7 @@ import timm
 import engine
 import models  # noqa: F401  (registers the variants)
 import utils
-from models import NALA_IMPLS, VARIANTS
+from models import VARIANTS
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
@@ -168,7 +168,7 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     height, width = (list(args.input_size) * 2)[:2]
-    model = timm.create_model(args.model, num_classes=1000, attn_impl=args.attn_impl).to(device)
+    model = timm.create_model(args.model, num_classes=1000, fast_path=args.fast_path).to(device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
     torch.manual_seed(0)
@@ -197,7 +197,7 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
                                if torch.is_tensor(t))
     return dict(
         model=args.model, mode=args.mode, dtype=args.dtype, batch_size=args.batch_size,
-        input_size=[height, width], attn_impl=args.attn_impl, channels_last=args.channels_last,
+        input_size=[height, width], fast_path=args.fast_path, channels_last=args.channels_last,
         compile=args.compile, device=str(device), threads=torch.get_num_threads(),
         cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
         step_s_median=step_time, step_s_all=times, img_s=img_s,
@@ -211,7 +211,7 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
 
 def print_result(r: Dict) -> None:
     print(f"{r['model']} {r['mode']} {r['dtype']} batch {r['batch_size']} {r['input_size'][0]}x{r['input_size'][1]} "
-          f"attn_impl={r['attn_impl']} channels_last={r['channels_last']} compile={r['compile']} "
+          f"fast_path={r['fast_path']} channels_last={r['channels_last']} compile={r['compile']} "
           f"device={r['device']} threads={r['threads']}"
           + (f" cpu_malloc={r['cpu_malloc']}" if r.get('cpu_malloc') else ''))
     print(f"  {r['img_s']:.2f} img/s  (median step {r['step_s_median'] * 1e3:.1f} ms of "
@@ -224,9 +224,9 @@ def print_result(r: Dict) -> None:
 
 
 # ---- compare: our model against named timm models, interleaved in one process -------------------
-def create_any(name: str, device: torch.device, attn_impl: str) -> nn.Module:
-    """A NaLaFormer variant with ``attn_impl``, or any other timm model, untrained, 1000 classes."""
-    kwargs = dict(attn_impl=attn_impl) if name.upper() in VARIANTS else {}
+def create_any(name: str, device: torch.device, fast_path: bool) -> nn.Module:
+    """A NaLaFormer variant with ``fast_path``, or any other timm model, untrained, 1000 classes."""
+    kwargs = dict(fast_path=fast_path) if name.upper() in VARIANTS else {}
     return timm.create_model(name, pretrained=False, num_classes=1000, **kwargs).to(device)
 
 
@@ -242,7 +242,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
     dtype = DTYPES[args.dtype]
     height, width = (list(args.input_size) * 2)[:2]
     names = [args.model] + [n for n in args.compare if n != args.model]
-    macs = {name: model_macs_any(name, (height, width), args.attn_impl) for name in names}
+    macs = {name: model_macs_any(name, (height, width), args.fast_path) for name in names}
     torch.manual_seed(0)
     x = torch.randn(args.batch_size, 3, height, width, device=device)
     target = torch.randint(0, 1000, (args.batch_size,), device=device)
@@ -251,7 +251,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
         steps = {}
         for name in names:
             torch.manual_seed(0)
-            model = create_any(name, device, args.attn_impl)
+            model = create_any(name, device, args.fast_path)
             steps[name] = make_step(model, x, target, mode, dtype, device, args.compile)[0]
             for _ in range(args.warmup):
                 steps[name]()
@@ -273,7 +273,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
             step_s = statistics.median(times[name])
             rows.append(dict(
                 model=name, mode=mode, dtype=args.dtype, batch_size=args.batch_size, input_size=[height, width],
-                attn_impl=args.attn_impl if name.upper() in VARIANTS else None, device=str(device),
+                fast_path=args.fast_path if name.upper() in VARIANTS else None, device=str(device),
                 threads=torch.get_num_threads(), cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
                 cpu_s_median=statistics.median(cpu_times[name]), cpu_s_all=cpu_times[name],
@@ -294,10 +294,10 @@ def compare(args: argparse.Namespace) -> List[Dict]:
     return results
 
 
-def model_macs_any(name: str, input_size: Sequence[int], attn_impl: str = 'fast') -> int:
+def model_macs_any(name: str, input_size: Sequence[int], fast_path: bool = True) -> int:
     """fvcore multiply-adds of one image (eval mode, batch 1) through any timm model."""
     from tools.flops import count_flops
-    return count_flops(create_any(name, torch.device('cpu'), attn_impl), (3, *input_size))
+    return count_flops(create_any(name, torch.device('cpu'), fast_path), (3, *input_size))
 
 
 def print_compare(results: List[Dict]) -> None:
@@ -333,7 +333,7 @@ def paper_preset(args: argparse.Namespace) -> List[Dict]:
     sizes = args.preset_sizes or PAPER_SIZES
     results = []
     for name in names:
-        model = create_any(name, device, args.attn_impl)
+        model = create_any(name, device, args.fast_path)
         params = sum(p.numel() for p in model.parameters())
         for size in sizes:
             torch.manual_seed(0)
@@ -438,7 +438,7 @@ def data_loading(args: argparse.Namespace) -> Dict:
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
 def sweep(args: argparse.Namespace) -> Dict:
     from models.nala import RoPE
-    from models.nalaformer import NaLaBlock
+    from models.nalaformer import NaLaBlock, set_fast_path
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     arch = VARIANTS[args.model.upper()]
@@ -446,14 +446,16 @@ def sweep(args: argparse.Namespace) -> Dict:
     dim, heads = arch['embed_dims'][stage], arch['num_heads'][stage]
     stride = 4 * 2 ** stage
     blocks = {
-        'nala': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=True, attn_impl=args.attn_impl),
-        'softmax': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=False, attn_impl=args.attn_impl),
+        'nala': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=True),
+        'softmax': NaLaBlock(dim, heads, arch['mlp_ratio'], linear=False),
     }
-    if args.attn_impl != 'plain':   # the reference's softmax, which forms the N x N matrix
-        blocks['softmax_plain'] = NaLaBlock(dim, heads, arch['mlp_ratio'], linear=False, attn_impl='plain')
+    if args.fast_path:   # the reference's softmax, which forms the N x N matrix
+        blocks['softmax_plain'] = NaLaBlock(dim, heads, arch['mlp_ratio'], linear=False)
+    for kind, block in blocks.items():
+        set_fast_path(block, args.fast_path and kind != 'softmax_plain')
     rope = RoPE(dim, heads).to(device)
     results = dict(model=args.model, stage=stage, dim=dim, heads=heads, stride=stride, dtype=args.dtype,
-                   mode=args.mode, batch_size=args.batch_size, attn_impl=args.attn_impl,
+                   mode=args.mode, batch_size=args.batch_size, fast_path=args.fast_path,
                    device=str(device), sizes=list(args.sweep_sizes), **{kind: [] for kind in blocks})
     for size in args.sweep_sizes:
         side = size // stride
@@ -496,7 +498,7 @@ def plot_sweep(results: Dict, path: str) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    labels = {'nala': 'NaLa block', 'softmax': f"softmax block ({results['attn_impl']})",
+    labels = {'nala': 'NaLa block', 'softmax': f"softmax block ({'fast' if results['fast_path'] else 'plain'} path)",
               'softmax_plain': 'softmax block (plain: N x N matrix)'}
     for kind, style in (('nala', 'o-'), ('softmax', 's--'), ('softmax_plain', 'x:')):
         rows = results.get(kind)
@@ -531,7 +533,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--dtype', choices=list(DTYPES), default=None,
                         help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only); default fp32, '
                              'fp16 for --preset on a GPU')
-    parser.add_argument('--attn-impl', choices=sorted(NALA_IMPLS), default='fast')
+    parser.add_argument('--fast-path', action=argparse.BooleanOptionalAction, default=True,
+                        help='the fast path (default); --no-fast-path runs the plain path, the reference math')
     parser.add_argument('--channels-last', action='store_true')
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
