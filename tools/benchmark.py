@@ -26,7 +26,8 @@ runs. Under ``system`` the first steps are slow until glibc's adaptive mmap thre
 4 warm-up steps by default on a CPU (figures in docs/performance.md).
 
 ``--compare MODEL,MODEL`` steps --model and the named timm models interleaved in one process, in
-inference and training, and prints GMACs, ms/step, img/s, efficiency and the ratio to the best of them.
+inference and training, and prints GMACs, ms/step, img/s, efficiency and the ratio to the best of them;
+with ``--compile`` every model is compiled (warm-up steps compile).
 ``--preset paper [--tiny]`` prints eval-mode img/s of every variant at 224/384/512 as papers report it.
 ``--data-loading DIR`` times main.py's train transform per DataLoader worker.
 
@@ -273,8 +274,9 @@ def compare(args: argparse.Namespace) -> List[Dict]:
             step_s = statistics.median(times[name])
             rows.append(dict(
                 model=name, mode=mode, dtype=args.dtype, batch_size=args.batch_size, input_size=[height, width],
-                fast_path=args.fast_path if name.upper() in VARIANTS else None, device=str(device),
-                threads=torch.get_num_threads(), cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
+                fast_path=args.fast_path if name.upper() in VARIANTS else None, compile=args.compile,
+                device=str(device), threads=torch.get_num_threads(),
+                cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
                 cpu_s_median=statistics.median(cpu_times[name]), cpu_s_all=cpu_times[name],
                 img_s=args.batch_size / step_s, gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
@@ -305,6 +307,7 @@ def print_compare(results: List[Dict]) -> None:
     print(f"{first['dtype']}, batch {first['batch_size']}, {first['input_size'][0]}x{first['input_size'][1]}, "
           f"device={first['device']}, threads={first['threads']}"
           + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
+          + (', every model torch.compiled' if first.get('compile') else '')
           + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
     print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'effic.':>8}"
           f"{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}")
