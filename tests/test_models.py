@@ -207,8 +207,9 @@ def test_zero_input_image_is_finite():
 # ---- model behaviour -------------------------------------------------------------------------
 
 def test_gradients_reach_every_parameter():
-    model = timm.create_model('NALAFORMER_XT', num_classes=5)
-    model(torch.randn(2, 3, 48, 64)).logsumexp(-1).sum().backward()
+    # no drop path: with two images a block drops for both with a few percent chance and gets no gradient
+    model = timm.create_model('NALAFORMER_XT', num_classes=5, drop_path_rate=0.0)
+    model(torch.randn(2, 3, 48, 64, generator=torch.Generator().manual_seed(0))).logsumexp(-1).sum().backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing
 
