@@ -12,6 +12,9 @@
 #   variant's pretraining drop path, the pretraining augmentation (RandAugment, Mixup/CutMix, random
 #   erasing, repeated augmentation), EMA on, batch 64 per process (8 x 64 = 512), and evaluation at
 #   384 with crop ratio 1.0 (resize to 384, centre crop 384), as timm's 384 models do.
+# Train mode: main.py --finetune alone trains in eval mode, as the reference did (BatchNorm statistics
+#   frozen, drop path off). This recipe passes --train-mode (later DeiT's choice): its drop path acts only
+#   in train mode, and the BatchNorm statistics adapt to 384. Append --no-train-mode for the reference's way.
 # Layer decay: every block is one layer, so the stem's LR is decay^(blocks + 1) of the head's. The
 # defaults keep that near 0.1-0.2 for every depth: XT 0.8 (8 blocks), T 0.85 (12), S 0.9 (20),
 # B 0.93 (28), L 0.95 (38).
@@ -61,7 +64,7 @@ cmd=("$PYTHON" -m torch.distributed.run
      --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS"
      --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
      main.py --model "$MODEL" --finetune "$CKPT" --input-size "$SIZE" --eval-crop-ratio 1.0
-     --drop-path "$DROP_PATH" --batch-size "$BATCH" --epochs "$EPOCHS"
+     --drop-path "$DROP_PATH" --train-mode --batch-size "$BATCH" --epochs "$EPOCHS"
      --lr "$LR" --layer-decay "$LAYER_DECAY" --weight-decay 0.05 --warmup-epochs 0 --min-lr 1e-6
      --data-set IMNET --data-path "$DATA" --output_dir "$OUTPUT" --dist-eval
      "${AMP_FLAGS[@]}" "$@")

@@ -132,7 +132,8 @@ def get_args_parser():
     p.add_argument('--smoothing', type=RATE, default=0.1)
     p.add_argument('--train-interpolation', type=str, default='bicubic')
     str2bool_flag(p, 'repeated-aug', True, 'repeated augmentation x3 (RASampler, default on)')
-    str2bool_flag(p, 'train-mode', True, 'model.train() while training (default on)')
+    str2bool_flag(p, 'train-mode', None, 'model.train() while training (default: on, but off with --finetune, '
+                  'as the reference fine-tunes)')
     p.add_argument('--ThreeAugment', action='store_true', help="DeiT III's three-augment (not supported, refused)")
     p.add_argument('--src', action='store_true', help="DeiT III's simple random crop (not supported, refused)")
     p.add_argument('--reprob', type=PROBABILITY, default=0.25, metavar='PCT')
@@ -381,6 +382,19 @@ def build_model(args, nb_classes):
     return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
 
 
+def resolve_train_mode(args: argparse.Namespace) -> str:
+    """Set `args.train_mode` when neither --train-mode nor --no-train-mode was given, and say why it is what
+    it is. The reference trains with model.train(not finetune): a fine-tune runs in eval mode throughout
+    (BatchNorm statistics frozen, drop path and dropout off); a run from scratch in train mode."""
+    if args.train_mode is not None:
+        return f"{'on' if args.train_mode else 'off'} ({'--train-mode' if args.train_mode else '--no-train-mode'})"
+    args.train_mode = not args.finetune
+    if args.train_mode:
+        return 'on'
+    return ('off: --finetune runs in eval mode as the reference does (BatchNorm statistics frozen, no drop path '
+            'or dropout); --train-mode trains in train mode')
+
+
 def drop_path_rate(model) -> float:
     """The highest stochastic-depth probability in `model` (the rate of its last block), 0 without any."""
     return max((float(m.drop_prob) for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
@@ -473,6 +487,7 @@ def build_loaders(args, dataset_train, dataset_val):
 # --------------------------------------------------------------------------------------------------
 def main(args, parser):
     validate_args(args, parser)
+    train_mode = resolve_train_mode(args)
     want_cuda = str(args.device).startswith('cuda')
     distributed.init_distributed_mode(args)
     stop_flag = utils.StopFlag()
@@ -532,6 +547,8 @@ def main(args, parser):
     model = build_model(args, nb_classes)
     print(f'Drop path rate: {drop_path_rate(model):.3g} '
           + ('(--drop-path)' if args.drop_path is not None else f"({args.model}'s default)"))
+    if not args.eval:
+        print(f'Train mode: {train_mode}')
     if args.finetune:
         checkpoint.finetune_from(model, args.finetune, args.model)
     if args.attn_only:

@@ -77,7 +77,7 @@ def test_good_flags_pass(argv, plain_process):
 
 
 @pytest.mark.parametrize('name, dest', [('model-ema', 'model_ema'), ('repeated-aug', 'repeated_aug'),
-                                        ('train-mode', 'train_mode'), ('auto-resume', 'auto_resume'),
+                                        ('auto-resume', 'auto_resume'),
                                         ('pin-mem', 'pin_mem'), ('tf32', 'tf32'), ('sync-bn', 'sync_bn')])
 def test_paired_switches_default_on_and_the_last_one_wins(name, dest):
     """--x / --no-x: on by default; a later one overrides an earlier one (tools/smoke.py appends --model-ema to
@@ -88,6 +88,21 @@ def test_paired_switches_default_on_and_the_last_one_wins(name, dest):
     assert value(f'--no-{name}', f'--{name}') is True and value(f'--{name}', f'--no-{name}') is False
     helps = {a.option_strings[0]: a.help for a in parser._actions if a.dest == dest}
     assert helps[f'--{name}'] and helps[f'--no-{name}'] is None
+
+
+@pytest.mark.parametrize('argv, expected', [
+    ([], True),                                                  # from scratch: train mode
+    (['--finetune', 'x.pth'], False),                            # the reference fine-tunes in eval mode
+    (['--finetune', 'x.pth', '--train-mode'], True),             # an explicit switch wins
+    (['--no-train-mode'], False),
+    (['--finetune', 'x.pth', '--no-train-mode', '--train-mode'], True),  # the last one given wins
+])
+def test_train_mode_defaults_to_the_reference_rule(argv, expected):
+    args = parse(*argv)
+    reason = main.resolve_train_mode(args)
+    assert args.train_mode is expected
+    assert reason.startswith('on' if expected else 'off')
+    assert ('--finetune' in reason) == (argv == ['--finetune', 'x.pth'])  # the default for a fine-tune says why
 
 
 def test_world_size_matching_the_launcher_passes(monkeypatch):

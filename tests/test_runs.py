@@ -147,6 +147,35 @@ def test_finetune_from_a_checkpoint_with_another_head_and_size(one_epoch, tmp_pa
     assert src['model']['head.weight'].shape[0] == 3
 
 
+def _bn_buffers(state_dict):
+    return {k: v for k, v in state_dict.items() if k.endswith(('running_mean', 'running_var', 'num_batches_tracked'))}
+
+
+@pytest.mark.parametrize('train_mode', [None, '--train-mode'])
+def test_finetune_trains_in_eval_mode_unless_train_mode_is_given(one_epoch, data, tmp_path, train_mode):
+    """The reference fine-tunes with the model in eval mode: BatchNorm statistics stay those of the loaded
+    weights (and drop path is off, which eval mode implies); --train-mode updates them. A run from scratch
+    trains in train mode."""
+    out1, first = one_epoch
+    assert 'Train mode: on' in first.stdout
+    src = load(os.path.join(out1, 'checkpoint.pth'))
+    assert any(v.abs().sum() > 0 for k, v in src['model'].items() if k.endswith('running_mean'))
+    extra = [train_mode] if train_mode else []
+    p = run_main(BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(tmp_path / 'ft'),
+                              '--finetune', os.path.join(out1, 'checkpoint.pth')] + extra)
+    ck = load(tmp_path / 'ft' / 'checkpoint.pth')
+    loaded, after = _bn_buffers(src['model_ema']), _bn_buffers(ck['model'])  # --finetune loads the EMA weights
+    assert loaded.keys() == after.keys() and loaded
+    changed = [k for k in loaded if not torch.equal(loaded[k], after[k])]
+    if train_mode:
+        assert 'Train mode: on (--train-mode)' in p.stdout
+        assert len(changed) == len(loaded), 'every BatchNorm buffer moves in train mode'
+    else:
+        assert 'Train mode: off: --finetune runs in eval mode' in p.stdout
+        assert not changed, f'BatchNorm statistics changed in eval mode: {changed[:3]}'
+        assert not torch.equal(src['model_ema']['head.weight'], ck['model']['head.weight'])  # it did train
+
+
 def test_evaluation_states_how_many_images_it_could_evaluate(one_epoch, data, tmp_path):
     out, _ = one_epoch
     bad = tmp_path / 'data'

@@ -65,6 +65,7 @@ def test_finetune_sh_dry_run_prints_a_valid_384_command(tmp_path, model, layer_d
     assert (args.model, args.finetune, args.input_size, args.eval_crop_ratio) == (model, str(ckpt), 384, 1.0)
     assert args.layer_decay == float(layer_decay) and args.lr == 5e-5 and args.epochs == 7
     assert args.drop_path == models.VARIANTS[model]['drop_path']
+    assert args.train_mode is True  # the recipe's drop path needs train mode (main.py's --finetune default is off)
 
 
 def test_finetune_sh_needs_ckpt():
