@@ -7,7 +7,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import warnings
 
@@ -295,7 +294,8 @@ def test_resume_notes_name_the_flags_and_what_they_change():
     now.world_size, now.lr = 2, 5e-4 * 8 / 512
     decay = 0.99996
     lines = checkpoint.flag_changes(saved, now)
-    assert lines[0] == (f'--accum-steps 2 -> 1: global batch 16 -> 8, LR {5e-4 * 16 / 512:.4g} -> {5e-4 * 8 / 512:.4g}, '
+    assert lines[0] == (f'--accum-steps 2 -> 1: global batch 16 -> 8, '
+                        f'LR {5e-4 * 16 / 512:.4g} -> {5e-4 * 8 / 512:.4g}, '
                         f'EMA decay {decay ** (16 / 512):.8g} -> {decay ** (8 / 512):.8g}')
     assert lines[1:] == ['--epochs 2 -> 3']
     assert checkpoint.flag_changes(saved, parse()) != [] and checkpoint.flag_changes({}, now) == []
