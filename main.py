@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -749,9 +750,8 @@ def _is_peer_failure(e):
 
 
 def _dead_loader_worker(e: BaseException) -> str:
-    """'a data-loader worker (pid N) was killed by signal SIGKILL' when a DataLoader worker died under `e`
-    (torch reports it as a RuntimeError naming the pid), else ''."""
-    import re
+    """'a data-loader worker (pid N) was killed by signal Killed' (or '... exited unexpectedly') when a DataLoader
+    worker died under `e` (torch reports it as a RuntimeError naming the pid), else ''."""
     for c in checkpoint._chain(e):
         if not isinstance(c, RuntimeError):
             continue
