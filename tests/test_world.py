@@ -32,6 +32,7 @@ from PIL import Image
 
 import checkpoint
 import datasets
+import errors
 import main
 
 
@@ -85,6 +86,12 @@ def test_a_held_output_dir_is_refused_naming_the_holder(tmp_path):
         assert holder.stdout.readline().strip() == 'held'
         err = checkpoint.lock_run_dir(str(tmp_path))
         assert err and f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host ' in err
+        # the holder's checkpoint being written: a refused job must not clean it away
+        saving = tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.x1')
+        saving.write_bytes(b'half a checkpoint')
+        with pytest.raises(errors.UserError, match='is in use by another run'):
+            checkpoint.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
+        assert saving.exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
