@@ -23,13 +23,16 @@ else the file is a bare state dict (``select_weights``).
 """
 import argparse
 import errno
+import fcntl
 import glob
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import shutil
+import socket
 import stat
 import tempfile
 import zipfile
@@ -45,6 +48,7 @@ from errors import CheckpointError, CheckpointWriteError, UserError, first_line
 from models.weights import weights_key
 
 TMP_PREFIX = '.tmp-'
+LOCK_NAME = '.run.lock'  # in --output_dir: held by the run writing there
 NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
 
 #: timm.models.load_state_dict's order (use_ema=True): the weights a single-weights loader takes.
@@ -161,6 +165,11 @@ def _write_atomic(path: str, write) -> None:
     except (OSError, RuntimeError) as e:  # torch.save wraps write failures and interrupts in RuntimeError
         if any(isinstance(c, KeyboardInterrupt) for c in _chain(e)):
             raise KeyboardInterrupt from e
+        if not os.path.isdir(directory):
+            raise CheckpointWriteError(f'could not write checkpoint {path}: the output directory {directory} is '
+                                       f'gone (deleted or renamed while the run was going), so nothing could be '
+                                       f'saved; if it was renamed, its checkpoints went with it and the same '
+                                       f'command with --output_dir set to its new name resumes') from e
         raise CheckpointWriteError(f'could not write checkpoint {path}: {_write_failure_reason(e)}; '
                                    f'the previous {os.path.basename(path)} (if any) is kept') from e
     finally:
@@ -457,10 +466,53 @@ def _check_previous_run(args: argparse.Namespace) -> Optional[str]:
             f'or pass --overwrite to delete those files and start a new run there')
 
 
+# open lock files of the run directories this process holds (kept open: closing one releases its lock)
+_held_locks: Dict[str, int] = {}
+
+
+def lock_run_dir(directory: str) -> Optional[str]:
+    """Hold an exclusive lock on `directory` for the rest of this process; returns an error line when another
+    process holds it. The lock is a POSIX record lock (fcntl) on ``directory/.run.lock``: the OS releases it when
+    the process ends, however it ends, so a killed run never leaves a stale lock; unlike flock() it is not
+    inherited by forked data-loader workers, which may outlive a killed process by a few seconds. Where the
+    filesystem has no locks, says so and goes on without one."""
+    key = os.path.abspath(directory)
+    if key in _held_locks:
+        return None
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        print(f'Note: cannot create the lock file {path} ({e.strerror}); running without a lock, so a second job '
+              f'in this --output_dir would not be noticed')
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK, EOPNOTSUPP...: a filesystem without locks
+            os.close(fd)
+            print(f'Note: the filesystem of --output_dir {directory} does not support file locks '
+                  f'({os.strerror(e.errno)}); running without a lock, so a second job in this directory would '
+                  f'not be noticed (--no-lock silences this)')
+            return None
+        try:
+            holder = os.read(fd, 256).decode(errors='replace').strip()
+        except OSError:
+            holder = ''
+        os.close(fd)
+        return (f'--output_dir {directory} is in use by another run ({holder or "a process that holds its lock"}); '
+                f'wait for that run to end or stop it, or choose another --output_dir')
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f'PID {os.getpid()} on host {socket.gethostname()}\n'.encode(), 0)
+    _held_locks[key] = fd
+    return None
+
+
 def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
-    """Create --output_dir and remove temporaries of killed writes. A training run that would start over
-    in a directory holding another run stops with one line, unless --overwrite (which deletes that
-    run's checkpoints and log.txt, nothing is moved)."""
+    """Create --output_dir, lock it (training, unless --no-lock: one run per directory) and remove temporaries
+    of killed writes. A training run that would start over in a directory holding another run stops with one
+    line, unless --overwrite (which deletes that run's checkpoints and log.txt, nothing is moved).
+    Evaluation only neither locks nor cleans: it writes nothing there and may read a running job's files."""
     if not args.output_dir:
         return
     err = None
@@ -470,8 +522,10 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
         except OSError as e:
             err = f'cannot create --output_dir {args.output_dir}: {e.strerror}'
         else:
-            remove_stale_tmp(args.output_dir)
-            if not args.eval:
+            if not args.eval and getattr(args, 'lock', True):
+                err = lock_run_dir(args.output_dir)
+            if err is None and not args.eval:
+                remove_stale_tmp(args.output_dir)
                 try:
                     err = _check_previous_run(args)
                 except OSError as e:
@@ -623,6 +677,88 @@ def epoch_state_entries(state: EpochState) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # Saving and resuming a training run
 # --------------------------------------------------------------------------------------------------
+def _processes(a: Dict[str, Any]) -> Any:
+    return a.get('world_size', 1)
+
+
+def _global_batch(a: Dict[str, Any]) -> Optional[int]:
+    try:
+        return int(a['batch_size']) * int(_processes(a)) * int(a.get('accum_steps', 1))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _ema_decay(a: Dict[str, Any]) -> Optional[float]:
+    """The EMA decay a run used: --model-ema-decay ** (global batch / 512), None without an EMA."""
+    gb = _global_batch(a)
+    if not a.get('model_ema') or gb is None or a.get('model_ema_decay') is None:
+        return None
+    return float(a['model_ema_decay']) ** (gb / 512.0)
+
+
+#: flags that shape the LR schedule, as the command line names them
+SCHEDULE_FLAGS = ('epochs', 'sched', 'warmup_epochs', 'warmup_lr', 'min_lr', 'decay_epochs', 'cooldown_epochs',
+                  'decay_rate', 'lr_noise', 'lr_noise_pct', 'lr_noise_std', 'seed')
+
+
+def _flag(name: str) -> str:
+    return '--' + name.replace('_', '-')
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return not math.isclose(float(a), float(b), rel_tol=1e-9)
+        except (TypeError, ValueError):
+            pass
+    return _plain(a) != _plain(b)
+
+
+def flag_changes(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    """What a resumed run changes against the checkpoint's command line, in flag terms: the batch flags with
+    the global batch, LR and EMA decay they give, then the LR-schedule flags. Empty when nothing changed or
+    the checkpoint holds no command line."""
+    if not saved:
+        return []
+    now = vars(args)
+    out = []
+    sizes = [f'{"processes" if k == "world_size" else _flag(k)} {saved.get(k, 1)} -> {now.get(k, 1)}'
+             for k in ('batch_size', 'world_size', 'accum_steps')
+             if k in saved and _differs(saved.get(k, 1), now.get(k, 1))]
+    effects = []
+    gb_was, gb_now = _global_batch(saved), _global_batch(now)
+    if gb_was is not None and gb_was != gb_now:
+        effects.append(f'global batch {gb_was} -> {gb_now}')
+    if 'lr' in saved and _differs(saved['lr'], now.get('lr')):  # both scaled by the global batch (not --unscale-lr)
+        effects.append(f'LR {float(saved["lr"]):.4g} -> {float(now["lr"]):.4g}')
+    ema_was, ema_now = _ema_decay(saved), _ema_decay(now)
+    if ema_was is not None and ema_now is not None and _differs(ema_was, ema_now):
+        effects.append(f'EMA decay {ema_was:.8g} -> {ema_now:.8g}')
+    if sizes or effects:
+        out.append(', '.join(sizes) + (': ' if sizes and effects else '') + ', '.join(effects))
+    out += [f'{_flag(k)} {saved[k]} -> {now.get(k)}' for k in SCHEDULE_FLAGS
+            if k in saved and k in now and _differs(saved[k], now[k])]
+    return out
+
+
+def data_order_changes(ckpt: Dict[str, Any], args: argparse.Namespace, n_train_images: Optional[int]) -> List[str]:
+    """What differs from the run that wrote a mid-epoch checkpoint among the things that decide which images
+    each step of the epoch gets (processes, batch, accumulation, seed, sampler, training-set size)."""
+    saved, now = saved_args(ckpt), vars(args)
+    rng = ckpt.get('rng_state')
+    was_world = len(rng) if isinstance(rng, list) else saved.get('world_size')
+    out = []
+    if was_world is not None and was_world != distributed.get_world_size():
+        out.append(f'the number of processes changed ({was_world} -> {distributed.get_world_size()})')
+    for k in ('batch_size', 'accum_steps', 'seed', 'repeated_aug'):
+        if k in saved and k in now and _differs(saved[k], now[k]):
+            out.append(f'{_flag(k)} changed ({saved[k]} -> {now[k]})')
+    n = ckpt.get('n_train_images')
+    if isinstance(n, int) and n_train_images is not None and n != n_train_images:
+        out.append(f'the training set changed ({n} -> {n_train_images} images)')
+    return out
+
+
 @dataclass
 class Resume:
     """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), and the
@@ -641,8 +777,12 @@ class TrainingCheckpoints:
     crash between those writes left behind."""
 
     def __init__(self, args: argparse.Namespace, model: torch.nn.Module, model_ema: Any, optimizer: Any,
-                 lr_scheduler: Any, loss_scaler: Any, n_parameters: int, device: Any):
+                 lr_scheduler: Any, loss_scaler: Any, n_parameters: int, device: Any,
+                 classes: Optional[Sequence[str]] = None, n_train_images: Optional[int] = None):
         self.args, self.model, self.model_ema = args, model, model_ema
+        # the training data this run learns from, saved with every checkpoint and checked on resume
+        self.classes = None if classes is None else [str(c) for c in classes]
+        self.n_train_images = n_train_images
         self.optimizer, self.lr_scheduler, self.loss_scaler = optimizer, lr_scheduler, loss_scaler
         self.n_parameters, self.device = n_parameters, device
         self.output_dir = args.output_dir
@@ -678,6 +818,10 @@ class TrainingCheckpoints:
             'acc1': self._acc1[1] if self._acc1[0] == epoch and not extra.get('step') else None,
             'files': list(names),
         }
+        if self.classes is not None:
+            state['classes'] = self.classes
+        if self.n_train_images is not None:
+            state['n_train_images'] = self.n_train_images
         if self.model_ema is not None:
             state['model_ema'] = self.model_ema.module.state_dict()
         state.update(extra)
@@ -737,13 +881,17 @@ class TrainingCheckpoints:
         print(f'Loaded weights from {path}')
         if eval_only or not (isinstance(ckpt, dict) and all(k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch'))):
             return r
+        self._check_data(ckpt, path)
         self._load_optimizer(ckpt, path)
         saved, fresh = ckpt['lr_scheduler'], self.lr_scheduler.state_dict()
         changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
-        if changed:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
-            print('Note: the LR schedule flags changed since the checkpoint ('
+        flags = flag_changes(saved_args(ckpt), args)
+        if flags:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
+            print('Note: changed since the checkpoint: ' + '; '.join(flags) + '; following the command line')
+        elif changed:  # a checkpoint without its command line: name the schedule's own fields
+            print('Note: the LR schedule changed since the checkpoint ('
                   + ', '.join(f'{k}: {saved[k]} -> {fresh[k]}' for k in changed[:4]) + '); following the command line')
-        else:
+        if not changed:
             self.lr_scheduler.load_state_dict(saved)
         if self.model_ema is not None:
             if isinstance(ckpt.get('model_ema'), dict):
@@ -767,7 +915,20 @@ class TrainingCheckpoints:
             r.state = EpochState(bad_steps=int(carry.get('bad_steps', 0)))
         world, rank = distributed.get_world_size(), distributed.get_rank()
         rng = ckpt.get('rng_state')
-        if isinstance(rng, list) and len(rng) == world:
+        order = data_order_changes(ckpt, args, self.n_train_images) if r.state.step else []
+        if order:
+            # the data order of the rest of the epoch depends on these: a replay would feed other images
+            print(f'Note: the checkpoint stopped inside epoch {r.start_epoch} at step {r.state.step}, and '
+                  f'{", ".join(order)} since then, so the rest of that epoch cannot be replayed in its order: '
+                  f'epoch {r.start_epoch} restarts from its first step')
+            epoch_rng = ckpt.get('epoch_rng_state')
+            r.state = EpochState(bad_steps=r.state.bad_steps,
+                                 epoch_rng_state=epoch_rng[rank] if isinstance(epoch_rng, list)
+                                 and len(epoch_rng) == world else None)
+            if r.state.epoch_rng_state is None:
+                print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "?"} '
+                      f'process(es), this run has {world}: random-number state not restored')
+        elif isinstance(rng, list) and len(rng) == world:
             if r.state.step:
                 r.state.rng_state, r.state.epoch_rng_state = rng[rank], ckpt['epoch_rng_state'][rank]
             else:
@@ -782,6 +943,28 @@ class TrainingCheckpoints:
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
         print(f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%')
         return r
+
+    def _check_data(self, ckpt: Dict[str, Any], path: str) -> None:
+        """Refuse to continue a run on other classes (labels would silently mean other things); note a
+        changed number of training images."""
+        saved = ckpt.get('classes')
+        if isinstance(saved, (list, tuple)) and self.classes is not None and list(saved) != self.classes:
+            i = next((i for i, (a, b) in enumerate(zip(saved, self.classes)) if a != b), None)
+            if i is not None:
+                what = f'class {i} is {saved[i]!r} in the checkpoint but {self.classes[i]!r} in the data'
+            else:
+                longer, name = (saved, 'the checkpoint') if len(saved) > len(self.classes) else (self.classes,
+                                                                                                  'the data')
+                i = min(len(saved), len(self.classes))
+                what = (f'the checkpoint has {len(saved)} classes, the data {len(self.classes)} '
+                        f'(class {i} {longer[i]!r} only in {name})')
+            raise CheckpointError(f'{path} was trained on other classes than --data-path '
+                                  f'{self.args.data_path} holds: {what}; resume with the data of that run, or '
+                                  f'start a new run from its weights with --finetune {path} in another --output_dir')
+        n = ckpt.get('n_train_images')
+        if isinstance(n, int) and self.n_train_images is not None and n != self.n_train_images:
+            print(f'Note: the training set has {self.n_train_images} images, {n} when the checkpoint was written '
+                  f'(same classes); continuing on the images there are now')
 
     def _load_optimizer(self, ckpt: Dict[str, Any], path: str) -> None:
         """Load the optimizer state, refusing one of another optimizer, then apply the command line's

@@ -209,7 +209,16 @@ def load_image(path: str) -> Image.Image:
     """Decode an image file as 8-bit RGB: EXIF orientation applied, the first frame of an animation,
     16-bit and float images scaled (see ``_to_8bit_rgb``)."""
     with open(path, "rb") as f:
-        img = Image.open(f)
+        # PIL's warning for a very large image (over Image.MAX_IMAGE_PIXELS, below twice that, where it
+        # raises) does not say which file: say it here; other warnings pass through unchanged
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", Image.DecompressionBombWarning)
+            img = Image.open(f)
+        for w in caught:
+            if issubclass(w.category, Image.DecompressionBombWarning):
+                warnings.warn(f"{path}: {w.message}", Image.DecompressionBombWarning, stacklevel=2)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         img.load()
         ImageOps.exif_transpose(img, in_place=True)
         return _to_8bit_rgb(img)
@@ -444,6 +453,7 @@ class INatDataset(_BadSampleMixin, Dataset):
         for ann in train_json["annotations"]:
             targeter.setdefault(cat_value(int(ann["category_id"])), len(targeter))
         self.nb_classes = len(targeter)
+        self.classes = [str(c) for c in targeter]  # in label order
         img_cat = {a["image_id"]: int(a["category_id"]) for a in split_json.get("annotations", [])}
         self.samples = []
         for im in split_json["images"]:

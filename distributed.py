@@ -99,6 +99,16 @@ def init_distributed_mode(args: argparse.Namespace) -> None:
     if use_cuda:
         kwargs['device_id'] = torch.device('cuda', gpu)
     try:
+        restart = os.environ.get('TORCHELASTIC_RESTART_COUNT')
+        if restart is not None and args.dist_url == 'env://':
+            # a worker group restarted by torchrun (--max-restarts) joins through the agent's store, which outlives
+            # the failed attempt and still holds its rank addresses: a prefix per attempt keeps those stale keys
+            # out of reach (torch's env:// rendezvous, then the default group's own prefix under it)
+            store, rank, world_size = next(dist.rendezvous(args.dist_url, rank, world_size, timeout=kwargs['timeout']))
+            store.set_timeout(kwargs['timeout'])
+            kwargs.update(store=dist.PrefixStore(f'nalaformer/attempt{restart}', store), rank=rank,
+                          world_size=world_size)
+            del kwargs['init_method']
         dist.init_process_group(**kwargs)
     except Exception as e:  # report rendezvous problems as one line
         raise PeerLostError(f'could not join the process group (rank {rank} of {world_size}, '

@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -221,6 +222,9 @@ def get_args_parser():
     p.add_argument('--overwrite', action='store_true',
                    help='start a new run in an --output_dir that holds one: its checkpoints and log.txt are '
                         'deleted (without it such a run is refused; relaunching without flags resumes it)')
+    p.add_argument('--no-lock', dest='lock', action='store_false',
+                   help='do not lock --output_dir (by default a second training job in the same directory is '
+                        'refused while the first runs; for filesystems whose locks misbehave)')
     return p
 
 
@@ -603,8 +607,10 @@ def main(args, parser):
                                  args.distillation_tau)
 
     # ---------------- resume ----------------
-    run_ckpt = checkpoint.TrainingCheckpoints(args, model_without_ddp, model_ema, optimizer, lr_scheduler,
-                                              loss_scaler, n_parameters, device)
+    run_ckpt = checkpoint.TrainingCheckpoints(
+        args, model_without_ddp, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
+        classes=getattr(dataset_train, 'classes', None),
+        n_train_images=len(dataset_train) if dataset_train is not None else None)
     resume_path = checkpoint.find_resume_path(args)
     resumed = run_ckpt.resume(resume_path, eval_only=args.eval)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
@@ -760,6 +766,21 @@ def _is_peer_failure(e):
                            'Timed out', 'ProcessGroupGloo', 'gloo', 'NCCL', 'Socket Timeout'))
 
 
+def _dead_loader_worker(e: BaseException) -> str:
+    """'a data-loader worker (pid N) was killed by signal Killed' (or '... exited unexpectedly') when a DataLoader
+    worker died under `e` (torch reports it as a RuntimeError naming the pid), else ''."""
+    for c in checkpoint._chain(e):
+        if not isinstance(c, RuntimeError):
+            continue
+        killed = re.search(r'DataLoader worker \(pid (\d+)\) is killed by signal: ([^.\n]+)', str(c))
+        if killed:
+            return f'a data-loader worker (pid {killed.group(1)}) was killed by signal {killed.group(2).strip()}'
+        exited = re.search(r'DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly', str(c))
+        if exited:
+            return f'a data-loader worker (pid {exited.group(1).strip()}) exited unexpectedly'
+    return ''
+
+
 def run(argv=None):
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
@@ -783,6 +804,13 @@ def run(argv=None):
         eprint('interrupted')
         code = 130
     except Exception as e:
+        worker = _dead_loader_worker(e)
+        if worker:  # the out-of-memory killer's usual victim; its traceback says nothing useful
+            eprint(f'[rank {distributed.get_rank()}] error: {worker}, most likely for lack of memory (the '
+                   f'out-of-memory killer): use fewer --num_workers (now {args.num_workers}) or a smaller '
+                   f'--batch-size (now {args.batch_size}); the same command resumes from the last checkpoint')
+            sys.stdout.flush()
+            os._exit(1)  # the other workers of the loader ignore SIGTERM: do not wait for them
         if _is_peer_failure(e):
             eprint(f'[rank {distributed.get_rank()}] error: lost contact with the other processes '
                    f'({first_line(e)}); another rank probably died or stopped - see its log')

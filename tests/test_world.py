@@ -1,0 +1,330 @@
+"""A run whose world changes between its start and its resume: a second job in the same --output_dir, other
+classes, another number of processes or batch in the middle of an epoch, torchrun restarting its workers, a
+killed data-loader worker; and the notes a resumed run prints about what changed."""
+import errno
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import warnings
+
+import pytest
+import torch
+from conftest import (
+    BASE,
+    PY,
+    REPO,
+    TORCHRUN,
+    assert_same_weights,
+    env,
+    free_port,
+    kill_group,
+    load,
+    make_imagefolder,
+    parse,
+    run_main,
+    signal_when,
+    start_process,
+)
+from PIL import Image
+
+import checkpoint
+import datasets
+import errors
+import main
+
+
+def one_line_error(p):
+    assert p.returncode not in (0, None)
+    assert 'Traceback' not in p.stderr, p.stderr[-3000:]
+    errs = [line for line in p.stderr.splitlines() if 'error:' in line]
+    assert len(errs) == 1, p.stderr[-3000:]
+    return errs[0]
+
+
+def children(pid, **environ):
+    """PIDs of the direct children of `pid` (whose environment holds every NAME=value of `environ`)."""
+    out = []
+    for name in os.listdir('/proc'):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f'/proc/{name}/stat') as f:
+                ppid = int(f.read().rsplit(')', 1)[1].split()[1])
+            with open(f'/proc/{name}/environ', 'rb') as f:
+                e = f.read().split(b'\0')
+        except OSError:
+            continue
+        if ppid == pid and all(f'{k}={v}'.encode() in e for k, v in environ.items()):
+            out.append(int(name))
+    return out
+
+
+def wait_for_line(proc, pattern, seen, timeout=180):
+    t0 = time.time()
+    for line in proc.stdout:
+        seen.append(line)
+        if re.search(pattern, line):
+            return
+        assert time.time() - t0 < timeout, ''.join(seen)[-3000:]
+    raise AssertionError(f'no line matched {pattern}:\n' + ''.join(seen)[-3000:] + proc.stderr.read()[-3000:])
+
+
+# ------------------------------------------------------------------------------ one job per output dir
+LOCK_HOLDER = ('import sys, checkpoint\n'
+               'assert checkpoint.lock_run_dir(sys.argv[1]) is None\n'
+               'print("held", flush=True)\n'
+               'sys.stdin.read()\n')
+
+
+def test_a_held_output_dir_is_refused_naming_the_holder(tmp_path):
+    holder = subprocess.Popen([PY, '-c', LOCK_HOLDER, str(tmp_path)], cwd=REPO, env=env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        err = checkpoint.lock_run_dir(str(tmp_path))
+        assert err and f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host ' in err
+        # the holder's checkpoint being written: a refused job must not clean it away
+        saving = tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.x1')
+        saving.write_bytes(b'half a checkpoint')
+        with pytest.raises(errors.UserError, match='is in use by another run'):
+            checkpoint.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
+        assert saving.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    # its process ended, so did its lock: nothing stale is left behind
+    assert checkpoint.lock_run_dir(str(tmp_path)) is None
+
+
+def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(checkpoint.fcntl, 'lockf', no_locks)
+    assert checkpoint.lock_run_dir(str(tmp_path)) is None
+    out = capsys.readouterr().out
+    assert 'does not support file locks' in out and 'running without a lock' in out
+
+
+def test_no_lock_leaves_the_output_dir_unlocked(tmp_path):
+    checkpoint.prepare_output_dir(parse('--output_dir', str(tmp_path / 'a'), '--no-lock'), 'cpu')
+    assert not os.path.exists(tmp_path / 'a' / checkpoint.LOCK_NAME)
+    checkpoint.prepare_output_dir(parse('--output_dir', str(tmp_path / 'b')), 'cpu')
+    assert os.path.exists(tmp_path / 'b' / checkpoint.LOCK_NAME)
+
+
+@pytest.mark.slow
+def test_a_second_job_is_refused_while_a_torchrun_job_holds_the_dir(data, tmp_path):
+    out = str(tmp_path / 'out')
+    args = BASE[:-1] + ['3', '--batch-size', '2', '--num_workers', '0', '--data-path', data, '--output_dir', out]
+    first = start_process(TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
+                                      'main.py'] + args)
+    try:
+        seen = []
+        wait_for_line(first, r'Start training', seen)
+        rank0 = children(first.pid, RANK=0)
+        second = run_main(args + ['--seed', '1'], check=False)  # a double-submitted job
+        line = one_line_error(second)
+        assert f'--output_dir {out} is in use by another run (PID {rank0[0]} on host' in line, line
+        assert first.poll() is None  # the first job runs on
+    finally:
+        kill_group(first)  # kill -9: the OS releases the lock
+        first.communicate()
+    p = run_main(BASE[:-1] + ['1', '--num_workers', '0', '--data-path', data, '--output_dir', out])
+    assert 'in use' not in p.stdout + p.stderr
+
+
+# ------------------------------------------------------------------------------ classes of a resumed run
+def _tiny_run(tmp_path, argv=(), classes=None, n_train_images=None):
+    """TrainingCheckpoints for a tiny model, with the optimizer and schedule main.py builds from `argv`."""
+    from timm.optim import create_optimizer_v2
+    args = parse('--output_dir', str(tmp_path), '--epochs', '4', '--no-model-ema', *argv)
+    model = torch.nn.Linear(4, 3)
+    opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay)
+    return checkpoint.TrainingCheckpoints(args, model, None, opt, main.build_lr_scheduler(args, opt), None, 15, 'cpu',
+                                          classes=classes, n_train_images=n_train_images)
+
+
+def test_other_classes_stop_a_resume_naming_the_first_difference(tmp_path, capsys):
+    _tiny_run(tmp_path, classes=['a', 'b', 'c'], n_train_images=24).save(0, {}, ['checkpoint.pth'])
+    path = str(tmp_path / 'checkpoint.pth')
+    assert load(path)['classes'] == ['a', 'b', 'c'] and load(path)['n_train_images'] == 24
+    with pytest.raises(checkpoint.CheckpointError, match=r"class 0 is 'a' in the checkpoint but 'd' in the data.*"
+                                                         r"--finetune"):
+        _tiny_run(tmp_path, classes=['d', 'b', 'c']).resume(path)
+    with pytest.raises(checkpoint.CheckpointError, match=r"3 classes, the data 4 \(class 3 'e' only in the data\)"):
+        _tiny_run(tmp_path, classes=['a', 'b', 'c', 'e']).resume(path)
+    _tiny_run(tmp_path, classes=['a', 'b', 'c'], n_train_images=30).resume(path)
+    assert 'the training set has 30 images, 24 when the checkpoint was written' in capsys.readouterr().out
+
+
+def test_a_checkpoint_without_classes_still_resumes(tmp_path):
+    _tiny_run(tmp_path).save(1, {}, ['checkpoint.pth'])  # as written before classes were recorded
+    assert 'classes' not in load(tmp_path / 'checkpoint.pth')
+    assert _tiny_run(tmp_path, classes=['a', 'b', 'c']).resume(str(tmp_path / 'checkpoint.pth')).start_epoch == 2
+
+
+@pytest.mark.slow
+def test_renamed_class_folder_stops_the_resume(tmp_path):
+    root = make_imagefolder(tmp_path / 'data')
+    out = str(tmp_path / 'out')
+    args = BASE[:-1] + ['1', '--num_workers', '0', '--data-path', root, '--output_dir', out]
+    run_main(args)
+    for split in ('train', 'val'):
+        os.rename(os.path.join(root, split, 'c0'), os.path.join(root, split, 'c9'))  # mv train/a train/d
+    before = open(os.path.join(out, 'checkpoint.pth'), 'rb').read()
+    p = run_main(BASE + ['--num_workers', '0', '--data-path', root, '--output_dir', out], check=False)
+    line = one_line_error(p)
+    assert "class 0 is 'c0' in the checkpoint but 'c1' in the data" in line and '--finetune' in line, line
+    assert open(os.path.join(out, 'checkpoint.pth'), 'rb').read() == before
+
+
+# ------------------------------------------------------------------------------ mid-epoch resume, other world
+def test_a_mid_epoch_checkpoint_under_another_batch_restarts_the_epoch(tmp_path, capsys):
+    run = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24)
+    state = checkpoint.EpochState(step=2, rng_state=checkpoint.get_rng_state(),
+                                  epoch_rng_state=checkpoint.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
+    run.save(1, checkpoint.epoch_state_entries(state), ['checkpoint.pth'])
+    path = str(tmp_path / 'checkpoint.pth')
+    same = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24).resume(path)
+    assert (same.start_epoch, same.state.step) == (1, 2)
+    for argv, n, what in ((['--batch-size', '2', '--accum-steps', '2'], 24, '--batch-size changed (4 -> 2)'),
+                          (['--batch-size', '4', '--accum-steps', '1'], 24, '--accum-steps changed (2 -> 1)'),
+                          (['--batch-size', '4', '--accum-steps', '2'], 27, 'the training set changed (24 -> 27')):
+        capsys.readouterr()
+        r = _tiny_run(tmp_path, argv, n_train_images=n).resume(path)
+        assert (r.start_epoch, r.state.step, r.state.loss_meter) == (1, 0, None)
+        assert r.state.epoch_rng_state is not None  # the epoch restarts from the random state it started with
+        out = capsys.readouterr().out
+        assert what in out and 'epoch 1 restarts from its first step' in out, out
+
+
+@pytest.mark.slow
+def test_a_two_process_mid_epoch_stop_resumed_on_one_process_restarts_the_epoch(data, tmp_path):
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--num_workers', '0', '--data-path', data,
+                        '--output_dir', str(tmp_path / 'out')]
+    cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'] + args
+    stdout, stderr, _ = signal_when(start_process(cmd), r'Epoch: \[0\] \[1/', signal.SIGTERM)
+    m = re.search(r'Stopped by SIGTERM at epoch 0 step (\d+)', stdout)
+    assert m, stdout[-3000:] + stderr[-3000:]
+    p = run_main(args)  # one process: 12 steps an epoch instead of 6
+    assert f'stopped inside epoch 0 at step {m.group(1)}, and the number of processes changed (2 -> 1)' in p.stdout
+    assert 'epoch 0 restarts from its first step' in p.stdout and 'replaying' not in p.stdout
+    assert re.search(r'Epoch: \[0\] \[ ?0/12\]', p.stdout) and re.search(r'Epoch: \[0\] \[11/12\]', p.stdout)
+    assert 'processes 2 -> 1: global batch 4 -> 2, EMA decay ' in p.stdout  # the resume note in flag terms
+
+
+# ------------------------------------------------------------------------------ torchrun --max-restarts
+RESTART = BASE + ['--batch-size', '2', '--num_workers', '0', '--dist-timeout', '60']
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('ref') / 'out')
+    run_main(RESTART + ['--data-path', data, '--output_dir', out], nproc=2)
+    return load(os.path.join(out, 'checkpoint.pth'))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kill_at', ['first checkpoint', 'epoch 1 step 1', 'first checkpoint, again'])
+def test_torchrun_restarts_a_killed_worker_and_the_run_ends_with_the_same_weights(data, tmp_path, uninterrupted,
+                                                                                   kill_at):
+    """The restarted workers join through torchrun's store, which still holds the failed attempt's keys:
+    timing-dependent, so the kill comes at two moments, one of them twice."""
+    out = str(tmp_path / 'out')
+    cmd = TORCHRUN + ['--nproc_per_node=2', '--max-restarts=1', '--master_addr=127.0.0.1',
+                      f'--master_port={free_port()}', 'main.py'] + RESTART + ['--data-path', data, '--output_dir', out]
+    proc = start_process(cmd)
+    seen = []
+    try:
+        if kill_at.startswith('first checkpoint'):
+            wait_for_line(proc, r'^Max accuracy', seen)
+            t0 = time.time()
+            while not os.path.exists(os.path.join(out, 'checkpoint.pth')):
+                assert time.time() - t0 < 60
+                time.sleep(0.05)
+        else:
+            wait_for_line(proc, r'Epoch: \[1\] \[ ?1/', seen)
+        rank1 = children(proc.pid, RANK=1)
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        rest, err = proc.communicate(timeout=400)
+    finally:
+        kill_group(proc)
+    stdout = ''.join(seen) + rest
+    assert proc.returncode == 0, stdout[-3000:] + err[-4000:]
+    assert 'Resumed from' in stdout, stdout[-3000:]
+    assert_same_weights(uninterrupted, load(os.path.join(out, 'checkpoint.pth')))
+
+
+# ------------------------------------------------------------------------------ a killed data-loader worker
+@pytest.mark.slow
+def test_a_killed_loader_worker_ends_in_one_line(data, tmp_path):
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--num_workers', '1', '--data-path', data,
+                        '--output_dir', str(tmp_path / 'out')]
+    proc = start_process([PY, 'main.py'] + args)
+    seen = []
+    try:
+        wait_for_line(proc, r'Epoch: \[0\] \[ ?1/', seen)
+        workers = children(proc.pid)
+        assert workers
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)  # as the out-of-memory killer does
+        _, err = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, '', err)
+    line = one_line_error(p)
+    assert re.search(r'a data-loader worker \(pid (\d+)\) (was killed by signal|exited unexpectedly)', line), line
+    assert int(re.search(r'pid (\d+)', line).group(1)) in workers
+    assert '--num_workers (now 1)' in line and 'the same command resumes' in line
+
+
+def test_dead_loader_worker_messages_of_torch_are_recognised():
+    assert main._dead_loader_worker(RuntimeError('DataLoader worker (pid 812) is killed by signal: Killed. ')) \
+        == 'a data-loader worker (pid 812) was killed by signal Killed'
+    wrapped = RuntimeError('DataLoader worker (pid(s) 812, 813) exited unexpectedly')
+    try:
+        raise ValueError('while loading') from wrapped
+    except ValueError as e:
+        assert main._dead_loader_worker(e) == 'a data-loader worker (pid 812, 813) exited unexpectedly'
+    assert main._dead_loader_worker(RuntimeError('something else')) == ''
+
+
+# ------------------------------------------------------------------------------ notes in flag terms
+def test_resume_notes_name_the_flags_and_what_they_change():
+    saved = checkpoint.args_to_dict(parse('--batch-size', '4', '--accum-steps', '2', '--epochs', '2'))
+    saved.update(world_size=2, lr=5e-4 * 16 / 512)
+    now = parse('--batch-size', '4', '--accum-steps', '1', '--epochs', '3')
+    now.world_size, now.lr = 2, 5e-4 * 8 / 512
+    decay = 0.99996
+    lines = checkpoint.flag_changes(saved, now)
+    assert lines[0] == (f'--accum-steps 2 -> 1: global batch 16 -> 8, '
+                        f'LR {5e-4 * 16 / 512:.4g} -> {5e-4 * 8 / 512:.4g}, '
+                        f'EMA decay {decay ** (16 / 512):.8g} -> {decay ** (8 / 512):.8g}')
+    assert lines[1:] == ['--epochs 2 -> 3']
+    assert checkpoint.flag_changes(saved, parse()) != [] and checkpoint.flag_changes({}, now) == []
+
+
+# ------------------------------------------------------------------------------ file names in messages
+def test_pil_large_image_warning_names_the_file(tmp_path, monkeypatch):
+    path = str(tmp_path / 'big.png')
+    Image.new('RGB', (40, 40)).save(path)
+    monkeypatch.setattr(Image, 'MAX_IMAGE_PIXELS', 1000)  # 1600 pixels: over the limit, under twice it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        assert datasets.load_image(path).size == (40, 40)
+    bombs = [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    assert len(bombs) == 1 and str(bombs[0].message).startswith(path + ': '), [str(w.message) for w in caught]
+
+
+def test_a_deleted_output_dir_is_reported_as_gone(tmp_path):
+    out = tmp_path / 'out'
+    out.mkdir()
+    checkpoint.save_atomic({'epoch': 0}, str(out / 'checkpoint.pth'))
+    shutil.rmtree(out)  # the whole run directory deleted while the run goes on
+    with pytest.raises(checkpoint.CheckpointWriteError) as e:
+        checkpoint.save_atomic({'epoch': 1}, str(out / 'checkpoint.pth'))
+    assert f'the output directory {out} is gone' in str(e.value) and 'is kept' not in str(e.value)
