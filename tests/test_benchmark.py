@@ -67,6 +67,28 @@ def test_compare_steps_our_model_and_a_timm_model_in_one_process(tmp_path, capsy
     assert 'convnext_atto' in out and 'eff/best' in out and 'CPU eff/best' in out
 
 
+def test_compare_sweeps_sizes_and_builds_fixed_size_peers_for_each(tmp_path, capsys):
+    """A model timm builds for one input size (vit here, swin alike) is built for every --sizes side; the
+    sweep reports img/s and peak memory of every model per size."""
+    results = benchmark.main(['--model', 'NALAFORMER_XT', '--compare', 'vit_tiny_patch16_224', '--sizes', '32',
+                              '48', '--modes', 'inference', '--batch-size', '1', '--steps', '1', '--warmup', '0',
+                              '--gemm-size', '128', '--device', 'cpu'])
+    assert [(r['input_size'], r['model']) for r in results] == [
+        ([32, 32], 'NALAFORMER_XT'), ([32, 32], 'vit_tiny_patch16_224'),
+        ([48, 48], 'NALAFORMER_XT'), ([48, 48], 'vit_tiny_patch16_224')]
+    assert all(r['img_s'] > 0 and r['peak_step_mib'] > 0 for r in results)
+    vit = [r['gmacs_per_image'] for r in results if r['model'].startswith('vit')]
+    assert vit[1] > vit[0]  # counted at each size: the 48 px ViT has 9 patches to the 32 px one's 4
+    table = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith(('32 ', '48 '))]
+    assert [(row[0], row[2]) for row in table] == [(str(r['input_size'][0]), r['model']) for r in results]
+
+
+def test_sizes_needs_compare(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(['--sizes', '224', '512'])
+    assert '--sizes needs --compare' in capsys.readouterr().err
+
+
 def test_compare_rejects_an_unknown_model(capsys):
     with pytest.raises(SystemExit):
         benchmark.parse_args(['--compare', 'no_such_model'])

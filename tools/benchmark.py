@@ -5,6 +5,7 @@
     python tools/benchmark.py --model NALAFORMER_XT --no-fast-path --compile --channels-last
     python tools/benchmark.py --sweep --out docs/sweep     # NaLa vs softmax block, 224..1024
     python tools/benchmark.py --model NALAFORMER_T --compare convnext_nano,pvt_v2_b1 -b 16
+    python tools/benchmark.py --compare convnext_tiny,swin_tiny_patch4_window7_224 -b 2 --sizes 224 512 1024
     python tools/benchmark.py --preset paper
     python tools/benchmark.py --make-jpegs /tmp/jpegs --data-loading /tmp/jpegs
 
@@ -27,7 +28,9 @@ runs. Under ``system`` the first steps are slow until glibc's adaptive mmap thre
 
 ``--compare MODEL,MODEL`` steps --model and the named timm models interleaved in one process, in
 inference and training, and prints GMACs, ms/step, img/s, efficiency and the ratio to the best of them;
-with ``--compile`` every model is compiled (warm-up steps compile).
+with ``--compile`` every model is compiled (warm-up steps compile). Models that timm builds for one input size
+(swin, vit) are built for the requested size. ``--sizes 224 512 1024`` repeats the comparison per square size
+and ends with a table of img/s and peak step memory per model, size and mode.
 ``--preset paper [--tiny]`` prints eval-mode img/s of every variant at 224/384/512 as papers report it.
 ``--data-loading DIR`` times main.py's train transform per DataLoader worker.
 
@@ -51,6 +54,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm
+from timm.models import get_pretrained_cfg
 
 import engine
 import models  # noqa: F401  (registers the variants)
@@ -225,9 +229,21 @@ def print_result(r: Dict) -> None:
 
 
 # ---- compare: our model against named timm models, interleaved in one process -------------------
-def create_any(name: str, device: torch.device, fast_path: bool) -> nn.Module:
-    """A NaLaFormer variant with ``fast_path``, or any other timm model, untrained, 1000 classes."""
-    kwargs = dict(fast_path=fast_path) if name.upper() in VARIANTS else {}
+def fixed_input_size(name: str) -> bool:
+    """Whether timm builds ``name`` for one input size only (swin, vit: position tables, windows)."""
+    cfg = get_pretrained_cfg(name)
+    return bool(cfg is not None and cfg.fixed_input_size)
+
+
+def create_any(name: str, device: torch.device, fast_path: bool,
+               input_size: Optional[Sequence[int]] = None) -> nn.Module:
+    """A NaLaFormer variant with ``fast_path``, or any other timm model, untrained, 1000 classes. A model of
+    fixed input size is built for ``input_size`` (height, width), as a user would build it for that size."""
+    kwargs: Dict = {}
+    if name.upper() in VARIANTS:
+        kwargs['fast_path'] = fast_path
+    elif input_size is not None and fixed_input_size(name):
+        kwargs['img_size'] = tuple(input_size)
     return timm.create_model(name, pretrained=False, num_classes=1000, **kwargs).to(device)
 
 
@@ -237,7 +253,8 @@ def compare(args: argparse.Namespace) -> List[Dict]:
     Per mode: every model is built and warmed up, then each round times one step of every model
     (each right after a GEMM), rotating the order every round, so that load changes on a shared
     machine hit all models alike. Efficiency: MAC/s of the median step over the median GEMM of the
-    whole mode. One result dict per model and mode.
+    whole mode. After the timed rounds, one more step of each model gives its peak memory. One result
+    dict per model and mode.
     """
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -252,7 +269,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
         steps = {}
         for name in names:
             torch.manual_seed(0)
-            model = create_any(name, device, args.fast_path)
+            model = create_any(name, device, args.fast_path, (height, width))
             steps[name] = make_step(model, x, target, mode, dtype, device, args.compile)[0]
             for _ in range(args.warmup):
                 steps[name]()
@@ -266,6 +283,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
                 cpu_start = time.process_time()
                 times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
                 cpu_times[name].append(time.process_time() - cpu_start)
+        peaks = {name: peak_bytes(steps[name], device) for name in names}
         # one GEMM rate for all models of this mode (the median over all rounds), so that their
         # efficiencies compare as MACs x img/s do
         gemm = statistics.median(gemms)
@@ -279,7 +297,8 @@ def compare(args: argparse.Namespace) -> List[Dict]:
                 cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
                 cpu_s_median=statistics.median(cpu_times[name]), cpu_s_all=cpu_times[name],
-                img_s=args.batch_size / step_s, gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
+                img_s=args.batch_size / step_s, peak_step_mib=peaks[name] / 2 ** 20,
+                gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
                 efficiency=macs[name] * (3 if mode == 'train' else 1) * args.batch_size / step_s / gemm))
         best_peer = max((r for r in rows[1:]), key=lambda r: r['efficiency'], default=None)
         for r in rows:
@@ -299,7 +318,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
 def model_macs_any(name: str, input_size: Sequence[int], fast_path: bool = True) -> int:
     """fvcore multiply-adds of one image (eval mode, batch 1) through any timm model."""
     from tools.flops import count_flops
-    return count_flops(create_any(name, torch.device('cpu'), fast_path), (3, *input_size))
+    return count_flops(create_any(name, torch.device('cpu'), fast_path, input_size), (3, *input_size))
 
 
 def print_compare(results: List[Dict]) -> None:
@@ -309,17 +328,47 @@ def print_compare(results: List[Dict]) -> None:
           + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
           + (', every model torch.compiled' if first.get('compile') else '')
           + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
-    print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'effic.':>8}"
-          f"{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}")
+    print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'peak MiB':>9}"
+          f"{'effic.':>8}{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}")
     for r in results:
         print(f"{r['mode']:<10}{r['model']:<24}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
-              f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{100 * r['efficiency']:>7.1f}%"
+              f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{r['peak_step_mib']:>9.0f}"
+              f"{100 * r['efficiency']:>7.1f}%"
               f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}"
               f"{r.get('img_s_vs_best_peer', float('nan')):>11.2f}"
               f"{r.get('efficiency_cpu_vs_best_peer', float('nan')):>13.2f}")
     if 'best_peer' in first:
         print('eff/best, img/s/best: against the best --compare model by efficiency (per mode); CPU eff/best: '
               'the same from CPU time per step (process user + system)')
+
+
+def compare_sizes(args: argparse.Namespace) -> List[Dict]:
+    """``compare`` at every ``--sizes`` side (square inputs), one size after another; each size's table
+    is printed as it finishes, then one summary table of img/s and peak memory per size."""
+    results = []
+    for size in args.sizes:
+        args.input_size = [size]
+        rows = compare(args)
+        print_compare(rows)
+        results.extend(rows)
+    return results
+
+
+def print_size_table(results: List[Dict]) -> None:
+    """img/s and peak step memory of every model per input size and mode, and --model's img/s over the
+    best --compare model's at that size and mode."""
+    ours = results[0]['model']
+    best: Dict = {}
+    for r in results:
+        if r['model'] != ours:
+            key = (r['input_size'][0], r['mode'])
+            best[key] = max(best.get(key, 0.0), r['img_s'])
+    print(f"{'size':>6}  {'mode':<10}{'model':<32}{'img/s':>9}{'peak MiB':>10}  img/s / best peer")
+    for r in results:
+        key = (r['input_size'][0], r['mode'])
+        ratio = f"{r['img_s'] / best[key]:.2f}" if r['model'] == ours and key in best else ''
+        print(f"{r['input_size'][0]:>6}  {r['mode']:<10}{r['model']:<32}{r['img_s']:>9.2f}"
+              f"{r['peak_step_mib']:>10.0f}  {ratio}")
 
 
 # ---- paper preset: eval-mode throughput of every variant, as vision papers report it -------------
@@ -549,6 +598,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=None,
                         metavar='MODEL,MODEL',
                         help='timm models to step interleaved with --model (e.g. convnext_nano,pvt_v2_b1)')
+    parser.add_argument('--sizes', type=int, nargs='+', default=None, metavar='SIDE',
+                        help='with --compare: one comparison per square input size (e.g. 224 512 1024), then a '
+                             'table of img/s and peak memory per size')
     parser.add_argument('--modes', nargs='+', choices=['inference', 'train'], default=['inference', 'train'],
                         help='modes timed by --compare')
     parser.add_argument('--warmup', type=int, default=None,
@@ -606,6 +658,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if unknown or not args.compare:
             parser.error(f'--compare: unknown timm model(s) {unknown}; pass comma-separated names that '
                          f'timm.list_models() lists, e.g. convnext_nano,pvt_v2_b1')
+    if args.sizes and not args.compare:
+        parser.error('--sizes needs --compare MODEL,MODEL (it sweeps the comparison over input sizes)')
     if len(args.input_size) not in (1, 2):
         parser.error('--input-size takes one side or height and width')
     if args.dtype == 'fp16' and not args.device.startswith('cuda'):
@@ -638,6 +692,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     if args.preset:
         results = paper_preset(args)
         print_paper_table(results)
+        write_jsonl(args.json, results)
+        return results
+    if args.compare and args.sizes:
+        results = compare_sizes(args)
+        print_size_table(results)
         write_jsonl(args.json, results)
         return results
     if args.compare:
