@@ -67,4 +67,10 @@ cmd=("$PYTHON" -m torch.distributed.run
      "${AMP_FLAGS[@]}" "$@")
 echo "+ ${cmd[*]}"
 if [ "${DRY_RUN:-0}" = "1" ]; then exit 0; fi
+# refuse a DATA that is not a folder here before torchrun starts NPROC processes that would each fail on it
+if [ "$DATA" = /path/to/imagenet ]; then
+    echo "finetune.sh: DATA is not set; set DATA to the ImageNet folder (holding train/ and val/)" >&2; exit 2
+elif [ ! -d "$DATA" ]; then
+    echo "finetune.sh: DATA=$DATA is not a folder; set DATA to the ImageNet folder (holding train/ and val/)" >&2; exit 2
+fi
 exec "${cmd[@]}"
