@@ -934,7 +934,10 @@ class RealLabels:
             stem = os.path.splitext(os.path.basename(p))[0]
             num = stem.rsplit("_", 1)[-1]
             if not (stem.startswith("ILSVRC2012_val_") and num.isdigit() and 0 < int(num) <= len(table)):
-                raise _layout_error(p, "not an ImageNet validation file name with a ReaL label", layout)
+                raise _layout_error(p, "not an image of the ImageNet validation set; ImageNet-ReaL labels exist only "
+                                    "for the 1000-class ImageNet validation set, so evaluate that set or drop "
+                                    "--real-labels",
+                                    f"val images named ILSVRC2012_val_XXXXXXXX.JPEG (1 to {len(table)})")
             self.labels.append(table[int(num) - 1])
         # ReaL labels index the 1000 ImageNet classes in sorted-synset order: a model with fewer
         # classes would be scored against labels it cannot predict

@@ -9,6 +9,12 @@ class UserError(Exception):
     exit_code = 1
 
 
+class FlagError(UserError):
+    """A flag that cannot apply to the data or files it meets (found after parsing): exit 2, as argparse."""
+
+    exit_code = 2
+
+
 class CheckpointError(UserError):
     pass
 

@@ -19,8 +19,8 @@
 # defaults keep that near 0.1-0.2 for every depth: XT 0.8 (8 blocks), T 0.85 (12), S 0.9 (20),
 # B 0.93 (28), L 0.95 (38).
 #
-# Environment: MODEL (NALAFORMER_XT|T|S|B|L, default T), CKPT (required: the 224 checkpoint, its
-# model weights are loaded), DATA, OUTPUT (default output/<MODEL>_384), SIZE (384), EPOCHS (30), LR (5e-5),
+# Environment: MODEL (NALAFORMER_XT|T|S|B|L, default T), CKPT (required: the 224 checkpoint; its EMA
+# weights when it has them, else its model weights), DATA, OUTPUT (default output/<MODEL>_384), SIZE (384), EPOCHS (30), LR (5e-5),
 # LAYER_DECAY (per variant), BATCH (per process, 64), NPROC (8), NNODES (1), NODE_RANK (0),
 # MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), MAX_RESTARTS (torchrun restarts after a failure, 0),
 # AMP (fp16|bf16|none, fp16), PYTHON, DRY_RUN (1: print the command only).
@@ -70,4 +70,10 @@ cmd=("$PYTHON" -m torch.distributed.run
      "${AMP_FLAGS[@]}" "$@")
 echo "+ ${cmd[*]}"
 if [ "${DRY_RUN:-0}" = "1" ]; then exit 0; fi
+# refuse a DATA that is not a folder here before torchrun starts NPROC processes that would each fail on it
+if [ "$DATA" = /path/to/imagenet ]; then
+    echo "finetune.sh: DATA is not set; set DATA to the ImageNet folder (holding train/ and val/)" >&2; exit 2
+elif [ ! -d "$DATA" ]; then
+    echo "finetune.sh: DATA=$DATA is not a folder; set DATA to the ImageNet folder (holding train/ and val/)" >&2; exit 2
+fi
 exec "${cmd[@]}"

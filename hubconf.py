@@ -5,8 +5,10 @@
                            file='release/nalaformer_t_224-1a2b3c4d.safetensors')
 
 No weights are published, so nothing is ever downloaded: ``pretrained=True`` needs ``file=`` (a release
-``.safetensors`` file or a training checkpoint). Other keyword arguments go to ``timm.create_model``
-(``num_classes``, ``drop_path_rate``, ``features_only``, ...).
+``.safetensors`` file or a training checkpoint; a relative path is read from the working directory). The
+model gets the file's number of classes; ``num_classes=N`` with another count re-initialises the
+classifier (for fine-tuning). Other keyword arguments go to ``timm.create_model`` (``drop_path_rate``,
+``features_only``, ...).
 """
 from typing import Any, Optional
 
@@ -23,10 +25,8 @@ def _create(name: str, pretrained: bool = False, file: Optional[str] = None, **k
         if not file:
             raise ValueError(f'{name}: no pretrained weights are published, so nothing is downloaded; pass a local '
                              f"file: torch.hub.load(REPO, '{name}', source='local', pretrained=True, file=PATH)")
-        overlay = dict(kwargs.pop('pretrained_cfg_overlay', None) or {}, file=file)
-        if 'num_classes' in kwargs:  # keep the checkpoint's classifier when it has this many classes
-            overlay.setdefault('num_classes', kwargs['num_classes'])
-        kwargs['pretrained_cfg_overlay'] = overlay
+        # the model factory reads the class count from the file (models/nalaformer.py)
+        kwargs['pretrained_cfg_overlay'] = dict(kwargs.pop('pretrained_cfg_overlay', None) or {}, file=file)
     elif file:
         raise ValueError(f'{name}: file={file!r} is only read with pretrained=True')
     return timm.create_model(name, pretrained=pretrained, **kwargs)
@@ -57,8 +57,27 @@ def NALAFORMER_L(pretrained: bool = False, file: Optional[str] = None, **kwargs:
     return _create('NALAFORMER_L', pretrained, file, **kwargs)
 
 
-nalaformer_xt = NALAFORMER_XT
-nalaformer_t = NALAFORMER_T
-nalaformer_s = NALAFORMER_S
-nalaformer_b = NALAFORMER_B
-nalaformer_l = NALAFORMER_L
+# lower-case names, as timm registers them; each passes its own name on, so that messages name what was called
+def nalaformer_xt(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-XT, as NALAFORMER_XT."""
+    return _create('nalaformer_xt', pretrained, file, **kwargs)
+
+
+def nalaformer_t(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-T, as NALAFORMER_T."""
+    return _create('nalaformer_t', pretrained, file, **kwargs)
+
+
+def nalaformer_s(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-S, as NALAFORMER_S."""
+    return _create('nalaformer_s', pretrained, file, **kwargs)
+
+
+def nalaformer_b(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-B, as NALAFORMER_B."""
+    return _create('nalaformer_b', pretrained, file, **kwargs)
+
+
+def nalaformer_l(pretrained: bool = False, file: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """NaLaFormer-L, as NALAFORMER_L."""
+    return _create('nalaformer_l', pretrained, file, **kwargs)

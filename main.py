@@ -25,7 +25,7 @@ import checkpoint
 import datasets
 import distributed
 import utils
-from errors import UserError, eprint, first_line
+from errors import FlagError, UserError, eprint, first_line
 
 
 def str2bool_flag(parser, name, default, help_on, dest=None):
@@ -78,8 +78,41 @@ POSITIVE_INT = ranged(int, 1)
 SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 'rsqrt')
 
 
+class LauncherArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line once under a launcher. Every process of a torchrun or
+    srun job parses the same command line; rank 0 prints a short usage line and the error, the other
+    ranks exit silently, all with status 2 (a plain process prints argparse's full usage as usual)."""
+
+    def error(self, message: str):
+        rank, world, _, _ = distributed.launch_env()
+        if world > 1:
+            if rank == 0:
+                self.exit(2, f'usage: {self.prog} [options]  (--help lists them)\n{self.prog}: error: {message}\n')
+            self.exit(2)
+        super().error(message)
+
+
+#: data-loader workers per process when --num_workers is not given: enough for a GPU's input pipeline
+#: (docs/performance.md), capped by the CPUs this process may run on
+DEFAULT_NUM_WORKERS = 10
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: what taskset, cgroups cpusets and SLURM allow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this OS (macOS)
+        return os.cpu_count() or 1
+
+
+def default_num_workers() -> int:
+    """--num_workers when not given: DEFAULT_NUM_WORKERS, at most the CPUs available to this process
+    (more workers than CPUs only compete for them, and PyTorch warns about it)."""
+    return min(DEFAULT_NUM_WORKERS, available_cpus())
+
+
 def get_args_parser():
-    p = argparse.ArgumentParser('NaLaFormer training and evaluation script', add_help=True)
+    p = LauncherArgumentParser('NaLaFormer training and evaluation script', add_help=True)
     p.add_argument('--batch-size', default=128, type=int, help='batch size per process (recipe: 128 x 8)')
     p.add_argument('--epochs', default=300, type=int)
     p.add_argument('--bce-loss', action='store_true',
@@ -191,7 +224,9 @@ def get_args_parser():
     p.add_argument('--eval', action='store_true', help='evaluation only')
     p.add_argument('--dist-eval', action='store_true', default=False,
                    help='split the validation set over the processes (exact: every image counted once)')
-    p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=10, type=NON_NEGATIVE_INT)
+    p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=None, type=NON_NEGATIVE_INT,
+                   help=f'data-loader workers per process (default {DEFAULT_NUM_WORKERS}, at most the CPUs '
+                        'available to the process)')
     str2bool_flag(p, 'pin-mem', True, 'pin CPU memory in the data loader (GPU runs)', dest='pin_mem')
     p.add_argument('--print-freq', default=10, type=POSITIVE_INT)
     p.add_argument('--log-dir', default='', help='also write TensorBoard events here (rank 0; needs tensorboard)')
@@ -273,6 +308,9 @@ def validate_args(args, parser):
             parser.error(f'{flag} {path}: no such file')
     if args.resume.startswith(('http://', 'https://')) or args.finetune.startswith(('http://', 'https://')):
         parser.error('checkpoints must be local files: downloading is disabled')
+    if args.real_labels is not None and args.data_set != 'IMNET':
+        parser.error(f'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set (--data-set IMNET), '
+                     f'not --data-set {args.data_set}; drop --real-labels')
     if args.eval and not args.resume and not args.finetune:
         auto = os.path.join(args.output_dir, 'checkpoint.pth') if args.output_dir else ''
         if not (auto and args.auto_resume and os.path.isfile(auto)):
@@ -503,6 +541,10 @@ def main(args, parser):
         print('--cpu-malloc retain: this C library has no mallopt; using its defaults')
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), backend {args.dist_backend or "none"}, device {device}')
+    if args.num_workers is None:
+        args.num_workers = default_num_workers()
+        print(f'Data loader: {args.num_workers} workers per process (the default {DEFAULT_NUM_WORKERS}, '
+              f'at most the {available_cpus()} CPUs available to this process; --num_workers N sets it)')
     print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
 
     import timm
@@ -529,7 +571,12 @@ def main(args, parser):
         if (args.eval_sets or args.real_labels is not None) and not args.eval:
             raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
         eval_sets = datasets.build_eval_sets(args, dataset_val)
-        real = datasets.RealLabels(dataset_val, args.real_labels or None) if args.real_labels is not None else None
+        real = None
+        if args.real_labels is not None:
+            try:
+                real = datasets.RealLabels(dataset_val, args.real_labels or None)
+            except datasets.DataLayoutError as e:  # the flag does not fit this validation set
+                raise FlagError(str(e)) from e
     except datasets.DataLayoutError as e:
         raise UserError(str(e)) from e
     sampler_train, loader_train, loader_val = build_loaders(args, dataset_train, dataset_val)

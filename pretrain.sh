@@ -8,11 +8,13 @@
 #   MODEL=NALAFORMER_S DATA=/data/imagenet OUTPUT=output/s bash pretrain.sh
 #   # two nodes: run on each with NNODES=2 NODE_RANK=0|1 MASTER_ADDR=<node 0> MASTER_PORT=29500
 #   # extra flags go to main.py:  bash pretrain.sh --epochs 100
+#   DRY_RUN=1 MODEL=NALAFORMER_S bash pretrain.sh     # print the command, run nothing
 #
 # Environment: MODEL (NALAFORMER_XT|T|S|B|L, default T), DATA, OUTPUT, NPROC (processes per node, 8),
 # NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), BATCH (per process, 128),
 # AMP (none|bf16|fp16; default none = fp32 with TF32 as the reference trained; bf16 is the fast option),
-# PYTHON (default .venv/bin/python when present).
+# PYTHON (default .venv/bin/python when present), MAX_RESTARTS (torchrun restarts after a failure, 0),
+# DRY_RUN (1: print the command only). DATA must be an existing folder (checked before launching).
 # Relaunching the same command resumes from $OUTPUT/checkpoint.pth (also after SIGTERM/preemption).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -45,4 +47,11 @@ cmd=("$PYTHON" -m torch.distributed.run
      --data-set IMNET --data-path "$DATA" --input-size 224 --output_dir "$OUTPUT" --dist-eval
      "${AMP_FLAGS[@]}" "$@")
 echo "+ ${cmd[*]}"
+if [ "${DRY_RUN:-0}" = "1" ]; then exit 0; fi
+# refuse a DATA that is not a folder here before torchrun starts NPROC processes that would each fail on it
+if [ "$DATA" = /path/to/imagenet ]; then
+    echo "pretrain.sh: DATA is not set; set DATA to the ImageNet folder (holding train/ and val/)" >&2; exit 2
+elif [ ! -d "$DATA" ]; then
+    echo "pretrain.sh: DATA=$DATA is not a folder; set DATA to the ImageNet folder (holding train/ and val/)" >&2; exit 2
+fi
 exec "${cmd[@]}"

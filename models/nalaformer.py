@@ -5,6 +5,7 @@ The module and parameter names follow the reference checkpoints (``../shared/ref
 reference state dict loads with ``strict=True``. Variants are registered in timm as
 ``NALAFORMER_XT/T/S/B/L`` and in lowercase (``nalaformer_xt`` ...).
 """
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -19,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .nala import NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
-from .weights import weights_key
+from .weights import file_num_classes, weights_key
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn', 'set_fast_path']
 
@@ -460,6 +461,17 @@ def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) ->
     if pretrained and not any(overlay.get(k) for k in ('file', 'url', 'hf_hub_id', 'state_dict')):
         raise ValueError(f'{variant}: no pretrained weights are published yet; load yours with '
                          f"pretrained_cfg_overlay=dict(file=PATH) or checkpoint_path=PATH")
+    file = overlay.get('file') if pretrained else None
+    if file:
+        if not os.path.isfile(file):  # timm's own loader raises a FileNotFoundError without a message
+            raise FileNotFoundError(f'{variant}: pretrained file {file} does not exist (a relative path is read '
+                                    f'from the working directory, {os.getcwd()})')
+        if 'num_classes' not in overlay:
+            # the file's class count: the default num_classes, and a different num_classes given by the
+            # caller re-initialises the classifier (timm drops a pretrained head of another size)
+            num_classes = file_num_classes(file)
+            if num_classes is not None:
+                kwargs['pretrained_cfg_overlay'] = {**overlay, 'num_classes': num_classes}
     return build_model_with_cfg(
         NaLaFormer, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,

@@ -34,3 +34,25 @@ def weights_key(ckpt: Any, which: str = 'default') -> Optional[str]:
     if which != 'model_ema' and is_state_dict(ckpt) and not any(k in ckpt for k in DEFAULT_WEIGHTS_ORDER):
         return ''
     return None
+
+
+def file_num_classes(path: str, classifier: str = 'head') -> Optional[int]:
+    """Number of classes of the weights in ``path`` (a release ``.safetensors`` file, a state dict or a
+    training checkpoint): the ``num_classes`` a release records, else the rows of ``<classifier>.weight``
+    of the weights the rule above takes. None when the file does not tell (no classifier, unreadable)."""
+    try:
+        if path.endswith('.safetensors'):
+            from safetensors import safe_open
+            with safe_open(path, framework='pt') as f:
+                recorded = (f.metadata() or {}).get('num_classes', '')
+                if recorded.isdigit():
+                    return int(recorded)
+                keys = [k for k in f.keys() if k.removeprefix('module.') == f'{classifier}.weight']
+                return int(f.get_slice(keys[0]).get_shape()[0]) if keys else None
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception:  # the loader that follows reports an unreadable file with its own message
+        return None
+    key = weights_key(ckpt)
+    sd = ckpt if key == '' else ckpt.get(key) if key else None
+    weight = next((v for k, v in (sd or {}).items() if k.split('module.')[-1] == f'{classifier}.weight'), None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() >= 1 else None

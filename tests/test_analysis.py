@@ -315,3 +315,29 @@ def test_plot_log_errors_name_file_and_line(tmp_path, content, message):
     with pytest.raises(SystemExit) as exc:
         pl.main([str(target)])
     assert str(exc.value).startswith('plot_log: error: ') and '\n' not in str(exc.value)
+
+
+def test_the_documented_commands_write_where_docs_say_without_overwriting(tmp_path, monkeypatch, capsys):
+    """docs/analysis.md's two analyze_attention commands, run as written (fewer images, a small checkpoint
+    standing in for make demo's) from one directory: each writes into the folder its comment names."""
+    import re
+    import shlex
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'analysis.md')) as f:
+        block = f.read().split('```bash\n', 1)[1].split('```', 1)[0].replace('\\\n', ' ')
+    commands = [line for line in block.splitlines() if line.startswith('python tools/analyze_attention.py')]
+    assert len(commands) == 2
+    monkeypatch.chdir(tmp_path)
+    os.makedirs('output/demo')
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=10)
+    torch.save({'model': model.state_dict(), 'args': {'input_size': 32, 'data_set': 'DIGITS'}},
+               'output/demo/checkpoint.pth')
+    written = []
+    for line in commands:
+        command, comment = line.split('#', 1)
+        folder = re.search(r'-> (\S+)/', comment).group(1)
+        aa.main(shlex.split(command)[2:] + ['--num-images', '2', '--input-size', '32'])
+        files = capsys.readouterr().out.splitlines()[-1].removeprefix('wrote ').split(', ')
+        assert files and all(os.path.dirname(f) == folder and os.path.getsize(f) > 0 for f in files), (folder, files)
+        written.append(set(files))
+    assert not written[0] & written[1]

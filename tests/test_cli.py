@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import parse
+from conftest import parse, run_main
 
 import datasets
 import main
@@ -185,6 +185,9 @@ def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
     (['--batch-size', '5'], r'--batch-size 5 is odd; mixup'),
     (['--resume', '/nonexistent/ck.pth'], r'--resume /nonexistent/ck.pth: no such file'),
     (['--teacher-path', 'https://x/y.pth', '--distillation-type', 'soft'], r'local file'),
+    (['--data-set', 'DIGITS', '--eval', '--real-labels'],
+     r'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set \(--data-set IMNET\), not '
+     r'--data-set DIGITS'),
 ])
 def test_incompatible_flags_fail_like_argparse_before_any_work(argv, message, capsys, monkeypatch):
     monkeypatch.setenv('WORLD_SIZE', '2')
@@ -196,3 +199,64 @@ def test_incompatible_flags_fail_like_argparse_before_any_work(argv, message, ca
     assert re.search(message, err), err
     assert 'usage:' in err and 'Traceback' not in err
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize('env', [{'RANK': '0', 'WORLD_SIZE': '2'}, {'RANK': '1', 'WORLD_SIZE': '2'},
+                                 {'SLURM_PROCID': '3', 'SLURM_NTASKS': '4'}])
+def test_argument_errors_under_a_launcher_are_printed_by_rank_0_only(env, plain_process, monkeypatch, capsys):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for argv in (['--eval'], ['--lr', '-1']):  # a check of validate_args and one of argparse itself
+        with pytest.raises(SystemExit) as ei:
+            main.run(argv + ['--data-path', '/nonexistent'])
+        assert ei.value.code == 2  # every rank fails
+        err = capsys.readouterr().err.splitlines()
+        if env.get('RANK') == '0':
+            assert len(err) == 2 and err[0].startswith('usage: ') and err[0].endswith('(--help lists them)')
+            assert 'error: ' in err[1] and ('--eval needs a checkpoint' in err[1] or 'argument --lr' in err[1])
+        else:
+            assert err == []
+
+
+def test_argument_errors_of_a_plain_process_show_the_full_usage(plain_process, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main.run(['--eval', '--data-path', '/nonexistent'])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and '--num_workers' in err.split('error:')[0] and '--eval needs a checkpoint' in err
+
+
+@pytest.mark.parametrize('cpus, expected', [(1, 1), (2, 2), (64, 10)])
+def test_default_num_workers_is_10_capped_by_the_cpus_of_the_process(cpus, expected, monkeypatch):
+    monkeypatch.setattr(main.os, 'sched_getaffinity', lambda pid: set(range(cpus)), raising=False)
+    assert main.default_num_workers() == expected
+    assert parse().num_workers is None and parse('--num-workers', '12').num_workers == 12  # given: taken as is
+
+
+def _eval_argv(data, tmp_path):
+    """main.py --eval of an untrained 3-class XT on the tiny ImageFolder, without --num_workers."""
+    import timm
+    ck = tmp_path / 'ck.pth'
+    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=3).state_dict()}, ck)
+    return ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--no-flops',
+            '--eval', '--resume', str(ck), '--data-path', data]
+
+
+def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_path, plain_process, capsys):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        assert main.run(_eval_argv(data, tmp_path)) == 0
+    n = main.default_num_workers()
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Data loader:')]
+    assert line == [f'Data loader: {n} workers per process (the default 10, at most the {main.available_cpus()} CPUs '
+                    f'available to this process; --num_workers N sets it)']
+    assert not [w for w in caught if 'worker' in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_message_comes_once_and_every_rank_fails(data, tmp_path):
+    p = run_main(['--eval', '--data-path', data, '--device', 'cpu'], nproc=2, check=False)
+    assert p.returncode != 0 and 'exitcode  : 2' in p.stderr  # torchrun's report of the failed ranks
+    assert p.stderr.count('error: --eval needs a checkpoint') == 1 and p.stderr.count('usage:') == 1, p.stderr
+    p = run_main(_eval_argv(data, tmp_path) + ['--dist-eval'], nproc=2)
+    assert p.stdout.count('Data loader: ') == 1, p.stdout[-3000:]

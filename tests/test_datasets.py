@@ -725,4 +725,4 @@ def test_real_labels_need_imagenet_file_names(tmp_path):
     dv, _ = D.build_dataset(False, make_args(data_path=root))
     with pytest.raises(D.DataLayoutError) as e:
         D.RealLabels(dv)
-    assert_one_line_error(e, "0.png", "ILSVRC2012_val_")
+    assert_one_line_error(e, "0.png", "ILSVRC2012_val_", "1000-class ImageNet validation set", "drop --real-labels")

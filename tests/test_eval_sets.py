@@ -63,3 +63,24 @@ def test_eval_prints_every_set_asked_for(tmp_path):
     out = subprocess.run(train, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0 and "add --eval" in out.stdout + out.stderr, out.stdout[-800:] + out.stderr[-800:]
+
+
+def test_real_labels_on_a_set_of_other_images_is_a_flag_error(tmp_path, capsys, monkeypatch):
+    """An IMNET-layout folder of other images: one line saying ReaL needs the ImageNet validation set, exit 2."""
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    import main
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            os.makedirs(tmp_path / "d" / split / c)
+            Image.new("RGB", (8, 8)).save(tmp_path / "d" / split / c / "a.png")
+    import timm
+
+    import models  # noqa: F401  (registers the variants)
+    ck = tmp_path / "ck.pth"
+    torch.save({"model": timm.create_model("NALAFORMER_XT", num_classes=2).state_dict()}, ck)
+    code = main.run(["--eval", "--resume", str(ck), "--model", "NALAFORMER_XT", "--data-path", str(tmp_path / "d"),
+                     "--input-size", "32", "--device", "cpu", "--num-workers", "0", "--real-labels"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "a.png" in err[0] and "ImageNet-ReaL labels exist only for the 1000-class ImageNet validation set" in err[0]

@@ -73,3 +73,17 @@ def test_flops_cli_prints_every_variant(capsys):
     assert '3x64x96' in out and 'NALAFORMER_XT' in out and 'nalaformer_t' in out
     with pytest.raises(SystemExit):
         main(['--model', 'NALAFORMER_XXL'])
+
+
+def test_flops_table_columns_line_up(capsys):
+    """Every value of every row ends where its column title ends (B and L have integer paper FLOPs)."""
+    import re
+
+    from tools.flops import main
+    main(['--model', 'NALAFORMER_XT', 'NALAFORMER_B', '--input-size', '32'])
+    lines = capsys.readouterr().out.splitlines()
+    header, rows = lines[1], lines[2:]
+    title_ends = [m.end() for m in re.finditer(r'\S+(?: \S+)*', header)][1:]  # titles are 2+ spaces apart
+    assert len(title_ends) == 5 and len(rows) == 2
+    for row in rows:
+        assert [m.end() for m in re.finditer(r'\S+', row)][1:] == title_ends, (header, row)

@@ -16,7 +16,8 @@ def test_hub_has_every_variant_and_lowercase_alias():
     spec.loader.exec_module(hub)
     assert hub.dependencies == ['torch', 'timm']
     for variant in models.VARIANTS:
-        assert callable(getattr(hub, variant)) and getattr(hub, variant.lower()) is getattr(hub, variant)
+        assert callable(getattr(hub, variant)) and callable(getattr(hub, variant.lower()))
+        assert getattr(hub, variant.lower()).__name__ == variant.lower()  # messages name what was called
 
 
 def test_hub_load_builds_the_timm_model(one_thread):
@@ -42,6 +43,38 @@ def test_hub_pretrained_loads_a_local_file(tmp_path, one_thread):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(model(x), src(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('kind', ['release', 'checkpoint'])
+def test_hub_pretrained_takes_the_class_count_of_the_file(tmp_path, one_thread, kind):
+    """README's hub line without num_classes: the model gets the file's classes (a release's metadata, or
+    the head of a training checkpoint's EMA weights); another num_classes re-initialises only the head."""
+    torch.manual_seed(0)
+    src = timm.create_model('NALAFORMER_XT', num_classes=10).eval()
+    if kind == 'release':
+        from tools.release import release
+        ckpt = tmp_path / 'ck.pth'
+        torch.save({'model': src.state_dict(), 'args': {'model': 'NALAFORMER_XT'}}, ckpt)
+        path = release(str(ckpt), str(tmp_path / 'rel'), flops=False)['file']
+    else:
+        path = str(tmp_path / 'ck.pth')
+        junk = {k: torch.zeros_like(v) for k, v in src.state_dict().items()}
+        torch.save({'model': junk, 'model_ema': src.state_dict()}, path)
+    model = torch.hub.load(REPO, 'nalaformer_xt', source='local', pretrained=True, file=path).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), src(x), rtol=0, atol=0)
+    other = torch.hub.load(REPO, 'nalaformer_xt', source='local', pretrained=True, file=path, num_classes=3)
+    assert other.num_classes == 3
+    torch.testing.assert_close(other.patch_embed.proj[0].weight, src.patch_embed.proj[0].weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('name', ['nalaformer_xt', 'NALAFORMER_XT'])
+def test_hub_errors_name_the_entry_point_called(tmp_path, name):
+    with pytest.raises(ValueError, match=f'^{name}: no pretrained weights are published'):
+        torch.hub.load(REPO, name, source='local', pretrained=True)
+    with pytest.raises(FileNotFoundError, match=f'^{name}: pretrained file .*missing.pth does not exist'):
+        torch.hub.load(REPO, name, source='local', pretrained=True, file=str(tmp_path / 'missing.pth'))
 
 
 @pytest.mark.slow

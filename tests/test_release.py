@@ -114,3 +114,34 @@ def test_missing_ema_with_weights_model_ema_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and 'no EMA weights' in err and '--weights model' in err
     assert not (tmp_path / 'out').exists()
+
+
+def test_model_card_lines_work_where_release_ran(tmp_path, one_thread, monkeypatch, capsys):
+    """As in README: release.py into a relative --output-dir, then the card's lines pasted in that same
+    directory (the card names the file by that relative path, not its bare name)."""
+    import shlex
+
+    from tools import predict
+    _, _, ema = _tiny_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    info = release.release(os.path.join('run', 'checkpoint.pth'), 'release', flops=False)
+    with open(info['card']) as f:
+        card = f.read()
+    assert 'Run these in the directory `tools/release.py` ran in (the paths are relative to it' in card
+    scope = {}
+    exec(card.split('```python\n')[1].split('```')[0], scope)
+    torch.testing.assert_close(_logits(scope['model']), _logits(ema), rtol=0, atol=0)
+
+    os.makedirs('images')
+    Image.new('RGB', (40, 40), (200, 10, 10)).save(os.path.join('images', 'a.png'))
+    argv = shlex.split(card.split('```bash\n')[1].split('```')[0])
+    assert argv[:4] == ['python', '-m', 'tools.predict', 'IMAGES']
+    capsys.readouterr()
+    assert predict.main(['images'] + argv[4:]) == 0
+    assert capsys.readouterr().out.startswith('image,rank,class_index')
+
+
+def test_timm_names_a_missing_pretrained_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r'^NALAFORMER_XT: pretrained file nope/x\.safetensors does not exist '
+                                                r'\(a relative path is read from the working directory, '):
+        timm.create_model('NALAFORMER_XT', pretrained=True, pretrained_cfg_overlay=dict(file='nope/x.safetensors'))

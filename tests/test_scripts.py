@@ -12,18 +12,19 @@ import models
 # --------------------------------------------------------------------------------- pretrain.sh, eval.sh
 @pytest.mark.parametrize('variant', ['NALAFORMER_XT', 'NALAFORMER_T', 'NALAFORMER_S', 'NALAFORMER_B',
                                      'NALAFORMER_L'])
-def test_pretrain_sh_holds_each_variant_recipe(variant):
+def test_pretrain_sh_holds_each_variant_recipe(variant, tmp_path):
     import subprocess
-    e = dict(os.environ, MODEL=variant, PYTHON='echo', DATA='/d', OUTPUT='/o', NPROC='4', NNODES='2',
+    e = dict(os.environ, MODEL=variant, PYTHON='echo', DATA=str(tmp_path), OUTPUT='/o', NPROC='4', NNODES='2',
              NODE_RANK='1', MASTER_ADDR='10.0.0.1', MASTER_PORT='1234')
     e.pop('AMP', None)
+    e.pop('DRY_RUN', None)
     p = subprocess.run(['bash', os.path.join(main.__file__.rsplit('/', 1)[0], 'pretrain.sh'), '--epochs', '7'],
                        env=e, capture_output=True, text=True, check=True)
     printed, ran = p.stdout.splitlines()
     assert printed.startswith('+ echo -m torch.distributed.run')
     for piece in ('--nnodes=2', '--node_rank=1', '--nproc_per_node=4', '--master_addr=10.0.0.1',
                   '--master_port=1234', f'--model {variant}', '--batch-size 128',
-                  '--data-path /d', '--output_dir /o'):
+                  f'--data-path {tmp_path}', '--output_dir /o'):
         assert piece in ran, piece
     # the variant's drop path is main.py's default; the reference trained in fp32 (+TF32), no --amp
     assert '--drop-path' not in ran and '--amp' not in ran
@@ -80,8 +81,29 @@ def test_pretrain_sh_passes_max_restarts():
 
 
 def _dry_run_pretrain(env):
-    # pretrain.sh has no dry-run knob: a PYTHON that prints its arguments stands in for the interpreter
-    out = subprocess.run(['bash', os.path.join(REPO, 'pretrain.sh')], env={**os.environ, 'PYTHON': 'echo', **env},
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()
+    return _dry_run('pretrain.sh', env)
+
+
+def test_pretrain_sh_dry_run_prints_and_launches_nothing(tmp_path):
+    # a PYTHON that fails when started: the dry run must not start it, whatever DATA is
+    cmd = _dry_run('pretrain.sh', {'PYTHON': 'false', 'MODEL': 'NALAFORMER_XT', 'DATA': str(tmp_path / 'absent')})
+    assert cmd[:3] == ['false', '-m', 'torch.distributed.run'] and f'--data-path {tmp_path}/absent' in ' '.join(cmd)
+
+
+@pytest.mark.parametrize('script', ['pretrain.sh', 'finetune.sh'])
+@pytest.mark.parametrize('data', ['placeholder', 'missing'])
+def test_launch_scripts_refuse_a_data_folder_that_does_not_exist(tmp_path, script, data):
+    ckpt = tmp_path / 'best.pth'
+    ckpt.write_bytes(b'')
+    e = {**os.environ, 'PYTHON': 'echo', 'CKPT': str(ckpt)}
+    e.pop('DRY_RUN', None)
+    e.pop('DATA', None)
+    if data == 'missing':
+        e['DATA'] = str(tmp_path / 'imagenet')
+    out = subprocess.run(['bash', os.path.join(REPO, script)], env=e, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stdout.count('\n') == 1 and out.stdout.startswith('+ ')  # the command printed, nothing run
+    assert out.stderr.count('\n') == 1 and out.stderr.startswith(f'{script}: DATA')
+    assert 'set DATA to the ImageNet folder' in out.stderr
+    if data == 'missing':
+        assert str(tmp_path / 'imagenet') in out.stderr

@@ -18,10 +18,11 @@ attention row that these attention rules give on the same q, k, with RoPE off:
   what remains of NaLa's correlation there comes from the query directions, the difference to
   ``nala`` is what the norm-dependent power contributes.
 
-It writes ``entropy_stage<S>.png`` (entropy against the query norm ||q|| of the raw head query, one
-panel per rule, Pearson r and Spearman rho in the legend), ``entropy_stage<S>.json`` (all numbers)
-and prints a table. Rows whose normaliser is 0 (every product zero: possible for the ReLU rules) have
-no distribution; they are excluded and counted.
+It writes, into ``--output-dir`` (default ``output/analysis/<weights>``: ``untrained_seed<S>`` or
+``<run folder>_<checkpoint stem>``), ``entropy_stage<S>.png`` (entropy against the query norm ||q|| of
+the raw head query, one panel per rule, Pearson r and Spearman rho in the legend),
+``entropy_stage<S>.json`` (all numbers) and prints a table. Rows whose normaliser is 0 (every product
+zero: possible for the ReLU rules) have no distribution; they are excluded and counted.
 
 ``--attention-map`` also writes ``attention_map.png``: for one image (``--image-index``) and one
 query position (``--query Y,X`` in fractions of the image), the attention weights of each stage's
@@ -543,13 +544,29 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument('--query', type=parse_query, default=(0.5, 0.5), help='query position Y,X in [0, 1]')
     p.add_argument('--map-rope', action='store_true',
                    help='attention map with the weights exactly as the model applies them (RoPE on)')
-    p.add_argument('--output-dir', default='output/analysis')
+    p.add_argument('--output-dir', default=None,
+                   help='where the files go (default: output/analysis/<weights>, one folder per set of weights; '
+                        'see default_output_dir)')
     p.add_argument('--seed', type=int, default=0, help='initialisation seed when no checkpoint is given')
     return p
 
 
+def default_output_dir(checkpoint_path: Optional[str], weights: str = 'default', seed: int = 0) -> str:
+    """``output/analysis/<name>``, one folder per set of weights, so that analyses of different weights do
+    not overwrite each other: ``untrained_seed<S>``, or ``<run folder>_<checkpoint file stem>`` (plus
+    ``_<weights>`` when ``--weights`` is not the default), e.g. ``demo_checkpoint`` for
+    ``output/demo/checkpoint.pth``."""
+    if not checkpoint_path:
+        return os.path.join('output', 'analysis', f'untrained_seed{seed}')
+    run = os.path.basename(os.path.dirname(os.path.abspath(checkpoint_path)))
+    name = f'{run}_{os.path.splitext(os.path.basename(checkpoint_path))[0]}'
+    return os.path.join('output', 'analysis', name + ('' if weights == 'default' else f'_{weights}'))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = get_parser().parse_args(argv)
+    if args.output_dir is None:
+        args.output_dir = default_output_dir(args.checkpoint, args.weights, args.seed)
     try:
         model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
     except checkpoint.CheckpointError as e:

@@ -10,13 +10,20 @@ a random input of ``--input-size``; with ``--dynamic`` batch, height and width s
 traced, so that the batch is not specialised to 1). The exported file is then loaded and run
 (ONNX with ONNX Runtime) on that input and, with ``--dynamic``, on a second batch size and resolution;
 the largest absolute difference from the PyTorch model's output is printed. Exit status 1 if it is
-above ``--tolerance``.
+above ``--tolerance``. Each phase (build, export, parity run) is printed as it starts; the export of a
+torch.export-based format takes about a minute for XT on a laptop CPU.
+
+Without ``--checkpoint`` the model has random weights drawn under ``--seed`` (default 0), so two runs
+export the same model. An ONNX file holds its weights inside (one self-contained file) unless they
+exceed ONNX's 2 GB protobuf limit; then they go to ``FILE.data`` next to it, which is printed and
+must be kept beside the ``.onnx`` file.
 """
 import argparse
 import os
 import sys
+import time
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -27,12 +34,16 @@ from models import VARIANTS  # importing models registers the variants
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')
 INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
+#: ONNX files are protobuf messages, which cannot exceed 2 GiB; larger weights go to an external data file
+ONNX_PROTOBUF_LIMIT = 2 ** 31
 
 
-def build_model(name: str, checkpoint: Optional[str] = None) -> nn.Module:
+def build_model(name: str, checkpoint: Optional[str] = None, seed: int = 0) -> nn.Module:
     """The variant in eval mode; with a checkpoint (a state dict or a training checkpoint, EMA weights
-    preferred), its weights, loaded strictly, with the number of classes of its head."""
+    preferred), its weights, loaded strictly, with the number of classes of its head; without one,
+    random weights drawn under ``seed``."""
     if not checkpoint:
+        torch.manual_seed(seed)
         return timm.create_model(name).eval()
     state = load_state_dict(checkpoint, use_ema=True)
     num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 0
@@ -51,11 +62,18 @@ def example_inputs(input_size: int, dynamic: bool) -> List[torch.Tensor]:
     return inputs
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (what an exported file stores)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic: bool = False,
-                 legacy_onnx: bool = False) -> None:
+                 legacy_onnx: bool = False) -> List[str]:
     """Write ``model`` traced on ``x`` to ``path`` as ``fmt`` (one of ``FORMATS``); with ``dynamic``,
-    batch, height and width are free. ``legacy_onnx`` selects the TorchScript-based ONNX exporter."""
+    batch, height and width are free. ``legacy_onnx`` selects the TorchScript-based ONNX exporter.
+    Returns the files written: ``path``, and for ONNX weights over the 2 GB limit ``path + '.data'``."""
     batch_hw = {0: 'batch', 2: 'height', 3: 'width'}
+    external = fmt == 'onnx' and not legacy_onnx and weight_bytes(model) >= ONNX_PROTOBUF_LIMIT
     dims = {i: torch.export.Dim.DYNAMIC for i in batch_hw}
     with torch.no_grad(), warnings.catch_warnings():
         # TorchScript and the legacy ONNX exporter are deprecated by PyTorch but still what many
@@ -68,14 +86,18 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
             torch.onnx.export(model, (x,), path, dynamo=False, input_names=[INPUT_NAME],
                               output_names=[OUTPUT_NAME], dynamic_axes=axes)
         elif fmt == 'onnx':
+            # the exporter's default writes the weights to path + '.data' whatever their size; a file
+            # copied without it cannot be loaded, so keep them inside whenever ONNX allows
             torch.onnx.export(model, (x,), path, dynamo=True, verbose=False, input_names=[INPUT_NAME],
-                              output_names=[OUTPUT_NAME], dynamic_shapes=(dims,) if dynamic else None)
+                              output_names=[OUTPUT_NAME], dynamic_shapes=(dims,) if dynamic else None,
+                              external_data=external)
         elif fmt == 'torchscript':
             torch.jit.save(torch.jit.trace(model, x), path)
         elif fmt == 'exported-program':
             torch.export.save(torch.export.export(model, (x,), dynamic_shapes=(dims,) if dynamic else None), path)
         else:
             raise ValueError(f'unknown format {fmt!r}; choose one of {FORMATS}')
+    return [path, path + '.data'] if external else [path]
 
 
 def run_exported(fmt: str, path: str, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -91,10 +113,19 @@ def run_exported(fmt: str, path: str, inputs: Sequence[torch.Tensor]) -> List[to
 
 
 def check_export(model: nn.Module, fmt: str, path: str, input_size: int = 224, dynamic: bool = False,
-                 legacy_onnx: bool = False) -> List[Tuple[Tuple[int, ...], float]]:
-    """Export, reload, run, and return (input shape, max |exported - PyTorch|) for each check input."""
+                 legacy_onnx: bool = False, log: Callable[[str], None] = lambda msg: None) \
+        -> List[Tuple[Tuple[int, ...], float]]:
+    """Export, reload, run, and return (input shape, max |exported - PyTorch|) for each check input;
+    ``log`` receives a line as each phase starts and ends."""
     inputs = example_inputs(input_size, dynamic)
-    export_model(model, inputs[0], fmt, path, dynamic, legacy_onnx)
+    start = time.perf_counter()
+    log(f'exporting to {path} ({fmt}{", legacy exporter" if legacy_onnx else ""}'
+        f'{", dynamic batch/height/width" if dynamic else ""}) ...')
+    files = export_model(model, inputs[0], fmt, path, dynamic, legacy_onnx)
+    log(f'wrote {" and ".join(files)} in {time.perf_counter() - start:.0f} s'
+        + (f'; keep {os.path.basename(files[1])} next to {os.path.basename(path)}: it holds the weights'
+           if len(files) > 1 else ''))
+    log(f'running the exported file on {len(inputs)} input(s) and comparing with PyTorch ...')
     with torch.no_grad():
         expected = [model(x) for x in inputs]
     got = run_exported(fmt, path, inputs)
@@ -113,6 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help='ONNX through the TorchScript-based exporter instead of torch.export')
     parser.add_argument('--tolerance', type=float, default=1e-4,
                         help='largest accepted |exported - PyTorch| (default 1e-4)')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='seed of the random weights when no --checkpoint is given (default 0)')
     args = parser.parse_args(argv)
     if args.model.upper() not in VARIANTS:
         parser.error(f'unknown --model {args.model}; choose one of {list(VARIANTS)}')
@@ -131,15 +164,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         missing = [m for m in ('onnx', 'onnxscript', 'onnxruntime') if not _importable(m)]
         if missing:
             parser.error(f'--format onnx needs {", ".join(missing)}: pip install {" ".join(missing)}')
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    log(f'building {args.model} with ' + (f'the weights of {args.checkpoint}' if args.checkpoint
+                                         else f'random weights (--seed {args.seed}; no --checkpoint given)'))
     try:
-        model = build_model(args.model, args.checkpoint)
+        model = build_model(args.model, args.checkpoint, args.seed)
     except (RuntimeError, KeyError, ValueError) as e:
         parser.error(f'cannot load --checkpoint {args.checkpoint} into {args.model}: '
                      f'{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}')
-    results = check_export(model, args.format, args.output, args.input_size, args.dynamic, args.legacy_onnx)
+    results = check_export(model, args.format, args.output, args.input_size, args.dynamic, args.legacy_onnx, log)
     worst = max(err for _, err in results)
-    print(f'wrote {args.output} ({args.format}{", legacy exporter" if args.legacy_onnx else ""}'
-          f'{", dynamic batch/height/width" if args.dynamic else ""})')
     for shape, err in results:
         print(f'input {"x".join(map(str, shape))}: max |exported - PyTorch| = {err:.2e}')
     if worst > args.tolerance:

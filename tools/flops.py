@@ -10,7 +10,7 @@ norm layers, measured on the model in eval mode with batch 1, as the reference f
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,6 +19,21 @@ import timm
 import models  # noqa: F401  (registers the variants)
 from models import PAPER_FIGURES, VARIANTS
 from models.flops import count_flops, count_params  # count_* re-exported for tools
+
+# (title, width) of each column; every value is right-aligned under the right end of its title
+COLUMNS = (('model', 15), ('params (M)', 12), ('GFLOPs', 10), ('paper params (M)', 19), ('paper GFLOPs', 14),
+           ('paper top-1', 13))
+
+
+def header() -> str:
+    """The table's title line."""
+    return ''.join(f'{title:<{width}}' if i == 0 else f'{title:>{width}}' for i, (title, width) in enumerate(COLUMNS))
+
+
+def format_row(name: str, params: int, flops: float, paper: Tuple[float, float, float]) -> str:
+    """One variant's line: our params and GFLOPs, then the paper's params, GFLOPs and top-1, each in its column."""
+    values = (name, f'{params / 1e6:.2f}', f'{flops / 1e9:.3f}', *(str(v) for v in paper))
+    return ''.join(f'{v:<{w}}' if i == 0 else f'{v:>{w}}' for i, (v, (_, w)) in enumerate(zip(values, COLUMNS)))
 
 
 def main(argv: Sequence[str] = None) -> None:
@@ -37,14 +52,11 @@ def main(argv: Sequence[str] = None) -> None:
         parser.error(f'unknown model {unknown}; choose from {list(VARIANTS)}')
 
     print(f'input 3x{height}x{width}, batch 1, eval mode, fvcore multiply-adds')
-    print(f"{'model':<15}{'params (M)':>12}{'GFLOPs':>10}   {'paper params / FLOPs / top-1':>30}")
+    print(header())
     for name in args.model:
         model = timm.create_model(name.upper(), num_classes=args.num_classes)
         params, flops = count_params(model), count_flops(model, (3, height, width))
-        p_params, p_flops, p_top1 = PAPER_FIGURES[name.upper()]
-        print(f'{name:<15}{params / 1e6:>12.2f}{flops / 1e9:>10.3f}   '
-              f'{f"{p_params}M / {p_flops}G / {p_top1}":>30}')
-
+        print(format_row(name, params, flops, PAPER_FIGURES[name.upper()]))
 
 if __name__ == '__main__':
     main()

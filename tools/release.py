@@ -12,11 +12,15 @@ model with ``strict=True`` before anything is written, and the file is written u
 name and renamed once complete. Load the result with
 
     timm.create_model('NALAFORMER_T', pretrained=True, pretrained_cfg_overlay=dict(file='release/...safetensors'))
+
+The model card's load lines name the file by the path it was written to (relative to the working
+directory when ``--output-dir`` is relative), so they work as pasted from where release.py ran.
 """
 import argparse
 import hashlib
 import json
 import os
+import shlex
 import sys
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -85,15 +89,18 @@ def describe_eval(cfg: Dict[str, Any]) -> str:
 def model_card(info: Dict[str, Any]) -> str:
     """Markdown model card for a released file."""
     n_cls = info['num_classes']
-    file = os.path.basename(info['file'])
+    # the path as written, relative to the directory release ran in: where README runs it (the repository
+    # root) the load lines below work as pasted, and `models` imports from there too
+    file = info['file']
     cfg = info['data_config']
-    overlay = f"file='{file}'"
+    overlay = f"file={file!r}"
     if n_cls != 1000:
         overlay += f', num_classes={n_cls}'
     # the evaluation settings that differ from the variant's registered pretrained_cfg
     registered = datasets.data_config(info['model'])
     overlay += ''.join(f', {k}={cfg[k]!r}' for k in ('input_size', 'crop_pct', 'crop_mode') if cfg[k] != registered[k])
     kw = f', num_classes={n_cls}' if n_cls != 1000 else ''
+    where = 'the paths are absolute' if os.path.isabs(file) else 'the paths are relative to it'
     size = info['input_size']
     lines = [
         f"# {info['name']}",
@@ -119,6 +126,9 @@ def model_card(info: Dict[str, Any]) -> str:
         '',
         '## Use',
         '',
+        f"Run these in the directory `tools/release.py` ran in ({where}; the repository root in the README), "
+        'where the `models` package of the NaLaFormer repository imports.',
+        '',
         '```python',
         'import timm, models  # models/ of the NaLaFormer repository registers the variants',
         f"model = timm.create_model('{info['model']}', pretrained=True{kw},",
@@ -126,7 +136,8 @@ def model_card(info: Dict[str, Any]) -> str:
         '```',
         '',
         '```bash',
-        f"python -m tools.predict IMAGES --model {info['model']} --checkpoint {file} --input-size {info['input_size']}",
+        f"python -m tools.predict IMAGES --model {info['model']} --checkpoint {shlex.quote(file)} "
+        f"--input-size {info['input_size']}",
         '```',
         '',
     ]
