@@ -83,9 +83,11 @@ class OptimizerStep:
     Each micro-batch runs `criterion(samples, model(samples), targets)` under autocast (`amp_dtype`) and
     the backward of loss / window length, scaled by the fp16 `scaler` (a torch.amp.GradScaler) when there
     is one; the micro-batches that do not end the window run under DDP's no_sync(), so gradients are
-    exchanged once per optimizer step. At the window's last micro-batch one small collective tells every
-    rank whether all losses were finite (and whether a stop was requested); then the gradients are
-    unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer steps. A
+    exchanged once per optimizer step. Under several processes the ranks agree after each of those
+    micro-batches whether any loss so far was non-finite, so that all run its backward or all skip it (every
+    rank issues the same collectives in the same order). At the window's last micro-batch one small
+    collective tells every rank whether all losses were finite (and whether a stop was requested); then the
+    gradients are unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer steps. A
     window with a non-finite loss on any rank is skipped: no optimizer step, and every buffer of the bare
     model (BatchNorm running statistics) is put back as it was before the window. The epoch's last window
     may be shorter. `model` may be DDP-wrapped and/or compiled."""
@@ -102,6 +104,7 @@ class OptimizerStep:
         self._buffers: List[torch.Tensor] = []
         self._losses: List[float] = []
         self._bad_loss: Optional[float] = None
+        self._window_bad = False  # the ranks agreed that a loss of the open window was non-finite
 
     def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
                  index: int = 0, n_steps: Optional[int] = None, stop_flag: Any = None,
@@ -115,7 +118,7 @@ class OptimizerStep:
             self._window_len = self._window_end - index
             # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
             self._buffers = [b.detach().clone() for b in unwrap_model(model).buffers()]
-            self._losses, self._bad_loss = [], None
+            self._losses, self._bad_loss, self._window_bad = [], None, False
             self.optimizer.zero_grad(set_to_none=True)
         last = index + 1 >= self._window_end
         # DDP decides at forward time whether the backward all-reduces: the micro-batches that do not end the
@@ -128,11 +131,26 @@ class OptimizerStep:
             if not math.isfinite(value):
                 self._bad_loss = value
             if not last:
-                if self._bad_loss is None:  # a local backward; a skipped window needs none
+                if self._window_finite():  # a local backward; a skipped window needs none
                     self._backward(loss)
                 return None
         self._window_end = None
         return self._step(model, loss, stop_flag, grad_norm)
+
+    def _window_finite(self) -> bool:
+        """Whether every loss of the open window so far is finite, on every rank. Every rank must issue the
+        same collectives in the same order: SyncBatchNorm's backward all-reduces in each of its layers even
+        under no_sync(), so a backward that one rank skips while the others run theirs would leave them
+        waiting on each other until the process group's timeout. So the ranks agree on each micro-batch
+        (one small all-reduce) and then all run the backward or all skip it; once they agree that the window
+        is bad, they all know it and stop asking."""
+        if self._window_bad:
+            return False
+        bad = self._bad_loss is not None
+        if is_dist_avail_and_initialized():
+            bad = all_reduce_max([1.0 if bad else 0.0], self.device)[0] > 0.0
+        self._window_bad = bad
+        return not bad
 
     def _backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self._window_len

@@ -296,3 +296,64 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
     assert 'added the line of epoch 0' in p.stdout
     assert (out / 'best.pth').read_bytes() == (out / 'checkpoint.pth').read_bytes()
     assert [json.loads(x) for x in open(out / 'log.txt')] == [ck['log']]
+
+
+# --------------------------------------------------- a non-finite micro-batch on one rank under accumulation
+FAULTY_RANK_1 = '''
+import os, sys
+import engine, main
+rank = int(os.environ["RANK"])
+calls = {"loss": 0, "backward": 0}
+build_criterion = main.build_criterion
+
+def faulty_criterion(args, mixup_active):
+    criterion = build_criterion(args, mixup_active)
+
+    def loss(outputs, targets):
+        value = criterion(outputs, targets)
+        calls["loss"] += 1
+        if rank == 1 and calls["loss"] == 1:  # the first micro-batch of the first window, on rank 1 only
+            value = value * float("nan")
+        return value
+    return loss
+
+backward = engine.OptimizerStep._backward
+
+def counted_backward(self, loss):
+    calls["backward"] += 1
+    backward(self, loss)
+
+main.build_criterion = faulty_criterion
+engine.OptimizerStep._backward = counted_backward
+code = main.run(sys.argv[1:])
+sys.stderr.write(f"[rank {rank}] backward passes: {calls['backward']} of {calls['loss']} micro-batches\\n")
+sys.exit(code)
+'''
+
+
+@pytest.mark.slow
+def test_a_non_finite_micro_batch_on_one_rank_is_skipped_by_all_ranks_in_step(data, tmp_path):
+    """Every rank runs the same backward passes (SyncBatchNorm's backward is a collective even under
+    no_sync()): rank 1's NaN on the first micro-batch of a window makes both ranks skip that backward and
+    the window, and both end with the same weights."""
+    script = tmp_path / 'faulty.py'
+    script.write_text(FAULTY_RANK_1)
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '2', '--num_workers', '0', '--no-model-ema',
+                        '--data-path', data, '--dist-timeout', '60']
+    cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}', str(script)]
+    proc = subprocess.Popen(cmd + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    counts = dict(re.findall(r'\[rank (\d)\] backward passes: (\d+ of \d+)', err))
+    assert set(counts) == {'0', '1'}, err[-3000:]
+    assert counts['0'] == counts['1'], counts
+    done, total = map(int, counts['0'].split(' of '))
+    assert done == total - 2  # the bad window's two micro-batches ran no backward on either rank
+    assert 'non-finite loss (nan) at epoch 0 step 1; step skipped' in err
+    assert 'non-finite loss (on another rank) at epoch 0 step 1; step skipped' in err
+    digests = re.findall(r'\[rank \d\] final weights sha256: (\w+)', out + err)
+    assert len(digests) == 2 and len(set(digests)) == 1, out[-2000:]
