@@ -14,7 +14,7 @@ import torch
 from timm.utils import dispatch_clip_grad, unwrap_model
 
 from checkpoint import EpochState, get_rng_state, set_rng_state
-from distributed import all_reduce_max, all_reduce_sum, get_world_size, is_dist_avail_and_initialized
+from distributed import all_reduce_max, get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
 
@@ -303,16 +303,21 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
              sum_over_ranks=False, stop_flag=None):
     """Top-1/top-5 and loss from exact counts. With `sum_over_ranks` (dist-eval) the counts of every rank
     are summed with all_reduce, so each image counts once whatever the number of processes.
-    A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval)."""
-    criterion = torch.nn.CrossEntropyLoss(reduction='sum')
+    A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval).
+
+    The sums stay on the device: the host waits for the GPU only on the batches that print a progress
+    line and once at the end, not on every batch."""
     device = torch.device(device)
     metric_logger = MetricLogger(delimiter='  ')
     model.eval()
-    loss_sum = correct1 = correct5 = n = seen = aborted = 0.0
-    for images, target in metric_logger.log_every(data_loader, print_freq, header,
-                                                   images_per_step=data_loader.batch_size):
+    # loss sum, top-1 hits, top-5 hits, counted images, images seen, aborted (float64: counts stay exact)
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    seen = 0  # known on the host
+    total = len(data_loader)
+    for i, (images, target) in enumerate(metric_logger.log_every(data_loader, print_freq, header,
+                                                                  images_per_step=data_loader.batch_size)):
         if stop_flag is not None and stop_flag.requested:
-            aborted = 1.0
+            sums[5] = 1.0
             break
         images = images.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
@@ -321,20 +326,22 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
         with autocast(device, amp_dtype):
             output = model(images)
         output = output.float()
-        # targets < 0 mark images that could not be decoded (datasets.IGNORE_TARGET): not counted
+        # targets < 0 mark images that could not be decoded (datasets.IGNORE_TARGET): not counted; masks
+        # rather than boolean indexing, whose output size the host would have to wait for
         valid = target >= 0
-        loss_sum += criterion(output[valid], target[valid]).item() if valid.any() else 0.0
+        loss = torch.nn.functional.cross_entropy(output, target.clamp(min=0), reduction='none')
         maxk = min(5, output.shape[1])
-        pred = output.topk(maxk, dim=1).indices
-        hit = pred.eq(target.view(-1, 1)) & valid.view(-1, 1)
-        correct1 += hit[:, :1].sum().item()
-        correct5 += hit[:, :maxk].sum().item()
-        n += valid.sum().item()
+        hit = output.topk(maxk, dim=1).indices.eq(target.view(-1, 1)) & valid.view(-1, 1)
+        sums[:4] += torch.stack([torch.where(valid, loss, 0.0).sum(dtype=torch.float64),
+                                 hit[:, :1].sum(dtype=torch.float64), hit[:, :maxk].sum(dtype=torch.float64),
+                                 valid.sum(dtype=torch.float64)])
         seen += target.shape[0]
-        metric_logger.update(loss=loss_sum / max(n, 1))
-    if sum_over_ranks:
-        loss_sum, correct1, correct5, n, seen, aborted = all_reduce_sum(
-            [loss_sum, correct1, correct5, n, seen, aborted], device)
+        if i % print_freq == 0 or i == total - 1:  # the batches log_every prints a line after
+            metric_logger.update(loss=sums[0] / sums[3].clamp(min=1))
+    sums[4] = seen
+    if sum_over_ranks and is_dist_avail_and_initialized():  # one collective; a stop on any rank shows on all
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
+    loss_sum, correct1, correct5, n, seen, aborted = sums.tolist()  # the one wait for the device
     n, seen = int(round(n)), int(round(seen))
     stats = {
         'loss': loss_sum / n if n else float('nan'),
