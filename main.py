@@ -286,9 +286,6 @@ def validate_args(args, parser):
         parser.error('--dist-timeout must be positive')
     if args.compile and not hasattr(torch, 'compile'):
         parser.error('--compile needs torch >= 2.0')
-    if args.amp == 'bf16' and str(args.device).startswith('cuda') and torch.cuda.is_available() \
-            and not torch.cuda.is_bf16_supported():
-        parser.error('--amp bf16: this GPU does not support bfloat16; use --amp fp16')
     if world > 1 and args.world_size not in (1, world):
         parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)')
     # training-loop recipe checks
@@ -475,6 +472,8 @@ def main(args, parser):
     validate_args(args, parser)
     want_cuda = str(args.device).startswith('cuda')
     distributed.init_distributed_mode(args)
+    if args.amp == 'bf16':  # on the process's own GPU, now the current one
+        distributed.check_bf16(args.device)
     stop_flag = utils.StopFlag()
     stop_flag.install()
     if want_cuda and args.device == 'cpu':
