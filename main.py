@@ -460,10 +460,10 @@ def build_loaders(args, dataset_train, dataset_val):
     common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn,
                   persistent_workers=False)
     if dataset_train is not None:
-        loader_train = torch.utils.data.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
-                                                   drop_last=True, **common)
-    loader_val = torch.utils.data.DataLoader(dataset_val, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
-                                             drop_last=False, **common)
+        loader_train = utils.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
+                                        drop_last=True, **common)
+    loader_val = utils.DataLoader(dataset_val, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
+                                  drop_last=False, **common)
     return sampler_train, loader_train, loader_val
 
 
