@@ -300,48 +300,15 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
 
 
 # --------------------------------------------------- a non-finite micro-batch on one rank under accumulation
-FAULTY_RANK_1 = '''
-import os, sys
-import engine, main
-rank = int(os.environ["RANK"])
-calls = {"loss": 0, "backward": 0}
-build_criterion = main.build_criterion
-
-def faulty_criterion(args, mixup_active):
-    criterion = build_criterion(args, mixup_active)
-
-    def loss(outputs, targets):
-        value = criterion(outputs, targets)
-        calls["loss"] += 1
-        if rank == 1 and calls["loss"] == 1:  # the first micro-batch of the first window, on rank 1 only
-            value = value * float("nan")
-        return value
-    return loss
-
-backward = engine.OptimizerStep._backward
-
-def counted_backward(self, loss):
-    calls["backward"] += 1
-    backward(self, loss)
-
-main.build_criterion = faulty_criterion
-engine.OptimizerStep._backward = counted_backward
-code = main.run(sys.argv[1:])
-sys.stderr.write(f"[rank {rank}] backward passes: {calls['backward']} of {calls['loss']} micro-batches\\n")
-sys.exit(code)
-'''
-
-
 @pytest.mark.slow
 def test_a_non_finite_micro_batch_on_one_rank_is_skipped_by_all_ranks_in_step(data, tmp_path):
     """Every rank runs the same backward passes (SyncBatchNorm's backward is a collective even under
     no_sync()): rank 1's NaN on the first micro-batch of a window makes both ranks skip that backward and
     the window, and both end with the same weights."""
-    script = tmp_path / 'faulty.py'
-    script.write_text(FAULTY_RANK_1)
     args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '2', '--num_workers', '0', '--no-model-ema',
                         '--data-path', data, '--dist-timeout', '60']
-    cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}', str(script)]
+    cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
+                      '-m', 'tools.nan_micro_batch']  # main.py, rank 1's first loss NaN
     proc = subprocess.Popen(cmd + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
