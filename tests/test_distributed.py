@@ -1,6 +1,7 @@
 """GPU-only paths of the distributed setup, checked without a GPU: a CPU-held EMA under NCCL (broadcast and
-evaluation through the GPU) and the GPU index of a SLURM task that sees only its own GPU. CUDA and NCCL are
-stood in for by fakes that enforce what the real ones require."""
+evaluation through the GPU), the GPU index of a SLURM task that sees only its own GPU, `--device cuda:N`,
+more processes than GPUs, and native bfloat16. CUDA and NCCL are stood in for by fakes that enforce what
+the real ones require."""
 import argparse
 
 import pytest

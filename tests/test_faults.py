@@ -1,6 +1,7 @@
 """Faults of real main.py processes: a bad checkpoint, failing and killed writes, preemption by
 SIGINT/SIGTERM with exact resume (plain process, torchrun, gradient accumulation), signals during
-evaluation, non-finite loss, a dead rank, dist-eval with fewer images than processes."""
+evaluation, non-finite loss (also on one rank's micro-batch under accumulation), a dead rank, dist-eval with
+fewer images than processes, stop signals reaching spawned data-loader workers."""
 import json
 import os
 import re
