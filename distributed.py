@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from errors import PeerLostError, first_line
+from errors import PeerLostError, UserError, first_line
 
 
 def is_dist_avail_and_initialized() -> bool:
@@ -73,12 +73,19 @@ def init_distributed_mode(args: argparse.Namespace) -> None:
         # old `torch.distributed.launch` without --use_env passes --local-rank; the rest is in env
         local_rank = args.local_rank
     use_cuda = str(args.device).startswith('cuda') and torch.cuda.is_available()
+    if use_cuda and launcher != 'none':
+        check_gpus_per_node(torch.cuda.device_count())
     # the GPU of this process among those it can see: with one GPU per task (SLURM's --gpus-per-task, or
     # CUDA_VISIBLE_DEVICES set per process) every process sees only its own, as cuda:0 (as DeiT does)
     gpu = local_rank % torch.cuda.device_count() if use_cuda else local_rank
+    if use_cuda and launcher == 'none':  # one process: the GPU --device names (cuda: the current one, 0)
+        gpu = torch.device(args.device).index or 0
     args.rank, args.world_size, args.gpu, args.launcher = rank, world_size, gpu, launcher
     if use_cuda:
         args.device = f'cuda:{gpu}' if launcher != 'none' else (args.device if ':' in str(args.device) else 'cuda')
+        # make it the current GPU: the CUDA RNG state a checkpoint saves and restores, the pin-memory thread
+        # and any allocation without a device all use the current GPU
+        torch.cuda.set_device(gpu)
     else:
         args.device = 'cpu'
     if launcher == 'none':  # a launcher starts a process group even for one process (DDP paths on one GPU)
@@ -92,8 +99,6 @@ def init_distributed_mode(args: argparse.Namespace) -> None:
         os.environ['LOCAL_RANK'] = str(local_rank)
     args.distributed = True
     args.dist_backend = 'nccl' if use_cuda else 'gloo'
-    if use_cuda:
-        torch.cuda.set_device(gpu)
     kwargs = dict(backend=args.dist_backend, init_method=args.dist_url, world_size=world_size, rank=rank,
                   timeout=datetime.timedelta(seconds=args.dist_timeout))
     if use_cuda:
@@ -115,6 +120,25 @@ def init_distributed_mode(args: argparse.Namespace) -> None:
                             f'{args.dist_url}, backend {args.dist_backend}): {first_line(e)}') from e
     barrier()
     setup_for_distributed(rank == 0)
+
+
+def check_gpus_per_node(n_gpus: int) -> None:
+    """Refuse more processes on this node than GPUs it sees: two ranks would share a GPU, which NCCL refuses
+    with an error that looks like a network problem. torchrun says how many processes it starts on the node
+    (LOCAL_WORLD_SIZE); SLURM's tasks that each see only their own GPU are not affected."""
+    local_world = int(os.environ.get('LOCAL_WORLD_SIZE', 0) or 0)
+    if local_world > n_gpus:
+        raise UserError(f'{local_world} processes on this node but only {n_gpus} visible GPU(s): start at most '
+                        f'{n_gpus} per node (torchrun --nproc_per_node={n_gpus}) or make more GPUs visible')
+
+
+def check_bf16(device: Any) -> None:
+    """Refuse --amp bf16 on a GPU without native bfloat16 (e.g. V100, T4), where torch would emulate it
+    many times slower. Called after the process's GPU is made current, so every rank checks its own."""
+    device = torch.device(device)
+    if device.type == 'cuda' and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UserError(f'--amp bf16: {torch.cuda.get_device_name(device)} has no native bfloat16 (it would be '
+                        f'emulated, many times slower); use --amp fp16')
 
 
 def barrier() -> None:

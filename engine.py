@@ -14,7 +14,7 @@ import torch
 from timm.utils import dispatch_clip_grad, unwrap_model
 
 from checkpoint import EpochState, get_rng_state, set_rng_state
-from distributed import all_reduce_max, all_reduce_sum, get_world_size, is_dist_avail_and_initialized
+from distributed import all_reduce_max, get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
 
@@ -83,9 +83,11 @@ class OptimizerStep:
     Each micro-batch runs `criterion(samples, model(samples), targets)` under autocast (`amp_dtype`) and
     the backward of loss / window length, scaled by the fp16 `scaler` (a torch.amp.GradScaler) when there
     is one; the micro-batches that do not end the window run under DDP's no_sync(), so gradients are
-    exchanged once per optimizer step. At the window's last micro-batch one small collective tells every
-    rank whether all losses were finite (and whether a stop was requested); then the gradients are
-    unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer steps. A
+    exchanged once per optimizer step. Under several processes the ranks agree after each of those
+    micro-batches whether any loss so far was non-finite, so that all run its backward or all skip it (every
+    rank issues the same collectives in the same order). At the window's last micro-batch one small
+    collective tells every rank whether all losses were finite (and whether a stop was requested); then the
+    gradients are unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer steps. A
     window with a non-finite loss on any rank is skipped: no optimizer step, and every buffer of the bare
     model (BatchNorm running statistics) is put back as it was before the window. The epoch's last window
     may be shorter. `model` may be DDP-wrapped and/or compiled."""
@@ -102,6 +104,7 @@ class OptimizerStep:
         self._buffers: List[torch.Tensor] = []
         self._losses: List[float] = []
         self._bad_loss: Optional[float] = None
+        self._window_bad = False  # the ranks agreed that a loss of the open window was non-finite
 
     def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
                  index: int = 0, n_steps: Optional[int] = None, stop_flag: Any = None,
@@ -115,7 +118,7 @@ class OptimizerStep:
             self._window_len = self._window_end - index
             # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
             self._buffers = [b.detach().clone() for b in unwrap_model(model).buffers()]
-            self._losses, self._bad_loss = [], None
+            self._losses, self._bad_loss, self._window_bad = [], None, False
             self.optimizer.zero_grad(set_to_none=True)
         last = index + 1 >= self._window_end
         # DDP decides at forward time whether the backward all-reduces: the micro-batches that do not end the
@@ -128,11 +131,26 @@ class OptimizerStep:
             if not math.isfinite(value):
                 self._bad_loss = value
             if not last:
-                if self._bad_loss is None:  # a local backward; a skipped window needs none
+                if self._window_finite():  # a local backward; a skipped window needs none
                     self._backward(loss)
                 return None
         self._window_end = None
         return self._step(model, loss, stop_flag, grad_norm)
+
+    def _window_finite(self) -> bool:
+        """Whether every loss of the open window so far is finite, on every rank. Every rank must issue the
+        same collectives in the same order: SyncBatchNorm's backward all-reduces in each of its layers even
+        under no_sync(), so a backward that one rank skips while the others run theirs would leave them
+        waiting on each other until the process group's timeout. So the ranks agree on each micro-batch
+        (one small all-reduce) and then all run the backward or all skip it; once they agree that the window
+        is bad, they all know it and stop asking."""
+        if self._window_bad:
+            return False
+        bad = self._bad_loss is not None
+        if is_dist_avail_and_initialized():
+            bad = all_reduce_max([1.0 if bad else 0.0], self.device)[0] > 0.0
+        self._window_bad = bad
+        return not bad
 
     def _backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self._window_len
@@ -285,16 +303,21 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
              sum_over_ranks=False, stop_flag=None):
     """Top-1/top-5 and loss from exact counts. With `sum_over_ranks` (dist-eval) the counts of every rank
     are summed with all_reduce, so each image counts once whatever the number of processes.
-    A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval)."""
-    criterion = torch.nn.CrossEntropyLoss(reduction='sum')
+    A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval).
+
+    The sums stay on the device: the host waits for the GPU only on the batches that print a progress
+    line and once at the end, not on every batch."""
     device = torch.device(device)
     metric_logger = MetricLogger(delimiter='  ')
     model.eval()
-    loss_sum = correct1 = correct5 = n = seen = aborted = 0.0
-    for images, target in metric_logger.log_every(data_loader, print_freq, header,
-                                                   images_per_step=data_loader.batch_size):
+    # loss sum, top-1 hits, top-5 hits, counted images, images seen, aborted (float64: counts stay exact)
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    seen = 0  # known on the host
+    total = len(data_loader)
+    for i, (images, target) in enumerate(metric_logger.log_every(data_loader, print_freq, header,
+                                                                  images_per_step=data_loader.batch_size)):
         if stop_flag is not None and stop_flag.requested:
-            aborted = 1.0
+            sums[5] = 1.0
             break
         images = images.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
@@ -303,20 +326,22 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
         with autocast(device, amp_dtype):
             output = model(images)
         output = output.float()
-        # targets < 0 mark images that could not be decoded (datasets.IGNORE_TARGET): not counted
+        # targets < 0 mark images that could not be decoded (datasets.IGNORE_TARGET): not counted; masks
+        # rather than boolean indexing, whose output size the host would have to wait for
         valid = target >= 0
-        loss_sum += criterion(output[valid], target[valid]).item() if valid.any() else 0.0
+        loss = torch.nn.functional.cross_entropy(output, target.clamp(min=0), reduction='none')
         maxk = min(5, output.shape[1])
-        pred = output.topk(maxk, dim=1).indices
-        hit = pred.eq(target.view(-1, 1)) & valid.view(-1, 1)
-        correct1 += hit[:, :1].sum().item()
-        correct5 += hit[:, :maxk].sum().item()
-        n += valid.sum().item()
+        hit = output.topk(maxk, dim=1).indices.eq(target.view(-1, 1)) & valid.view(-1, 1)
+        sums[:4] += torch.stack([torch.where(valid, loss, 0.0).sum(dtype=torch.float64),
+                                 hit[:, :1].sum(dtype=torch.float64), hit[:, :maxk].sum(dtype=torch.float64),
+                                 valid.sum(dtype=torch.float64)])
         seen += target.shape[0]
-        metric_logger.update(loss=loss_sum / max(n, 1))
-    if sum_over_ranks:
-        loss_sum, correct1, correct5, n, seen, aborted = all_reduce_sum(
-            [loss_sum, correct1, correct5, n, seen, aborted], device)
+        if i % print_freq == 0 or i == total - 1:  # the batches log_every prints a line after
+            metric_logger.update(loss=sums[0] / sums[3].clamp(min=1))
+    sums[4] = seen
+    if sum_over_ranks and is_dist_avail_and_initialized():  # one collective; a stop on any rank shows on all
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
+    loss_sum, correct1, correct5, n, seen, aborted = sums.tolist()  # the one wait for the device
     n, seen = int(round(n)), int(round(seen))
     stats = {
         'loss': loss_sum / n if n else float('nan'),

@@ -222,8 +222,9 @@ def get_args_parser():
     str2bool_flag(p, 'auto-resume', True, 'resume from output_dir/checkpoint.pth when it exists (default on)')
     p.add_argument('--start_epoch', '--start-epoch', dest='start_epoch', default=0, type=NON_NEGATIVE_INT, metavar='N')
     p.add_argument('--eval', action='store_true', help='evaluation only')
-    p.add_argument('--dist-eval', action='store_true', default=False,
-                   help='split the validation set over the processes (exact: every image counted once)')
+    str2bool_flag(p, 'dist-eval', None, 'split the validation set over the processes (exact: every image counted '
+                                        'once); default on with several processes, --no-dist-eval: every process '
+                                        'evaluates the whole set')
     p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=None, type=NON_NEGATIVE_INT,
                    help=f'data-loader workers per process (default {DEFAULT_NUM_WORKERS}, at most the CPUs '
                         'available to the process)')
@@ -295,6 +296,8 @@ def validate_args(args, parser):
     if args.batch_size < 1:
         parser.error(f'--batch-size must be at least 1, got {args.batch_size}')
     _, world, _, _ = distributed.launch_env()
+    if args.dist_eval is None:  # exact, so the default whenever there are several processes
+        args.dist_eval = world > 1
     mixup_active = mixup_is_active(args) and not args.eval
     if mixup_active and args.mixup_mode in ('batch', 'pair') and args.batch_size % 2:
         parser.error(f'--batch-size {args.batch_size} is odd; mixup/cutmix in {args.mixup_mode} mode needs an even '
@@ -329,9 +332,6 @@ def validate_args(args, parser):
         parser.error('--dist-timeout must be positive')
     if args.compile and not hasattr(torch, 'compile'):
         parser.error('--compile needs torch >= 2.0')
-    if args.amp == 'bf16' and str(args.device).startswith('cuda') and torch.cuda.is_available() \
-            and not torch.cuda.is_bf16_supported():
-        parser.error('--amp bf16: this GPU does not support bfloat16; use --amp fp16')
     if world > 1 and args.world_size not in (1, world):
         parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)')
     # training-loop recipe checks
@@ -437,6 +437,32 @@ def resolve_train_mode(args: argparse.Namespace) -> str:
             'or dropout); --train-mode trains in train mode')
 
 
+def wrap_model(args, model, device):
+    """(train_model, model_without_ddp, eval_model) for `model` on `device`: SyncBatchNorm and DDP in a
+    distributed run, torch.compile with --compile.
+
+    --compile keeps BatchNorm per process: dynamo breaks the compiled graph at every SyncBatchNorm layer (a
+    collective inside the forward), which would leave little of the compiled speed; the line printed says so.
+    Evaluation runs the bare module (a DDP forward may broadcast buffers, a collective that would hang when
+    ranks get different numbers of validation batches), compiled as well with --compile."""
+    sync_bn = args.distributed and device.type == 'cuda' and args.sync_bn
+    if sync_bn and args.compile:
+        sync_bn = False
+        print('BatchNorm: per-process statistics under --compile (SyncBatchNorm would break the compiled graph at '
+              'every layer); leave out --compile for SyncBatchNorm')
+    elif args.distributed and device.type == 'cuda':
+        print(f"BatchNorm: {'SyncBatchNorm across the processes' if sync_bn else 'per-process statistics'}")
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model_without_ddp = model
+    if args.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == 'cuda' else None, gradient_as_bucket_view=True)
+    if args.compile:
+        return torch.compile(model), model_without_ddp, torch.compile(model_without_ddp)
+    return model, model_without_ddp, model_without_ddp
+
+
 def drop_path_rate(model) -> float:
     """The highest stochastic-depth probability in `model` (the rate of its last block), 0 without any."""
     return max((float(m.drop_prob) for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
@@ -519,10 +545,10 @@ def build_loaders(args, dataset_train, dataset_val):
     common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn,
                   persistent_workers=False)
     if dataset_train is not None:
-        loader_train = torch.utils.data.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
-                                                   drop_last=True, **common)
-    loader_val = torch.utils.data.DataLoader(dataset_val, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
-                                             drop_last=False, **common)
+        loader_train = utils.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
+                                        drop_last=True, **common)
+    loader_val = utils.DataLoader(dataset_val, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
+                                  drop_last=False, **common)
     return sampler_train, loader_train, loader_val
 
 
@@ -532,6 +558,8 @@ def main(args, parser):
     train_mode = resolve_train_mode(args)
     want_cuda = str(args.device).startswith('cuda')
     distributed.init_distributed_mode(args)
+    if args.amp == 'bf16':  # on the process's own GPU, now the current one
+        distributed.check_bf16(args.device)
     stop_flag = utils.StopFlag()
     stop_flag.install()
     if want_cuda and args.device == 'cpu':
@@ -623,15 +651,8 @@ def main(args, parser):
         model_ema = ModelEmaV3(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
         print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
 
-    model_without_ddp = model
-    if args.distributed:
-        if device.type == 'cuda' and args.sync_bn:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            model_without_ddp = model
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-        model_without_ddp = model.module
-    train_model = torch.compile(model) if args.compile else model
+    train_model, model_without_ddp, eval_model = wrap_model(args, model, device)
+    eval_ema = torch.compile(model_ema.module) if args.compile and model_ema is not None else None
 
     if not args.unscale_lr:
         args.lr = args.lr * global_batch / 512.0
@@ -683,7 +704,7 @@ def main(args, parser):
         for label, weights in ((' (model)', None), (' (EMA)', ema_sd)) if ema_sd is not None else (('', None),):
             if weights is not None:
                 checkpoint.load_weights_into(model_without_ddp, weights, args.model, resume_path)
-            test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last,
+            test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
                                          args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
             if test_stats['aborted']:
                 print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
@@ -691,14 +712,14 @@ def main(args, parser):
                 return 128 + int(stop_flag.signum or signal.SIGTERM)
             print(accuracy_line(test_stats, label=label))
             for name, ds in eval_sets:  # build_loaders: only its validation loader is used
-                stats = engine.evaluate(build_loaders(args, ds, ds)[2], model_without_ddp, device, amp_dtype,
+                stats = engine.evaluate(build_loaders(args, ds, ds)[2], eval_model, device, amp_dtype,
                                         args.channels_last, args.print_freq, header=f'{name}:',
                                         sum_over_ranks=sum_over_ranks)
                 print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
                       f"on {stats['n']} of {len(ds)} images")
             if real is not None:
                 stats = datasets.evaluate_real(build_loaders(args, dataset_val, datasets.WithIndex(dataset_val))[2],
-                                               model_without_ddp, real, device, amp_dtype, args.channels_last,
+                                               eval_model, real, device, amp_dtype, args.channels_last,
                                                sum_over_ranks)
                 print(f"ImageNet-ReaL{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
                       f"on {stats['n']} images with a ReaL label")
@@ -745,13 +766,14 @@ def main(args, parser):
         bad = datasets.bad_sample_count_all_ranks(dataset_train, device)
 
         with checkpoint.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
-            test_stats = engine.evaluate(loader_val, model_without_ddp, device, amp_dtype, args.channels_last,
+            test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
                                          args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
             ema_stats = None
             if model_ema is not None and not test_stats['aborted']:
                 with distributed.moved_to(model_ema.module, device):  # a CPU EMA is evaluated where the data is
-                    ema_stats = engine.evaluate(loader_val, model_ema.module, device, amp_dtype, args.channels_last,
-                                                args.print_freq, header='Test (EMA):', sum_over_ranks=sum_over_ranks,
+                    ema_stats = engine.evaluate(loader_val, eval_ema if eval_ema is not None else model_ema.module,
+                                                device, amp_dtype, args.channels_last, args.print_freq,
+                                                header='Test (EMA):', sum_over_ranks=sum_over_ranks,
                                                 stop_flag=stop_flag)
         # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
         flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),

@@ -4,7 +4,11 @@ and the CPU memory allocator.
 The rest of the engine's helpers: distributed.py (process group, collectives), metrics.py (progress lines,
 log.txt), errors.py (one-line errors), checkpoint.py (checkpoint format, RNG state).
 """
+import contextlib
 import signal
+from typing import Iterator
+
+import torch.utils.data
 
 
 # --------------------------------------------------------------------------------------------------
@@ -36,10 +40,42 @@ class StopFlag:
         return signal.Signals(self.signum).name if self.signum is not None else ''
 
 
+# the signals that ask a run to stop; SLURM (scancel --signal) and torchrun send them to every process of
+# the job, data-loader workers included
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ('SIGTERM', 'SIGINT', 'SIGUSR1') if hasattr(signal, name))
+
+
 def worker_init_fn(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: workers leave SIGINT/SIGTERM to the main process, which stops them cleanly."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """DataLoader `worker_init_fn`: workers leave the stop signals to the main process, which stops them
+    cleanly. Workers started by spawn or forkserver (Python 3.14's default) inherit no handler, and a stop
+    signal's default action would kill them and with them the run."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold the stop signals back from this thread for the block; one that arrives meanwhile is delivered
+    when it ends, nothing is lost. Processes started inside the block inherit the blocked mask (through
+    fork and exec), so they ignore the stop signals from their first instruction on."""
+    if not hasattr(signal, 'pthread_sigmask'):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader whose worker processes ignore the stop signals from birth, whatever the start
+    method: they are started with the signals blocked (a spawned worker takes seconds to import torch
+    before `worker_init_fn` runs), and `worker_init_fn` ignores them."""
+
+    def __iter__(self):
+        with stop_signals_blocked():
+            return super().__iter__()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -126,3 +126,20 @@ def test_data_loading_times_the_train_transform_per_worker(tmp_path):
     assert [(r['workers'], r['batch_size']) for r in result['loaders']] == [(0, 4)]
     assert result['loaders'][0]['first_batch_s'] > 0 and result['loaders'][0]['img_s'] > 0
     assert json.loads((tmp_path / 'data.jsonl').read_text())['images'] == 8
+
+
+@pytest.mark.parametrize('flags, enabled', [([], True), (['--no-tf32'], False)])
+def test_fp32_figures_use_main_py_tf32_setting_and_say_so(flags, enabled, monkeypatch, capsys):
+    """On CUDA, fp32 rows run with TF32 as main.py trains by default (--no-tf32: full fp32), and the row
+    says which. engine.set_tf32 stands in for CUDA here: it records the call and reports the flags set."""
+    import engine
+    calls = []
+    monkeypatch.setattr(engine, 'set_tf32', lambda device, on=True: calls.append((str(device), on)) or True)
+    result = benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'] + flags)
+    assert calls == [('cpu', enabled)] and result['tf32'] is enabled
+    assert f"tf32={'on' if enabled else 'off'}" in capsys.readouterr().out
+
+
+def test_no_tf32_note_off_cuda(capsys):
+    assert benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'])['tf32'] is None
+    assert 'tf32=' not in capsys.readouterr().out

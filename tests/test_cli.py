@@ -111,6 +111,17 @@ def test_world_size_matching_the_launcher_passes(monkeypatch):
     assert parse_and_validate(['--world_size', '4']).world_size == 4
 
 
+@pytest.mark.parametrize('world, argv, expected', [
+    (1, [], False), (4, [], True),  # exact, so on whenever there are several processes
+    (4, ['--no-dist-eval'], False), (4, ['--dist-eval'], True), (1, ['--dist-eval'], True),
+    (4, ['--no-dist-eval', '--dist-eval'], True)])
+def test_dist_eval_is_the_default_with_several_processes(world, argv, expected, plain_process, monkeypatch):
+    if world > 1:  # as torchrun starts rank 0 of `world`
+        monkeypatch.setenv('RANK', '0')
+        monkeypatch.setenv('WORLD_SIZE', str(world))
+    assert parse_and_validate(argv).dist_eval is expected
+
+
 # ------------------------------------------------------------------------------------------ recipe, more flags
 def test_defaults_are_the_published_recipe():
     a = parse()

@@ -1,12 +1,14 @@
 """GPU-only paths of the distributed setup, checked without a GPU: a CPU-held EMA under NCCL (broadcast and
-evaluation through the GPU) and the GPU index of a SLURM task that sees only its own GPU. CUDA and NCCL are
-stood in for by fakes that enforce what the real ones require."""
+evaluation through the GPU), the GPU index of a SLURM task that sees only its own GPU, `--device cuda:N`,
+more processes than GPUs, and native bfloat16. CUDA and NCCL are stood in for by fakes that enforce what
+the real ones require."""
 import argparse
 
 import pytest
 import torch
 
 import distributed
+import errors
 
 
 @pytest.fixture
@@ -113,3 +115,84 @@ def test_one_process_under_torchrun_joins_a_process_group(monkeypatch):
     args = argparse.Namespace(device='cpu', local_rank=None, dist_url='env://', dist_timeout=60)
     distributed.init_distributed_mode(args)
     assert args.distributed and args.dist_backend == 'gloo' and joined['world_size'] == 1
+
+
+class FakeCuda:
+    """torch.cuda of a machine with `n` GPUs (bfloat16 emulated only, as on a V100 or T4): records
+    set_device and refuses an index it does not have, as CUDA does."""
+
+    def __init__(self, monkeypatch, n, native_bf16=False):
+        self.n, self.native_bf16, self.current, self.bf16_asked = n, native_bf16, None, []
+        for name in ('is_available', 'device_count', 'set_device', 'is_bf16_supported', 'get_device_name'):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.n
+
+    def set_device(self, i):
+        i = torch.device(i).index if not isinstance(i, int) else i
+        if not 0 <= i < self.n:
+            raise RuntimeError('CUDA error: invalid device ordinal')
+        self.current = i
+
+    def is_bf16_supported(self, including_emulation=True):
+        self.bf16_asked.append((self.current, including_emulation))
+        return self.native_bf16 or including_emulation
+
+    def get_device_name(self, device=None):
+        return 'Tesla V100-SXM2-16GB'
+
+
+def single_process(monkeypatch):
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'SLURM_PROCID', 'SLURM_NTASKS'):
+        monkeypatch.setenv(k, '')
+        monkeypatch.delenv(k)
+
+
+def test_one_process_on_cuda_n_makes_gpu_n_the_current_device(monkeypatch):
+    """The CUDA RNG state a checkpoint saves, the pin-memory thread and device-less allocations follow the
+    current GPU: --device cuda:2 must make GPU 2 current, not leave GPU 0."""
+    single_process(monkeypatch)
+    cuda = FakeCuda(monkeypatch, 4)
+    args = argparse.Namespace(device='cuda:2', local_rank=None, dist_url='env://', dist_timeout=60)
+    distributed.init_distributed_mode(args)
+    assert cuda.current == 2 and args.device == 'cuda:2' and args.gpu == 2 and not args.distributed
+
+
+def test_more_processes_per_node_than_gpus_is_refused_in_one_line(monkeypatch):
+    single_process(monkeypatch)
+    for k, v in dict(RANK='3', WORLD_SIZE='4', LOCAL_RANK='3', LOCAL_WORLD_SIZE='4').items():
+        monkeypatch.setenv(k, v)  # torchrun --nproc_per_node=4 on a node with 2 GPUs
+    FakeCuda(monkeypatch, 2)
+    joined = []
+    monkeypatch.setattr(distributed.dist, 'init_process_group', lambda **kw: joined.append(kw))
+    args = argparse.Namespace(device='cuda', local_rank=None, dist_url='env://', dist_timeout=60)
+    with pytest.raises(errors.UserError) as ei:
+        distributed.init_distributed_mode(args)
+    msg = str(ei.value)
+    assert '\n' not in msg and not joined
+    assert msg.startswith('4 processes on this node but only 2 visible GPU(s)') and '--nproc_per_node=2' in msg
+
+
+def test_bf16_is_checked_natively_on_the_process_own_gpu(monkeypatch):
+    """--amp bf16 on a GPU that only emulates bfloat16 is refused, and no GPU is touched before the process
+    has made its own GPU current."""
+    import main
+    single_process(monkeypatch)
+    cuda = FakeCuda(monkeypatch, 2)
+    parser = main.get_args_parser()
+    args = parser.parse_args(['--model', 'NALAFORMER_XT', '--amp', 'bf16', '--device', 'cuda:1', '--data-path', '/d'])
+    main.validate_args(args, parser)
+    assert cuda.bf16_asked == []  # not before set_device (it would set up a context on GPU 0)
+    distributed.init_distributed_mode(argparse.Namespace(device='cuda:1', local_rank=None, dist_url='env://',
+                                                         dist_timeout=60))
+    with pytest.raises(errors.UserError, match=r'--amp bf16: Tesla V100\S* has no native bfloat16 .*use --amp fp16'):
+        distributed.check_bf16('cuda:1')
+    assert cuda.bf16_asked == [(1, False)]
+    cuda.native_bf16 = True
+    distributed.check_bf16('cuda:1')  # an A100/H100: accepted
+    distributed.check_bf16('cpu')  # CPU autocast: no GPU asked
+    assert cuda.bf16_asked == [(1, False), (1, False)]

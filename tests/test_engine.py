@@ -31,6 +31,42 @@ def test_evaluate_counts_exactly_and_excludes_undecodable_images():
     assert st['acc1'] == pytest.approx(75.0) and st['acc5'] == pytest.approx(100.0)
 
 
+def count_host_reads(monkeypatch):
+    """Count the calls that make the host wait for a tensor's value (on a GPU: a device sync)."""
+    calls = []
+    for name in ('item', 'tolist', '__bool__', '__float__', '__int__'):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize('print_freq', [1000, 3])
+def test_evaluate_reads_its_sums_from_the_device_once_not_per_batch(monkeypatch, print_freq):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 3))
+    x, y = torch.randn(32, 2), torch.randint(0, 3, (32,))
+    y[5] = -100  # undecodable: not counted
+    reads = {}
+    for n_batches in (2, 8):
+        loader = Loader([(x[i::n_batches].view(-1, 2, 1, 1), y[i::n_batches]) for i in range(n_batches)])
+        calls = count_host_reads(monkeypatch)
+        st = engine.evaluate(loader, model, 'cpu', print_freq=print_freq)
+        monkeypatch.undo()
+        reads[n_batches] = len(calls)
+        assert st['n'] == 31 and st['seen'] == 32
+        with torch.no_grad():
+            ref = torch.nn.functional.cross_entropy(model(x.view(-1, 2, 1, 1)), y, ignore_index=-100).item()
+        assert st['loss'] == pytest.approx(ref, rel=1e-5)
+    if print_freq > 8:  # the first and last batch print a line: the same reads whatever the length
+        assert reads[8] == reads[2], reads
+    else:  # one read per progress line only
+        assert reads[8] - reads[2] == 2, reads
+
+
 class _NaNModel(torch.nn.Module):
     def __init__(self):
         super().__init__()

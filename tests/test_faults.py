@@ -1,6 +1,7 @@
 """Faults of real main.py processes: a bad checkpoint, failing and killed writes, preemption by
 SIGINT/SIGTERM with exact resume (plain process, torchrun, gradient accumulation), signals during
-evaluation, non-finite loss, a dead rank, dist-eval with fewer images than processes."""
+evaluation, non-finite loss (also on one rank's micro-batch under accumulation), a dead rank, dist-eval with
+fewer images than processes, stop signals reaching spawned data-loader workers."""
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from conftest import (
 )
 
 import checkpoint
+import utils
 
 
 def one_line_error(p):
@@ -296,3 +298,108 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
     assert 'added the line of epoch 0' in p.stdout
     assert (out / 'best.pth').read_bytes() == (out / 'checkpoint.pth').read_bytes()
     assert [json.loads(x) for x in open(out / 'log.txt')] == [ck['log']]
+
+
+# --------------------------------------------------- a non-finite micro-batch on one rank under accumulation
+@pytest.mark.slow
+def test_a_non_finite_micro_batch_on_one_rank_is_skipped_by_all_ranks_in_step(data, tmp_path):
+    """Every rank runs the same backward passes (SyncBatchNorm's backward is a collective even under
+    no_sync()): rank 1's NaN on the first micro-batch of a window makes both ranks skip that backward and
+    the window, and both end with the same weights."""
+    args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '2', '--num_workers', '0', '--no-model-ema',
+                        '--data-path', data, '--dist-timeout', '60']
+    cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
+                      '-m', 'tools.nan_micro_batch']  # main.py, rank 1's first loss NaN
+    proc = subprocess.Popen(cmd + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    counts = dict(re.findall(r'\[rank (\d)\] backward passes: (\d+ of \d+)', err))
+    assert set(counts) == {'0', '1'}, err[-3000:]
+    assert counts['0'] == counts['1'], counts
+    done, total = map(int, counts['0'].split(' of '))
+    assert done == total - 2  # the bad window's two micro-batches ran no backward on either rank
+    assert 'non-finite loss (nan) at epoch 0 step 1; step skipped' in err
+    assert 'non-finite loss (on another rank) at epoch 0 step 1; step skipped' in err
+    digests = re.findall(r'\[rank \d\] final weights sha256: (\w+)', out + err)
+    assert len(digests) == 2 and len(set(digests)) == 1, out[-2000:]
+
+
+# ------------------------------------------------------- stop signals reach data-loader workers too
+SPAWNED_WORKERS = '''
+import multiprocessing, sys
+import main
+if __name__ == "__main__":  # spawned workers import this file again
+    multiprocessing.set_start_method("spawn", force=True)  # fresh workers: no handler inherited from main.py
+    sys.exit(main.run(sys.argv[1:]))
+'''
+
+
+@pytest.mark.slow
+def test_usr1_to_every_process_with_spawned_workers_saves_and_resumes(data, tmp_path):
+    """SLURM's `scancel --signal=USR1` reaches every process of the job, data-loader workers included; workers
+    started by spawn or forkserver (Python 3.14's default) inherit no handler, so they must ignore it
+    themselves instead of dying and taking the run with them."""
+    script = tmp_path / 'spawned.py'
+    script.write_text(SPAWNED_WORKERS)
+    out = str(tmp_path / 'out')
+    cmd = [PY, str(script)] + BASE[:-1] + ['1', '--num_workers', '1', '--data-path', data, '--output_dir', out]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if re.search(r'Epoch: \[0\] \[ ?1/', line):
+                os.killpg(proc.pid, signal.SIGUSR1)  # the whole process group, workers included
+                break
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    stdout = ''.join(seen) + rest
+    assert proc.returncode == 128 + signal.SIGUSR1, stdout[-2000:] + err[-3000:]
+    assert re.search(r'Stopped by SIGUSR1 at epoch 0 step \d+', stdout), stdout[-2000:]
+    p = subprocess.run(cmd, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert re.search(r'Resuming epoch 0 at step \d+', p.stdout), p.stdout[-2000:]
+
+
+def stop_signals_held_off():
+    """For each stop signal: does this process hold it back (blocked) or ignore it?"""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return [s in blocked or signal.getsignal(s) == signal.SIG_IGN for s in utils.STOP_SIGNALS]
+
+
+class SignalState(torch.utils.data.Dataset):
+    """One item: whether the worker that loads it held off the stop signals when it unpickled this data set
+    (a spawned worker does that right after importing torch, before `worker_init_fn`) and when loading."""
+
+    def __init__(self):
+        self.at_birth = None  # set where it is unpickled
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.at_birth = stop_signals_held_off()
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return torch.tensor([self.at_birth, stop_signals_held_off()])
+
+
+def test_spawned_workers_ignore_the_stop_signals_from_birth():
+    """A spawned worker spends seconds importing torch before `worker_init_fn` runs: a stop signal must not
+    kill it in that window either. The main process gets its signal mask back afterwards."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    loader = utils.DataLoader(SignalState(), num_workers=1, multiprocessing_context='spawn',
+                              worker_init_fn=utils.worker_init_fn)
+    (state,) = list(loader)
+    at_birth, loading = state.tolist()[0]
+    assert at_birth[utils.STOP_SIGNALS.index(signal.SIGUSR1)]  # what SLURM's requeue sends to every process
+    assert all(loading)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

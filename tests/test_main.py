@@ -187,3 +187,35 @@ def test_start_of_run_flops_match_the_reference_count():
     m = main.build_model(parse('--model', 'NALAFORMER_XT'), 1000)
     assert main.count_flops(m, 224) / 1e9 == pytest.approx(0.652, abs=0.001)
     assert m.training  # the count leaves the model as it found it
+
+
+# ---------------------------------------------------------------------------- SyncBatchNorm, DDP, compile
+@pytest.mark.parametrize('compile_, sync_bn', [(False, True), (True, True), (False, False)])
+def test_compile_keeps_batchnorm_per_process_and_covers_evaluation(compile_, sync_bn, monkeypatch, capsys):
+    """A multi-GPU run converts BatchNorm to SyncBatchNorm (default), except under --compile: dynamo would break
+    the graph at every SyncBatchNorm layer; the run says so. --compile also compiles the evaluated module.
+    DDP and torch.compile are stood in for (no process group, no compile time)."""
+    wrapped, compiled = [], []
+
+    class FakeDDP(torch.nn.Module):
+        def __init__(self, module, **kw):
+            super().__init__()
+            self.module = module
+            wrapped.append(module)
+
+    monkeypatch.setattr(torch.nn.parallel, 'DistributedDataParallel', FakeDDP)
+    monkeypatch.setattr(torch, 'compile', lambda m: compiled.append(m) or ('compiled', m))
+    args = argparse.Namespace(distributed=True, sync_bn=sync_bn, compile=compile_)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    train_model, bare, eval_model = main.wrap_model(args, model, torch.device('cuda', 0))
+    has_sync = any(isinstance(m, torch.nn.SyncBatchNorm) for m in bare.modules())
+    out = capsys.readouterr().out
+    assert wrapped == [bare]
+    assert has_sync == (sync_bn and not compile_)
+    if compile_:
+        assert train_model[0] == 'compiled' and isinstance(train_model[1], FakeDDP)
+        assert eval_model == ('compiled', bare)
+        assert 'BatchNorm: per-process statistics under --compile' in out
+    else:
+        assert isinstance(train_model, FakeDDP) and eval_model is bare and not compiled
+        assert ('SyncBatchNorm across the processes' in out) == sync_bn

@@ -65,3 +65,87 @@ def test_a_failing_row_is_reported_and_exits_non_zero():
     logs = re.search(r'their logs: (\S+)/<path>\.log', p.stdout)
     assert logs and 'fp32.log' in os.listdir(logs.group(1))
     shutil.rmtree(logs.group(1))
+
+
+# ------------------------------------------------------------------------------------------ GPU session
+class FakeGpus:
+    """torch.cuda of a machine with `n` GPUs whose bfloat16 is emulated only (V100-like) unless `native`."""
+
+    def __init__(self, monkeypatch, n, native=True):
+        import torch
+        monkeypatch.setattr(torch.cuda, 'is_available', lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, 'device_count', lambda: n)
+        monkeypatch.setattr(torch.cuda, 'is_bf16_supported',
+                            lambda including_emulation=True: native or including_emulation)
+        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda i=None: 'NVIDIA H200')
+
+
+def rows(*names):
+    return [next(r for r in smoke.ROWS if r.name == n) for n in names]
+
+
+def test_two_process_rows_run_with_two_gpus_and_say_why_not_with_one(monkeypatch):
+    two = rows('sync-bn', 'accum-nan', 'compile-ddp')
+    assert all(r.nproc == 2 for r in two)
+    FakeGpus(monkeypatch, 1)
+    assert [smoke.skip_reason(r, 'cuda', False) for r in two] == ['needs 2 GPUs, 1 present'] * 3
+    FakeGpus(monkeypatch, 2)
+    assert [smoke.skip_reason(r, 'cuda', False) for r in two] == [''] * 3
+    assert smoke.skip_reason(rows('sync-bn')[0], 'cpu', False) == 'needs CUDA'  # SyncBatchNorm needs CUDA
+
+
+def test_bf16_rows_need_native_bfloat16(monkeypatch):
+    FakeGpus(monkeypatch, 1, native=False)
+    assert [smoke.skip_reason(r, 'cuda', False) for r in rows('bf16', 'fast-plain-bf16')] == [
+        'this GPU has no native bfloat16'] * 2
+
+
+def test_accum_nan_check_wants_equal_backward_passes_and_the_window_skipped_on_both():
+    ok = ('warning: non-finite loss (on another rank) at epoch 0 step 1; step skipped\n'
+          '[rank 1] backward passes: 4 of 6 micro-batches\n[rank 0] backward passes: 4 of 6 micro-batches\n')
+    assert smoke.same_backward_passes(ok) == ''
+    assert 'differ: rank 0 ran 5, rank 1 4' in smoke.same_backward_passes(ok.replace('[rank 0] backward passes: 4',
+                                                                                     '[rank 0] backward passes: 5'))
+    assert smoke.same_backward_passes(ok.split('\n', 1)[1]).startswith('rank 0 did not skip')
+
+
+def test_gpu_report_without_a_gpu_is_an_argparse_error(monkeypatch, capsys):
+    FakeGpus(monkeypatch, 0)
+    with pytest.raises(SystemExit) as ei:
+        smoke.main(['--gpu-report', 'r.md'])
+    assert ei.value.code == 2 and '--gpu-report needs a GPU' in capsys.readouterr().err
+
+
+def test_gpu_report_is_a_markdown_table_of_every_row(monkeypatch, tmp_path):
+    FakeGpus(monkeypatch, 1)
+    monkeypatch.setattr(smoke, 'write_imagefolder', lambda root: root)
+    ran = []
+
+    def fake_run(row, device, data, work, extra, timeout):
+        ran.append((row.name, device, timeout))
+        return 'passed', 1.0, row.what
+
+    monkeypatch.setattr(smoke, 'run_row', fake_run)
+    assert smoke.main(['--gpu-report', str(tmp_path / 'r.md')]) == 0
+    lines = (tmp_path / 'r.md').read_text().splitlines()
+    assert lines[0].startswith('`python -m tools.smoke --gpu-report`: 1 GPU(s) (NVIDIA H200)')
+    table = {line.split(' | ')[0][2:]: line.split(' | ')[1:] for line in lines[4:]}
+    assert list(table) == [r.name for r in smoke.ROWS]
+    assert table['sync-bn'][:2] == ['skipped', '-'] and table['sync-bn'][2] == 'needs 2 GPUs, 1 present |'
+    assert table['fp32'][0] == 'passed'
+    assert all(device == 'cuda' and timeout == 240 for _, device, timeout in ran)
+
+
+@pytest.mark.slow
+def test_fast_vs_plain_measures_both_paths_against_fp32():
+    import torch
+    fast, plain = smoke.fast_vs_plain('NALAFORMER_XT', torch.bfloat16, 'cpu', size=32, batch=2)
+    assert 0 < plain < 0.1 and 0 < fast < 0.1  # autocast rounds, and both paths stay close to fp32
+
+
+@pytest.mark.slow
+def test_accum_nan_row_passes_on_gloo():
+    p = subprocess.run([sys.executable, '-m', 'tools.smoke', '--device', 'cpu', '--only', 'accum-nan'], cwd=REPO,
+                       env=env(), check=False, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert table(p.stdout)['accum-nan'][0] == 'passed'

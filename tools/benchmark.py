@@ -203,7 +203,7 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
     return dict(
         model=args.model, mode=args.mode, dtype=args.dtype, batch_size=args.batch_size,
         input_size=[height, width], fast_path=args.fast_path, channels_last=args.channels_last,
-        compile=args.compile, device=str(device), threads=torch.get_num_threads(),
+        compile=args.compile, tf32=args.tf32_applied, device=str(device), threads=torch.get_num_threads(),
         cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
         step_s_median=step_time, step_s_all=times, img_s=img_s,
         gmacs_per_image=macs_per_image / 1e9, achieved_gmac_s=achieved / 1e9,
@@ -214,10 +214,15 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
     )
 
 
+def tf32_note(r: Dict, prefix: str) -> str:
+    """'on'/'off' after `prefix` for a CUDA row (whether fp32 matmuls ran on TF32), nothing elsewhere."""
+    return '' if r.get('tf32') is None else prefix + ('on' if r['tf32'] else 'off')
+
+
 def print_result(r: Dict) -> None:
     print(f"{r['model']} {r['mode']} {r['dtype']} batch {r['batch_size']} {r['input_size'][0]}x{r['input_size'][1]} "
           f"fast_path={r['fast_path']} channels_last={r['channels_last']} compile={r['compile']} "
-          f"device={r['device']} threads={r['threads']}"
+          f"device={r['device']} threads={r['threads']}" + tf32_note(r, ' tf32=')
           + (f" cpu_malloc={r['cpu_malloc']}" if r.get('cpu_malloc') else ''))
     print(f"  {r['img_s']:.2f} img/s  (median step {r['step_s_median'] * 1e3:.1f} ms of "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_s_all'])})")
@@ -293,6 +298,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
             rows.append(dict(
                 model=name, mode=mode, dtype=args.dtype, batch_size=args.batch_size, input_size=[height, width],
                 fast_path=args.fast_path if name.upper() in VARIANTS else None, compile=args.compile,
+                tf32=args.tf32_applied,
                 device=str(device), threads=torch.get_num_threads(),
                 cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
@@ -324,7 +330,7 @@ def model_macs_any(name: str, input_size: Sequence[int], fast_path: bool = True)
 def print_compare(results: List[Dict]) -> None:
     first = results[0]
     print(f"{first['dtype']}, batch {first['batch_size']}, {first['input_size'][0]}x{first['input_size'][1]}, "
-          f"device={first['device']}, threads={first['threads']}"
+          f"device={first['device']}, threads={first['threads']}" + tf32_note(first, ', tf32=')
           + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
           + (', every model torch.compiled' if first.get('compile') else '')
           + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
@@ -588,6 +594,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--fast-path', action=argparse.BooleanOptionalAction, default=True,
                         help='the fast path (default); --no-fast-path runs the plain path, the reference math')
     parser.add_argument('--channels-last', action='store_true')
+    parser.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True,
+                        help="fp32 matmuls/convolutions on CUDA's TF32 tensor cores, as main.py trains by default "
+                             '(--no-tf32: full fp32, as main.py --no-tf32)')
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
@@ -672,6 +681,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     logging.getLogger('fvcore').setLevel(logging.ERROR)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # main.py's fp32 setting (TF32 on CUDA unless --no-tf32), so that fp32 figures are those training runs at;
+    # None off CUDA, where there is no TF32
+    args.tf32_applied = args.tf32 if engine.set_tf32(args.device, args.tf32) else None
     if not args.device.startswith('cuda') and args.cpu_malloc == 'retain':
         args.cpu_malloc = 'retain' if utils.retain_freed_cpu_memory() else 'system'
     if args.sweep:

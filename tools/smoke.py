@@ -4,10 +4,14 @@
     python -m tools.smoke --quick          # the CPU subset CI runs (no torch.compile: minutes on a CPU)
     python -m tools.smoke --only fp16,resume
     python -m tools.smoke --extra "--input-size 64"   # flags appended to every run
+    python -m tools.smoke --gpu-report report.md      # everything a first GPU session must check, as a table
 
-Each row runs main.py (NALAFORMER_XT at 32 px, one epoch of a few steps) as its own process and must exit 0
-and print what the path promises. One table at the end: path, passed/failed/skipped (with the reason),
-seconds. The exit status is 1 when a row failed; the logs of a failed run are kept and their folder printed.
+Each row runs main.py (NALAFORMER_XT at 32 px, one epoch of a few steps) as its own process, or under
+torchrun with one or two processes, and must exit 0 and print what the path promises; the fast-vs-plain
+rows compare the model's two paths under autocast in this process. One table at the end: path,
+passed/failed/skipped (with the reason), seconds. The exit status is 1 when a row failed; the logs of a
+failed run are kept and their folder printed. A row that needs more GPUs than the machine has is skipped
+and says so.
 """
 import argparse
 import os
@@ -19,9 +23,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1']
+
+
+def torchrun(nproc: int) -> list[str]:
+    return ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}']
 
 
 @dataclass
@@ -31,11 +39,74 @@ class Row:
     name: str
     what: str
     flags: list[str] = field(default_factory=list)
-    torchrun: bool = False           # a 1-process DDP run (process group on gloo or NCCL)
+    torchrun: bool = False           # a DDP run under torchrun (process group on gloo or NCCL)
     needs: str = ''                  # 'cuda': skipped on the CPU; 'bf16': skipped on a GPU without bfloat16
     not_quick: str = ''              # why the row is left out of --quick (empty: it is part of it)
     expect: str = ''                 # regular expression the output must match ({backend} is filled in)
     then: list[str] | None = None  # flags of a second run in the same output dir (resume)
+    nproc: int = 1                   # torchrun processes; on CUDA one GPU each, skipped with fewer GPUs
+    module: str = 'main.py'          # what torchrun or python runs: main.py or a module wrapping it (-m)
+    check: Callable[[str], str] | None = None  # the whole output -> why it failed ('' when it passed)
+    in_process: Callable[[str], tuple[str, str]] | None = None  # device -> (status, detail), no main.py run
+
+
+def same_backward_passes(output: str) -> str:
+    """Both ranks ran the same number of backward passes and skipped the window of rank 1's NaN."""
+    counts = dict(re.findall(r'\[rank (\d)\] backward passes: (\d+) of', output))
+    if sorted(counts) != ['0', '1']:
+        return 'no backward count from both ranks'
+    if counts['0'] != counts['1']:
+        return f"backward passes differ: rank 0 ran {counts['0']}, rank 1 {counts['1']}"
+    if 'non-finite loss (on another rank)' not in output:
+        return 'rank 0 did not skip the window of rank 1\'s NaN'
+    return ''
+
+
+# fast vs plain under autocast: the fast path may differ from the plain one by no more than the plain
+# path's own rounding, measured as each path's distance from the plain path in fp32
+AMP_SLACK = 1.5
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def fast_vs_plain(variant: str, dtype, device: str, size: int = 224, batch: int = 4) -> tuple[float, float]:
+    """(fast path's error, plain path's error) of `variant`'s eval-mode output under autocast to `dtype`, both
+    against the plain path in fp32; the variant's own layer scale, random weights and images."""
+    import timm
+    import torch
+
+    import models  # noqa: F401  (registers the variants)
+    torch.manual_seed(0)
+    model = timm.create_model(variant, num_classes=1000).to(device).eval()
+    x = torch.randn(batch, 3, size, size, device=device)
+    out = {}
+    with torch.no_grad():
+        for fast in (False, True):
+            model.set_fast_path(fast)
+            if not fast:
+                out['fp32'] = model(x)
+            with torch.autocast(torch.device(device).type, dtype=dtype):
+                out[fast] = model(x)
+    return rel_err(out[True], out['fp32']), rel_err(out[False], out['fp32'])
+
+
+def fast_vs_plain_row(dtype_name: str) -> Callable[[str], tuple[str, str]]:
+    def run(device: str) -> tuple[str, str]:
+        import torch
+
+        from models import VARIANTS
+        dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}[dtype_name]
+        worst, notes = '', []
+        for variant in VARIANTS:
+            fast, plain = fast_vs_plain(variant, dtype, device)
+            notes.append(f'{variant.removeprefix("NALAFORMER_")} {fast:.1e}/{plain:.1e}')
+            if not fast <= AMP_SLACK * plain + 1e-6:
+                worst = worst or variant
+        detail = f'rel. error vs fp32, fast/plain: {", ".join(notes)}'
+        return ('failed', f'{worst} fast path beyond {AMP_SLACK}x plain; {detail}') if worst else ('passed', detail)
+    return run
 
 
 ROWS = [
@@ -48,7 +119,8 @@ ROWS = [
     Row('bf16', 'bf16 autocast', ['--amp', 'bf16'], needs='bf16', expect=r'precision bf16'),
     Row('compile', 'torch.compile', ['--compile'], not_quick='torch.compile takes minutes on a CPU'),
     Row('channels-last', 'channels-last memory format', ['--channels-last']),
-    Row('sync-bn', 'SyncBatchNorm under DDP', ['--sync-bn'], torchrun=True, needs='cuda'),
+    Row('sync-bn', 'SyncBatchNorm under DDP, 2 processes', ['--sync-bn'], torchrun=True, nproc=2, needs='cuda',
+        expect=r'BatchNorm: SyncBatchNorm across the processes'),
     Row('ema', 'EMA on the device', ['--model-ema'], expect=r'Accuracy of the EMA network',
         not_quick='on the CPU the same as ema-cpu'),
     Row('ema-cpu', 'EMA on the CPU under DDP (broadcast, evaluation)', ['--model-ema', '--model-ema-force-cpu'],
@@ -57,6 +129,16 @@ ROWS = [
         torchrun=True, expect=r'global batch 8 = 4 x 1 x 2 accumulated'),
     Row('resume', 'save, then resume for a 2nd epoch', then=['--epochs', '2'],
         expect=r'Resumed from .*checkpoint\.pth: continuing at epoch 1'),
+    Row('accum-nan', 'accumulation with a NaN micro-batch on rank 1 of 2: both skip the window alike',
+        ['--accum-steps', '2', '--batch-size', '2', '--mixup', '0', '--cutmix', '0'], torchrun=True, nproc=2,
+        module='tools.nan_micro_batch', check=same_backward_passes,
+        not_quick='tests/test_faults.py runs it on gloo'),
+    Row('compile-ddp', '--compile under DDP, 2 processes (BatchNorm per process)', ['--compile'], torchrun=True,
+        nproc=2, needs='cuda', expect=r'BatchNorm: per-process statistics under --compile'),
+    Row('fast-plain-fp16', 'fast vs plain path of every variant under fp16 autocast', needs='cuda',
+        in_process=fast_vs_plain_row('fp16')),
+    Row('fast-plain-bf16', 'fast vs plain path of every variant under bf16 autocast', needs='bf16',
+        in_process=fast_vs_plain_row('bf16'), not_quick='every variant at 224 px takes minutes on a CPU'),
 ]
 
 
@@ -88,10 +170,12 @@ def skip_reason(row: Row, device: str, quick: bool) -> str:
         return f'not in --quick: {row.not_quick}'
     if row.needs == 'cuda' and device != 'cuda':
         return 'needs CUDA'
-    if row.needs == 'bf16' and device == 'cuda':
+    if device == 'cuda':
         import torch
-        if not torch.cuda.is_bf16_supported():
-            return 'this GPU has no bfloat16'
+        if row.needs == 'bf16' and not torch.cuda.is_bf16_supported(including_emulation=False):
+            return 'this GPU has no native bfloat16'
+        if row.nproc > torch.cuda.device_count():
+            return f'needs {row.nproc} GPUs, {torch.cuda.device_count()} present'
     return ''
 
 
@@ -114,8 +198,16 @@ def failure(proc: subprocess.CompletedProcess) -> str:
 
 def run_row(row: Row, device: str, data: str, work: str, extra: list[str], timeout: float):
     """(status, seconds, detail) of one row; its output goes to WORK/NAME.log."""
+    if row.in_process is not None:
+        t0 = time.time()
+        try:
+            status, detail = row.in_process(device)
+        except Exception as e:  # a crash of the check is its failure, reported in the table
+            status, detail = 'failed', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:160]
+        return status, time.time() - t0, detail
     out = os.path.join(work, row.name)
-    launch = [sys.executable] + (TORCHRUN if row.torchrun else []) + ['main.py']
+    target = ['-m', row.module] if row.module != 'main.py' else ['main.py']
+    launch = [sys.executable] + (torchrun(row.nproc) if row.torchrun else []) + target
     runs = [row.flags] + ([row.flags + row.then] if row.then is not None else [])
     t0 = time.time()
     with open(os.path.join(work, f'{row.name}.log'), 'w') as log:
@@ -135,6 +227,9 @@ def run_row(row: Row, device: str, data: str, work: str, extra: list[str], timeo
     pattern = row.expect.format(backend='nccl' if device == 'cuda' else 'gloo')
     if pattern and not re.search(pattern, proc.stdout + proc.stderr):
         return 'failed', time.time() - t0, f'output lacks /{pattern}/'
+    why = row.check(proc.stdout + proc.stderr) if row.check is not None else ''
+    if why:
+        return 'failed', time.time() - t0, why
     return 'passed', time.time() - t0, row.what
 
 
@@ -146,6 +241,20 @@ def print_table(results) -> None:
         print(f'{name:<{width}}  {status:<7}  {secs}  {detail}')
 
 
+def write_report(path: str, results, total_s: float) -> None:
+    """The results as a Markdown table under a line naming the machine (GPUs, torch, CUDA)."""
+    import torch
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    lines = [f"`python -m tools.smoke --gpu-report`: {len(gpus)} GPU(s) ({', '.join(sorted(set(gpus)))}), "
+             f'torch {torch.__version__}, CUDA {torch.version.cuda}, {total_s / 60:.1f} min in all', '',
+             '| path | status | seconds | detail |', '|---|---|---:|---|']
+    for name, status, seconds, detail in results:
+        secs = f'{seconds:.1f}' if status != 'skipped' else '-'
+        lines.append(f"| {name} | {status} | {secs} | {detail.replace('|', '/')} |")
+    with open(path, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser('python -m tools.smoke', description=__doc__.split('\n\n')[0])
     p.add_argument('--quick', action='store_true', help='the CPU subset CI runs (no --compile); implies --device cpu')
@@ -154,7 +263,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument('--device', choices=['cuda', 'cpu'], default=None,
                    help='default: cpu with --quick, else cuda when a GPU is present')
     p.add_argument('--extra', default='', metavar='"FLAGS"', help='main.py flags appended to every run')
-    p.add_argument('--timeout', type=float, default=900, help='seconds one run of main.py may take')
+    p.add_argument('--timeout', type=float, default=None,
+                   help='seconds one run of main.py may take (default 900; 240 with --gpu-report)')
+    p.add_argument('--gpu-report', default=None, metavar='FILE',
+                   help='every row on the GPU(s) (the 2-process rows need 2 GPUs), then the table as Markdown '
+                        'in FILE: what a first GPU session must check, in under 8 minutes on one GPU')
     return p
 
 
@@ -167,11 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only: unknown row {', '.join(unknown)}; rows: {', '.join(r.name for r in ROWS)}")
     rows = [r for r in ROWS if not names or r.name in names]
     device = args.device
+    if args.gpu_report is not None:
+        import torch
+        if args.quick or device == 'cpu':
+            parser.error('--gpu-report runs every row on the GPU: leave out --quick and --device cpu')
+        if not torch.cuda.is_available():
+            parser.error('--gpu-report needs a GPU: torch.cuda.is_available() is False on this machine')
+        device = 'cuda'
     if device is None:
         import torch
         device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
+    timeout = args.timeout or (240 if args.gpu_report else 900)
     print(f'Smoke test on {device}: {len(rows)} path(s), main.py in {REPO}', flush=True)
 
+    start = time.time()
     work = tempfile.mkdtemp(prefix='nalaformer-smoke-')
     data = write_imagefolder(os.path.join(work, 'data'))
     results = []
@@ -180,11 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         if reason:
             results.append((row.name, 'skipped', 0.0, reason))
             continue
-        status, seconds, detail = run_row(row, device, data, work, shlex.split(args.extra), args.timeout)
+        status, seconds, detail = run_row(row, device, data, work, shlex.split(args.extra), timeout)
         print(f'  {row.name}: {status} ({seconds:.1f} s)', flush=True)
         results.append((row.name, status, seconds, detail))
     print()
     print_table(results)
+    if args.gpu_report:
+        write_report(args.gpu_report, results, time.time() - start)
+        print(f'\nwrote {args.gpu_report}')
     failed = [name for name, status, *_ in results if status == 'failed']
     if failed:
         print(f'\n{len(failed)} path(s) failed; their logs: {work}/<path>.log')
