@@ -182,7 +182,9 @@ def rotate_adjoint(grad: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
 
 
 def _signs(x: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([[1.0], [-1.0]], dtype=x.dtype, device=x.device)
+    """The column (1, -1) made on x's device by arange (1, then 1 - 2): no tensor from Python data,
+    which on a GPU would be a host-to-device copy, twice per NaLa block and forward."""
+    return torch.arange(1.0, -2.0, -2.0, dtype=x.dtype, device=x.device).unsqueeze(-1)
 
 
 def _split_relu(x: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,22 @@ def test_fused_conv_residual_follows_autocast():
     assert rel_err(out.float(), ref.float()) <= 2e-2
 
 
+def test_forward_creates_no_tensor_from_python_data(monkeypatch):
+    """No torch.tensor / as_tensor in the forward or backward (on a GPU each is a host-to-device copy)."""
+    model = timm.create_model('NALAFORMER_XT')
+    x = torch.randn(2, 3, 32, 32)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError('the forward made a tensor from Python data')
+
+    for fast_path in (True, False):
+        model.set_fast_path(fast_path)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, 'tensor', refuse)
+            patch.setattr(torch, 'as_tensor', refuse)
+            model(x).sum().backward()
+
+
 def test_nala_fast_core_copies_no_feature_map():
     """The model passes q, k, v as head views of token-major activations (B, N, h, d strides). The
     core may copy these three inputs head-major once; everything wider must be made in a layout the
