@@ -7,12 +7,13 @@ branches compute in bf16/fp16), so the fast path may differ from the plain path 
 plain path itself differs from fp32. ``amp_path_parity`` measures that on any device and dtype; the
 tests run it on the CPU with bfloat16, a GPU check can run it with float16 and bfloat16.
 """
-from typing import Dict, List, Union
+import contextlib
+from typing import Dict, List, Optional, Union
 
 import torch
 
 from .nala import RoPE
-from .nalaformer import VARIANTS, NaLaBlock, NaLaFormer
+from .nalaformer import VARIANTS, NaLaBlock, NaLaFormer, set_fast_path
 
 __all__ = ['amp_path_parity', 'AMP_TOLERANCE']
 
@@ -26,14 +27,16 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run(block: NaLaBlock, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, fast: bool,
-         dtype: Union[torch.dtype, None]) -> Dict[str, object]:
-    """The block's output and the dtypes of its residual stream after each CPE (what norm1 and norm2 read)."""
-    block.fast_path = block.attn.fast_path = block.ffn.fast_path = fast
+         dtype: Optional[torch.dtype]) -> Dict[str, object]:
+    """The block's output and the dtypes of its residual stream after each CPE (what norm1 and norm2
+    read), under ``dtype`` autocast (None: fp32)."""
+    set_fast_path(block, fast)
     seen = []
     hooks = [norm.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
              for norm in (block.norm1, block.norm2)]
     try:
-        with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        amp = contextlib.nullcontext() if dtype is None else torch.autocast(x.device.type, dtype=dtype)
+        with torch.no_grad(), amp:
             out = block(x, sin, cos)
     finally:
         for hook in hooks:
