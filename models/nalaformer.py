@@ -308,8 +308,9 @@ class NaLaFormer(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Conv2d(HEAD_HIDDEN, num_classes, 1) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
-        # timm's set_scriptable(True) asks for models that TorchScript compiles as they run: the plain path
-        self.set_fast_path(fast_path and not is_scriptable())
+        self.set_fast_path(fast_path)
+        if is_scriptable():  # timm's set_scriptable(True) asks for models TorchScript compiles as they run
+            self.set_fast_path(False)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

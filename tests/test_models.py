@@ -446,7 +446,8 @@ def _fx_model(model):
         # train and eval graphs differ (drop path); the output node is named for each mode below
         warnings.filterwarnings('ignore', 'NOTE: The nodes obtained|The nodes obtained', UserWarning)
         train_nodes, eval_nodes = get_graph_node_names(model)
-    return create_feature_extractor(model, train_return_nodes=[train_nodes[-1]], eval_return_nodes=[eval_nodes[-1]])
+        return create_feature_extractor(model, train_return_nodes=[train_nodes[-1]],
+                                        eval_return_nodes=[eval_nodes[-1]])
 
 
 def test_fx_graph_computes_exactly_what_eager_computes():
