@@ -7,7 +7,7 @@ same tensors and computes the same numbers with fewer passes over memory and a h
 (see the notes above ``NaLaFastFunction`` for the algebra). The attention modules run the fast cores
 unless their ``fast_path`` is off.
 """
-from typing import Callable, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
     'nala_attention_fast', 'softmax_attention_fast', 'rope_phases', 'rotate', 'rotate_real',
-    'rotate_adjoint', 'NaLaFastFunction',
+    'rotate_adjoint', 'NaLaFastFunction', 'lepe_fast',
 ]
 
 NALA_EPS = 1e-6  # added to the normaliser, as in the reference
@@ -79,7 +79,7 @@ def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, t
     """
     k = k ** 3                                           # cube the keys
     k_pos, k_neg = F.relu(k), F.relu(-k)
-    q_norm = q.norm(dim=-1, keepdim=True)                # query norm n
+    q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)  # query norm n
     power = 3 * (0.5 + torch.tanh(q_norm))               # p in [1.5, 4.5)
     q_dir = q / _safe_norm_divisor(q_norm)
     q_pos = F.relu(q_dir) ** power
@@ -88,12 +88,12 @@ def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, t
 
 
 def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+                         sin: torch.Tensor, cos: torch.Tensor, eps: float = NALA_EPS) -> torch.Tensor:
     """NaLa core (docs/method.md#nala-kernel to #normaliser-and-linear-time-order), in the reference's order
     of operations.
 
     q, k, v: (B, h, N, d) float32; sin, cos: (N, d). Returns (B, h, N, d). Linear in N: the N x N
-    attention matrix is never formed.
+    attention matrix is never formed. (``eps`` is an argument because TorchScript reads no globals.)
     """
     head_dim = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q, k)
@@ -103,7 +103,7 @@ def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_rope = torch.cat([apply_rope(k_feat[..., :head_dim], sin, cos),
                         apply_rope(k_feat[..., head_dim:], sin, cos)], dim=-1)
     # normaliser from the un-rotated features, numerator as Q~ ((K~^T N^-1/2)(V N^-1/2))
-    z = 1 / (q_feat @ k_feat.mean(dim=-2, keepdim=True).transpose(-2, -1) + NALA_EPS)
+    z = 1 / (q_feat @ k_feat.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
     # N^-1/2 from a sum over the token axis of q: the legacy ONNX exporter freezes N (and anything made
     # from it, ones_like included) at the traced size, and torch.export cannot serialise it as a float
     scale = (q[..., :1] * 0 + 1).sum(dim=-2, keepdim=True).rsqrt()           # (B, h, 1, 1)
@@ -182,7 +182,9 @@ def rotate_adjoint(grad: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
 
 
 def _signs(x: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([[1.0], [-1.0]], dtype=x.dtype, device=x.device)
+    """The column (1, -1) made on x's device by arange (1, then 1 - 2): no tensor from Python data,
+    which on a GPU would be a host-to-device copy, twice per NaLa block and forward."""
+    return torch.arange(1.0, -2.0, -2.0, dtype=x.dtype, device=x.device).unsqueeze(-1)
 
 
 def _split_relu(x: torch.Tensor) -> torch.Tensor:
@@ -248,12 +250,18 @@ class NaLaFastFunction(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None
 
 
+# The fast path's functions below are FX leaf functions (``torch.fx.wrap``): an FX graph calls them as
+# the eager model does, instead of tracing into an autograd Function or a custom op. TorchScript does
+# not compile them (``torch.jit.unused``): a scripted model takes the plain path.
+
+@torch.jit.unused
 def nala_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """NaLa core with the same inputs and numbers as ``nala_attention_plain`` (fp32, ~1e-6 relative)."""
     return NaLaFastFunction.apply(q, k, v, rope_phases(sin, cos, 2))
 
 
+@torch.jit.unused
 def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """``softmax_attention_plain`` with one rotary pass over q and k together and fused SDPA."""
@@ -261,7 +269,15 @@ def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(qk[0], qk[1], v)
 
 
-AttnCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+@torch.jit.unused
+def lepe_fast(v_map: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """LePE's depthwise 'same' conv on the fast path: the custom op on the channels-last map."""
+    return depthwise_conv_same(v_map.contiguous(memory_format=torch.channels_last), weight, bias)
+
+
+torch.fx.wrap('nala_attention_fast')
+torch.fx.wrap('softmax_attention_fast')
+torch.fx.wrap('lepe_fast')
 
 
 class GatedAttention(nn.Module):
@@ -269,14 +285,12 @@ class GatedAttention(nn.Module):
 
     x (B, H, W, C) tokens -> [q|k|v|g] = qkvg(x) -> lepe = DWConv5x5(v) -> core(q, k, v) per head
     -> y = LN(o + lepe) * SiLU(g) -> out_proj -> (B, H, W, C). The part between qkvg and out_proj runs
-    in float32, also under autocast. Subclasses name their two cores, which compute the same numbers:
-    ``plain_core`` (the reference's order of operations) and ``fast_core``. ``fast_path`` selects the
-    fast core and runs LePE as the custom depthwise op (docs/method.md#fast-path); tracers and
-    exporters always get the plain path (``models.ops.use_plain_ops``).
+    in float32, also under autocast. Subclasses define ``core``, which runs one of two functions that
+    compute the same numbers: the plain core (the reference's order of operations) or the fast core.
+    ``fast_path`` selects the fast core and runs LePE as the custom depthwise op
+    (docs/method.md#fast-path); tracers, exporters and TorchScript always get the plain path
+    (``models.ops.use_plain_ops``).
     """
-
-    plain_core: AttnCore
-    fast_core: AttnCore
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -289,40 +303,61 @@ class GatedAttention(nn.Module):
         self.ln = nn.LayerNorm(dim)
         self.fast_path = True
 
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor,
+             fast: bool) -> torch.Tensor:
+        """The attention core on (B, h, N, d) float32 heads: the fast one if ``fast``, else the plain one."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        fast = self.fast_path and not use_plain_ops()
         qkvg = self.qkvg(x)                                                      # (B, H, W, 4C)
-        with autocast_off(x):
-            # Split, then cast (a no-op in fp32): under autocast each part becomes its own fp32
-            # tensor, v is already channels-last for LePE, and the backward joins bf16 gradients
-            # instead of fp32 ones. (Unpacked first: FX cannot iterate over a traced chunk.)
-            q, k, v, g = qkvg.chunk(4, dim=-1)
-            q, k, v, g = q.float(), k.float(), v.float(), g.float()
-            v_map = v.permute(0, 3, 1, 2)                                        # (B, C, H, W) view
-            weight, bias = self.lepe.weight.float(), self.lepe.bias.float()
-            if fast:
-                lepe = depthwise_conv_same(v_map.contiguous(memory_format=torch.channels_last), weight, bias)
-            else:
-                lepe = F.conv2d(v_map, weight, bias, padding=self.lepe.padding, groups=self.lepe.groups)
-            heads = [t.flatten(1, 2).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-                     for t in (q, k, v)]                                         # (B, h, N, d) views
-            o = (self.fast_core if fast else self.plain_core)(*heads, sin, cos)
-            o = o.transpose(1, 2).reshape(x.shape)                               # (B, H, W, C)
-            y = F.layer_norm(o + lepe.permute(0, 2, 3, 1), self.ln.normalized_shape, self.ln.weight.float(),
-                             self.ln.bias.float(), self.ln.eps) * F.silu(g)
+        if torch.jit.is_scripting():
+            y = self._mix(qkvg, sin, cos, False)  # TorchScript: the plain path, no autocast region
+        else:
+            with autocast_off(x):
+                y = self._mix(qkvg, sin, cos, self.fast_path and not use_plain_ops())
         return self.out_proj(y.to(qkvg.dtype))
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) tokens as (B, h, N, d) heads (a view)."""
+        return t.flatten(1, 2).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+    def _mix(self, qkvg: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, fast: bool) -> torch.Tensor:
+        """Everything between qkvg and out_proj, in float32."""
+        # Split, then cast (a no-op in fp32): under autocast each part becomes its own fp32 tensor,
+        # v is already channels-last for LePE, and the backward joins bf16 gradients instead of fp32
+        # ones. (Unpacked first: FX cannot iterate over a traced chunk.)
+        q, k, v, g = qkvg.chunk(4, dim=-1)
+        q, k, v, g = q.float(), k.float(), v.float(), g.float()
+        v_map = v.permute(0, 3, 1, 2)                                            # (B, C, H, W) view
+        lepe_bias = self.lepe.bias
+        assert lepe_bias is not None                                             # for TorchScript's types
+        weight, bias = self.lepe.weight.float(), lepe_bias.float()
+        if fast:
+            lepe = lepe_fast(v_map, weight, bias)
+        else:
+            lepe = F.conv2d(v_map, weight, bias, padding=self.lepe.padding, groups=self.lepe.groups)
+        o = self.core(self._heads(q), self._heads(k), self._heads(v), sin, cos, fast)
+        o = o.transpose(1, 2).reshape(v.shape)                                   # (B, H, W, C)
+        return F.layer_norm(o + lepe.permute(0, 2, 3, 1), self.ln.normalized_shape, self.ln.weight.float(),
+                            self.ln.bias.float(), self.ln.eps) * F.silu(g)
 
 
 class NaLaAttention(GatedAttention):
-    """Norm×direction linear attention (stages 1-2)."""
+    """Norm×direction linear attention (stages 1-2): ``nala_attention_fast`` or ``nala_attention_plain``."""
 
-    plain_core = staticmethod(nala_attention_plain)
-    fast_core = staticmethod(nala_attention_fast)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor,
+             fast: bool) -> torch.Tensor:
+        if fast:
+            return nala_attention_fast(q, k, v, sin, cos)
+        return nala_attention_plain(q, k, v, sin, cos)
 
 
 class SoftmaxAttention(GatedAttention):
     """Softmax attention with RoPE (stages 3-4), same parameters and frame as NaLa; the fast core is
     ``softmax_attention_fast`` (one rotary pass, fused scaled_dot_product_attention)."""
 
-    plain_core = staticmethod(softmax_attention_plain)
-    fast_core = staticmethod(softmax_attention_fast)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor,
+             fast: bool) -> torch.Tensor:
+        if fast:
+            return softmax_attention_fast(q, k, v, sin, cos)
+        return softmax_attention_plain(q, k, v, sin, cos)

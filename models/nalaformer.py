@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, trunc_normal_
+from timm.layers import DropPath, SelectAdaptivePool2d, is_scriptable, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
@@ -26,6 +26,9 @@ __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn', 'set_fast_path']
 
 HEAD_HIDDEN = 1024
 
+#: ``global_pool`` values: timm's pools that keep the head's width ('' keeps the spatial map).
+GLOBAL_POOLS = ('avg', 'max', 'avgmax', '')
+
 #: The fast path runs a stage's blocks on slices of the batch whose widest activation (the 4C-wide
 #: qkvg output or FFN hidden) stays below this many bytes: such blocks stay in cache between ops, and
 #: glibc serves them from memory freed by the previous slice instead of mapping fresh, zeroed pages.
@@ -34,20 +37,32 @@ BATCH_SLICE_BYTES = 16 * 2 ** 20
 
 
 def conv_residual(x: torch.Tensor, conv: nn.Conv2d, fast: bool) -> torch.Tensor:
-    """x + conv(x) for a depthwise 'same' conv. With ``fast`` it is one conv whose kernel has 1 added at
-    its centre (the custom depthwise op on a channels-last map): one pass over x instead of two, and no
-    stored sum; the result differs only by rounding and runs in autocast's dtype under autocast, as
-    the conv itself would."""
+    """x + conv(x) for a depthwise 'same' conv; with ``fast``, ``conv_residual_fast``."""
     if not fast:
         return x + conv(x)
-    kh, kw = conv.kernel_size
-    # a 1 at the kernel centre, padded out without item assignment (which FX cannot trace)
-    identity = F.pad(conv.weight.new_ones(1, 1, 1, 1), (kw // 2, kw // 2, kh // 2, kh // 2))
-    weight, bias = conv.weight + identity, conv.bias
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
+    return conv_residual_fast(x, conv.weight, conv.bias)
+
+
+@torch.jit.unused
+def conv_residual_fast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x + conv(x) as one depthwise 'same' conv whose kernel has 1 added at its centre (the custom op on
+    a channels-last map): one pass over x instead of two, and no stored sum; the result differs only
+    by rounding.
+
+    It runs in x's dtype, also under autocast, so that the result has the dtype of the plain path's
+    ``x + conv(x)``: the fp32 residual stream stays fp32 (rounding it to bf16/fp16 at every CPE would
+    change the model's numbers), and the FFN's bf16/fp16 activations stay in theirs. An FX leaf
+    function; TorchScript does not compile it (a scripted model takes the plain path).
+    """
+    kh, kw = weight.shape[-2:]
+    # a 1 at the kernel centre, padded out without item assignment
+    identity = F.pad(weight.new_ones(1, 1, 1, 1), (kw // 2, kw // 2, kh // 2, kh // 2))
+    bias = weight.new_zeros(weight.shape[0]) if bias is None else bias
+    weight, bias = (weight + identity).to(x.dtype), bias.to(x.dtype)
     return depthwise_conv_same(x.contiguous(memory_format=torch.channels_last), weight, bias)
+
+
+torch.fx.wrap('conv_residual_fast')
 
 
 class ChannelsLastLayerNorm(nn.Module):
@@ -75,9 +90,12 @@ class ConvFFN(nn.Module):
         self.fast_path = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fast = self.fast_path and not use_plain_ops()
         y = self.act(self.fc1(x)).permute(0, 3, 1, 2)                          # (B, F, H, W) view
-        return self.fc2(conv_residual(y, self.dwconv, fast).permute(0, 2, 3, 1))
+        if self.fast_path and not use_plain_ops():
+            y = conv_residual_fast(y, self.dwconv.weight, self.dwconv.bias)
+        else:
+            y = y + self.dwconv(y)
+        return self.fc2(y.permute(0, 2, 3, 1))
 
 
 class NaLaBlock(nn.Module):
@@ -105,9 +123,9 @@ class NaLaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         fast = self.fast_path and not use_plain_ops()
-        x = conv_residual(x, self.cpe1, fast)
+        x = conv_residual_fast(x, self.cpe1.weight, self.cpe1.bias) if fast else x + self.cpe1(x)
         x = self._add_scaled(x, self.gamma_1, self.attn(self.norm1(x.permute(0, 2, 3, 1)), sin, cos), fast)
-        x = conv_residual(x, self.cpe2, fast)
+        x = conv_residual_fast(x, self.cpe2.weight, self.cpe2.bias) if fast else x + self.cpe2(x)
         return self._add_scaled(x, self.gamma_2, self.ffn(self.norm2(x.permute(0, 2, 3, 1))), fast)
 
     def _add_scaled(self, x: torch.Tensor, gamma: torch.Tensor, tokens: torch.Tensor, fast: bool) -> torch.Tensor:
@@ -158,14 +176,23 @@ class NaLaStage(nn.Module):
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's blocks, without the downsample: the stage's feature map."""
-        sin, cos = self.RoPE(x.shape[-2:])
+        sin, cos = self.RoPE((x.shape[-2], x.shape[-1]))
         if self.fast_path and not use_plain_ops():
-            x = x.contiguous(memory_format=torch.channels_last)
+            return self._run_blocks_fast(x, sin, cos)
+        return self._run_blocks(x, sin, cos)
+
+    @torch.jit.unused
+    def _run_blocks_fast(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        """The fast path's layout (channels-last) and batch slicing. An FX graph runs the whole batch
+        at once: it records one graph for every batch size."""
+        x = x.contiguous(memory_format=torch.channels_last)
+        if not is_fx_symbolic_tracing():
             slice_size = self.batch_slice_size(x)
             if slice_size < x.shape[0]:
                 return torch.cat([self._run_blocks(part, sin, cos) for part in x.split(slice_size)])
         return self._run_blocks(x, sin, cos)
 
+    @torch.jit.unused
     def batch_slice_size(self, x: torch.Tensor) -> int:
         """Images per slice of the batch for the fast path (see ``BATCH_SLICE_BYTES``); the whole
         batch on a GPU, where slicing is off, under tracing or compilation, or for a single image."""
@@ -183,8 +210,11 @@ class NaLaStage(nn.Module):
                 x = block(x, sin, cos)
         return x
 
+    @torch.jit.unused
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The linked previous stage's downsample, then the blocks: this stage's feature map."""
+        """The linked previous stage's downsample, then the blocks: this stage's feature map.
+        (TorchScript cannot follow the link; a scripted model runs ``forward_blocks`` and the
+        downsamples itself, see ``NaLaFormer.forward_features``.)"""
         downsample = self._input_stage[0].downsample if self._input_stage else None
         if downsample is not None and is_fx_symbolic_tracing():
             # FX names a module call after the module's path (layers.{i-1}.downsample); run as
@@ -247,8 +277,7 @@ class NaLaFormer(nn.Module):
             global_pool: str = 'avg',
     ) -> None:
         super().__init__()
-        if global_pool != 'avg':
-            raise ValueError(f"NaLaFormer supports global_pool='avg' only, got {global_pool!r}")
+        _check_global_pool(global_pool)
         self.num_classes = num_classes
         self.embed_dims = tuple(embed_dims)
         self.num_features = embed_dims[-1]
@@ -275,11 +304,14 @@ class NaLaFormer(nn.Module):
         self.proj = nn.Linear(embed_dims[-1], HEAD_HIDDEN)
         self.norm = nn.BatchNorm2d(HEAD_HIDDEN)
         self.act = nn.SiLU()
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.global_pool = SelectAdaptivePool2d(pool_type=global_pool)
+        self.flatten = nn.Flatten(1) if global_pool else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Conv2d(HEAD_HIDDEN, num_classes, 1) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
         self.set_fast_path(fast_path)
+        if is_scriptable():  # timm's set_scriptable(True) asks for models TorchScript compiles as they run
+            self.set_fast_path(False)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -322,8 +354,11 @@ class NaLaFormer(nn.Module):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        if global_pool not in (None, 'avg'):
-            raise ValueError(f"NaLaFormer supports global_pool='avg' only, got {global_pool!r}")
+        """A new classifier for ``num_classes`` (0: none); ``global_pool`` (None: unchanged) as at creation."""
+        if global_pool is not None:
+            _check_global_pool(global_pool)
+            self.global_pool = SelectAdaptivePool2d(pool_type=global_pool)
+            self.flatten = nn.Flatten(1) if global_pool else nn.Identity()
         self.num_classes = num_classes
         if num_classes > 0:
             self.head = nn.Conv2d(HEAD_HIDDEN, num_classes, 1)
@@ -378,22 +413,39 @@ class NaLaFormer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
-        for stage in self.layers:
-            x = stage(x)
+        if torch.jit.is_scripting():
+            # TorchScript cannot follow a stage's link to the previous stage's downsample: the same
+            # ops in the same order, each stage's blocks followed by its own downsample
+            for stage in self.layers:
+                x = stage.forward_blocks(x)
+                if stage.downsample is not None:
+                    x = stage.downsample(x)
+        else:
+            for stage in self.layers:
+                x = stage(x)
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        batch, channels, height, width = x.shape
+        """The hidden layer (a per-position linear, BN, SiLU), the global pool, the classifier (a 1x1
+        conv). Without pooling (``global_pool=''``) every position goes through the hidden layer and
+        the classifier, and the result is a (B, C, H, W) map."""
+        batch, height, width = x.shape[0], x.shape[-2], x.shape[-1]
         x = self.proj(x.flatten(2).transpose(1, 2))                             # (B, N, 1024)
         x = x.transpose(1, 2).reshape(batch, -1, height, width)
-        x = self.avgpool(self.act(self.norm(x)))
+        x = self.global_pool(self.act(self.norm(x)))
         x = self.head_drop(x)
         if pre_logits:
-            return x.flatten(1)
-        return self.head(x).flatten(1)
+            return self.flatten(x)
+        return self.flatten(self.head(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def _check_global_pool(global_pool: str) -> None:
+    if global_pool not in GLOBAL_POOLS:
+        raise ValueError(f'NaLaFormer: global_pool must be one of {GLOBAL_POOLS}, got {global_pool!r} '
+                         "(pools that widen the features, such as 'catavgmax', do not fit the head)")
 
 
 def set_fast_path(module: nn.Module, enable: bool) -> None:

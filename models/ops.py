@@ -12,14 +12,18 @@ __all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward', 'use_plain_ops
 
 def use_plain_ops() -> bool:
     """True while a tracer or exporter records the model: torch.jit.trace (also fvcore and the legacy
-    ONNX exporter), FX symbolic tracing, torch.export (also the dynamo ONNX exporter).
+    ONNX exporter), torch.export (also the dynamo ONNX exporter), and in TorchScript.
 
     The fast path's autograd Function and custom op are opaque to these tools (fvcore counts no FLOPs
-    in them, ONNX has no translation for them, a traced graph cannot be saved), so the model takes
-    the plain path, which computes the same numbers from standard ops. torch.compile is not affected.
+    in them, ONNX has no translation for them, a traced graph cannot be saved, TorchScript cannot
+    compile them), so the model takes the plain path, which computes the same numbers from standard
+    ops. torch.compile is not affected, nor is FX symbolic tracing: the fast path's pieces are FX leaf
+    functions (``torch.fx.wrap``), so an FX graph computes exactly what the eager model computes.
     """
-    return (torch.jit.is_tracing() or is_fx_symbolic_tracing() or torch.compiler.is_exporting()
-            or torch.onnx.is_in_onnx_export())
+    if torch.jit.is_scripting():
+        return True
+    else:  # an explicit else: TorchScript then does not compile these Python-only checks
+        return torch.jit.is_tracing() or torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
 
 
 def autocast_off(x: torch.Tensor) -> ContextManager:
@@ -37,9 +41,11 @@ def depthwise_conv_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Inductor lowered the depthwise convs' backward (CPE, FFN, LePE) with the input re-laid out as
     (B, H, C, W), on which oneDNN's depthwise backward is several times slower than on the
     channels-last map. As an opaque op with an opaque backward, its tensors keep the strides eager
-    mode gives them. Same numbers as F.conv2d; pass channels-last maps.
+    mode gives them. Same numbers as F.conv2d; pass channels-last maps. It computes in its inputs'
+    dtype, also under autocast (which is still on inside a custom op), as its fake says.
     """
-    return F.conv2d(x, weight, bias, 1, weight.shape[-1] // 2, 1, x.shape[1])
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.conv2d(x, weight, bias, 1, weight.shape[-1] // 2, 1, x.shape[1])
 
 
 @depthwise_conv_same.register_fake

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import models  # noqa: F401
+from models import nala
 from models.nala import (
     NaLaAttention,
     RoPE,
-    SoftmaxAttention,
     apply_rope,
     nala_attention_fast,
     nala_attention_plain,
@@ -120,14 +120,43 @@ def test_depthwise_conv_op_equals_conv2d_with_gradients(channels_last, kernel):
     torch.library.opcheck(depthwise_conv_same, (x, weight, bias))
 
 
-def test_fused_conv_residual_follows_autocast():
+def test_fused_conv_residual_keeps_the_input_dtype_under_autocast():
+    """As the plain path's x + conv(x): an fp32 residual stream stays fp32, bf16 activations stay bf16."""
     from models.nalaformer import conv_residual
     conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
     x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        out, ref = conv_residual(x, conv, fast=True), x + conv(x)
-    assert out.dtype == torch.bfloat16
-    assert rel_err(out.float(), ref.float()) <= 2e-2
+        for inp in (x, x.bfloat16()):
+            out, ref = conv_residual(inp, conv, fast=True), inp + conv(inp)
+            assert out.dtype == ref.dtype == inp.dtype
+            assert rel_err(out.float(), ref.float()) <= 2e-2
+
+
+@pytest.mark.parametrize('variant', ['NALAFORMER_XT', 'NALAFORMER_T', 'NALAFORMER_S', 'NALAFORMER_B', 'NALAFORMER_L'])
+def test_amp_fast_path_keeps_the_residual_stream_fp32(variant):
+    """Under CPU bf16 autocast, one block per stage with the variant's own layer scale: the residual
+    stream is fp32 on both paths, and fast differs from plain by no more than plain from fp32."""
+    from models.amp_parity import AMP_TOLERANCE, amp_path_parity
+    for row in amp_path_parity(variant):
+        assert row['stream_dtypes'] == ['float32'] * 4, row
+        assert row['fast_vs_plain'] <= AMP_TOLERANCE * row['plain_vs_fp32'], row
+        assert row['ok']
+
+
+def test_forward_creates_no_tensor_from_python_data(monkeypatch):
+    """No torch.tensor / as_tensor in the forward or backward (on a GPU each is a host-to-device copy)."""
+    model = timm.create_model('NALAFORMER_XT')
+    x = torch.randn(2, 3, 32, 32)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError('the forward made a tensor from Python data')
+
+    for fast_path in (True, False):
+        model.set_fast_path(fast_path)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, 'tensor', refuse)
+            patch.setattr(torch, 'as_tensor', refuse)
+            model(x).sum().backward()
 
 
 def test_nala_fast_core_copies_no_feature_map():
@@ -265,9 +294,10 @@ def test_each_path_runs_its_own_cores_and_convs(monkeypatch):
             return fn(*args)
         return call
 
-    for cls in (NaLaAttention, SoftmaxAttention):
-        for name in ('plain_core', 'fast_core'):
-            monkeypatch.setattr(cls, name, staticmethod(spy(getattr(cls, name), f'{cls.__name__}.{name}')))
+    for kind in ('nala', 'softmax'):
+        for path in ('plain', 'fast'):
+            name = f'{kind}_attention_{path}'
+            monkeypatch.setattr(nala, name, spy(getattr(nala, name), name))
     for module in (nala, nalaformer):
         monkeypatch.setattr(module, 'depthwise_conv_same', spy(module.depthwise_conv_same, 'depthwise_conv_same'))
     model = timm.create_model('NALAFORMER_XT').eval()
@@ -277,9 +307,9 @@ def test_each_path_runs_its_own_cores_and_convs(monkeypatch):
         model.set_fast_path(fast_path)
         with torch.no_grad():
             model(x)
-        kind = 'fast_core' if fast_path else 'plain_core'
+        path = 'fast' if fast_path else 'plain'
         # per block: one attention core; the custom op for both CPEs, LePE and the FFN's conv
-        assert sorted(set(calls) - {'depthwise_conv_same'}) == [f'NaLaAttention.{kind}', f'SoftmaxAttention.{kind}']
+        assert sorted(set(calls) - {'depthwise_conv_same'}) == [f'nala_attention_{path}', f'softmax_attention_{path}']
         assert len(calls) == 8 + (4 * 8 if fast_path else 0)
 
 
@@ -304,7 +334,7 @@ def test_autocast_runs_the_attention_core_in_fp32(monkeypatch):
         dtypes.append((q.dtype, k.dtype, v.dtype))
         return nala_attention_fast(q, k, v, sin, cos)
 
-    monkeypatch.setattr(NaLaAttention, 'fast_core', staticmethod(spy))
+    monkeypatch.setattr(nala, 'nala_attention_fast', spy)
     attn = NaLaAttention(32, 2)
     sin, cos = RoPE(32, 2)((6, 5))
     x = torch.randn(2, 6, 5, 32)                                          # (B, H, W, C) tokens
