@@ -137,10 +137,14 @@ def test_gpu_report_is_a_markdown_table_of_every_row(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_fast_vs_plain_measures_both_paths_against_fp32():
-    import torch
-    fast, plain = smoke.fast_vs_plain('NALAFORMER_XT', torch.bfloat16, 'cpu', size=32, batch=2)
-    assert 0 < plain < 0.1 and 0 < fast < 0.1  # autocast rounds, and both paths stay close to fp32
+def test_fast_vs_plain_row_applies_the_models_amp_rule_to_every_variant(monkeypatch):
+    from models import amp_parity
+    status, detail = smoke.fast_vs_plain_row('bf16')('cpu')
+    assert status == 'passed', detail
+    assert all(f'{v} ' in detail for v in ('XT', 'T', 'S', 'B', 'L'))
+    monkeypatch.setattr(amp_parity, 'AMP_TOLERANCE', 0.0)  # no slack: any rounding difference fails the row
+    status, detail = smoke.fast_vs_plain_row('bf16')('cpu')
+    assert status == 'failed' and 'stage' in detail
 
 
 @pytest.mark.slow
