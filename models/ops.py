@@ -5,7 +5,8 @@ from typing import ContextManager, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+from .compat import is_exporting, is_fx_symbolic_tracing
 
 __all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward', 'use_plain_ops', 'autocast_off']
 
@@ -18,7 +19,7 @@ def use_plain_ops() -> bool:
     in them, ONNX has no translation for them, a traced graph cannot be saved), so the model takes
     the plain path, which computes the same numbers from standard ops. torch.compile is not affected.
     """
-    return (torch.jit.is_tracing() or is_fx_symbolic_tracing() or torch.compiler.is_exporting()
+    return (torch.jit.is_tracing() or is_fx_symbolic_tracing() or is_exporting()
             or torch.onnx.is_in_onnx_export())
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 from timm.models import load_state_dict
 
 from models import VARIANTS  # importing models registers the variants
+from models.compat import dynamo_onnx_export_error, export_dim
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')
 INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
@@ -56,7 +57,7 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
     """Write ``model`` traced on ``x`` to ``path`` as ``fmt`` (one of ``FORMATS``); with ``dynamic``,
     batch, height and width are free. ``legacy_onnx`` selects the TorchScript-based ONNX exporter."""
     batch_hw = {0: 'batch', 2: 'height', 3: 'width'}
-    dims = {i: torch.export.Dim.DYNAMIC for i in batch_hw}
+    dims = {i: export_dim(name) for i, name in batch_hw.items()}
     with torch.no_grad(), warnings.catch_warnings():
         # TorchScript and the legacy ONNX exporter are deprecated by PyTorch but still what many
         # deployments read; their warnings (and the tracer's notes on Python numbers) are expected here.
@@ -68,6 +69,8 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
             torch.onnx.export(model, (x,), path, dynamo=False, input_names=[INPUT_NAME],
                               output_names=[OUTPUT_NAME], dynamic_axes=axes)
         elif fmt == 'onnx':
+            if dynamo_onnx_export_error():
+                raise RuntimeError(dynamo_onnx_export_error())
             torch.onnx.export(model, (x,), path, dynamo=True, verbose=False, input_names=[INPUT_NAME],
                               output_names=[OUTPUT_NAME], dynamic_shapes=(dims,) if dynamic else None)
         elif fmt == 'torchscript':
@@ -127,6 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f'--output {args.output}: directory {out_dir} does not exist; create it first')
     if args.checkpoint and not os.path.isfile(args.checkpoint):
         parser.error(f'--checkpoint {args.checkpoint}: no such file')
+    if args.format == 'onnx' and not args.legacy_onnx and dynamo_onnx_export_error():
+        parser.error(dynamo_onnx_export_error())
     if args.format == 'onnx':
         missing = [m for m in ('onnx', 'onnxscript', 'onnxruntime') if not _importable(m)]
         if missing:

@@ -1,0 +1,75 @@
+"""models.compat: each version-dependent call works through the current API and through the fallback
+taken on older torch releases (forced here by hiding the current API)."""
+import argparse
+
+import pytest
+import torch
+
+from models import compat
+from models.ops import use_plain_ops
+from tools import export
+
+
+class Probe(torch.nn.Module):
+    """Records what use_plain_ops() said during its last forward."""
+
+    def forward(self, x):
+        self.plain = use_plain_ops()
+        return x + 1
+
+
+@pytest.fixture(params=['current', 'fallback'])
+def api(request, monkeypatch):
+    """Run a test with the current APIs and again with them hidden, as on torch 2.4."""
+    if request.param == 'fallback':
+        for name in ('_FX_SYMBOLIC_TRACING', '_IS_EXPORTING', '_SAFE_GLOBALS', '_DIM_DYNAMIC'):
+            monkeypatch.setattr(compat, name, None)
+    return request.param
+
+
+def test_plain_ops_under_each_tracer_and_not_under_compile_or_eager(api):
+    probe, x = Probe(), torch.ones(2)
+    probe(x)
+    assert probe.plain is False
+    torch.fx.symbolic_trace(probe)
+    assert probe.plain is True
+    torch.export.export(probe, (x,))
+    assert probe.plain is True
+    torch.export.export(probe, (x,), strict=False)
+    assert probe.plain is True
+    torch._dynamo.reset()
+    torch.compile(probe, backend='eager')(x)
+    assert probe.plain is False
+    assert compat.is_fx_symbolic_tracing() is False and compat.is_exporting() is False
+
+
+def test_safe_globals_allows_the_classes_only_inside_the_block(api, tmp_path):
+    path = tmp_path / 'ns.pth'
+    torch.save({'args': argparse.Namespace(lr=0.1)}, path)
+    with compat.safe_globals([argparse.Namespace]):
+        assert torch.load(path, weights_only=True)['args'].lr == 0.1
+    with pytest.raises(Exception, match='Namespace'):
+        torch.load(path, weights_only=True)
+
+
+def test_export_dim_gives_a_free_dimension(api):
+    # an odd and an even batch from one program whose batch was traced at 2
+    dims = ({0: compat.export_dim('batch')},)
+    program = torch.export.export(torch.nn.Linear(3, 2), (torch.randn(2, 3),), dynamic_shapes=dims)
+    assert program.module()(torch.randn(5, 3)).shape == (5, 2)
+
+
+def test_dynamo_onnx_export_names_the_torch_it_needs(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(compat, 'TORCH_VERSION', (2, 4))
+    reason = compat.dynamo_onnx_export_error()
+    assert 'needs torch >= 2.6' in reason and '--legacy-onnx' in reason
+    with pytest.raises(SystemExit) as ei:
+        export.main(['--format', 'onnx', '--output', str(tmp_path / 'm.onnx')])
+    assert ei.value.code == 2 and 'needs torch >= 2.6' in capsys.readouterr().err
+    monkeypatch.setattr(compat, 'TORCH_VERSION', (2, 6))
+    assert compat.dynamo_onnx_export_error() is None
+
+
+def test_torch_version_parsing():
+    assert compat._release('2.4.0+cu121') == (2, 4) and compat._release('2.14.1') == (2, 14)
+    assert compat.torch_at_least('2.4')
