@@ -17,7 +17,7 @@ from checkpoint import EpochState, get_rng_state, set_rng_state
 from distributed import all_reduce_max, all_reduce_sum, get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
-from models.compat import set_tf32_flags
+from models.compat import set_tf32_flags, total_norm
 
 
 @dataclass
@@ -169,7 +169,7 @@ class OptimizerStep:
 def _grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of all gradients (unscaled, before clipping), for the per-step log."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    return float(total_norm(grads)) if grads else 0.0
 
 
 def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tensor], data_loader: Any,

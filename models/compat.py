@@ -11,7 +11,7 @@ import torch
 import torch.fx._symbolic_trace as _fx_trace
 
 __all__ = ['TORCH_VERSION', 'torch_at_least', 'is_fx_symbolic_tracing', 'is_exporting', 'safe_globals',
-           'set_tf32_flags', 'export_dim', 'dynamo_onnx_export_error']
+           'set_tf32_flags', 'export_dim', 'dynamo_onnx_export_error', 'arange', 'total_norm']
 
 
 def _release(version: str) -> tuple:
@@ -27,6 +27,7 @@ _FX_SYMBOLIC_TRACING = getattr(_fx_trace, 'is_fx_symbolic_tracing', None)
 _IS_EXPORTING = getattr(torch.compiler, 'is_exporting', None)
 _SAFE_GLOBALS = getattr(torch.serialization, 'safe_globals', None)
 _DIM_DYNAMIC = getattr(torch.export.Dim, 'DYNAMIC', None)
+_GET_TOTAL_NORM = getattr(torch.nn.utils, 'get_total_norm', None)
 
 
 def torch_at_least(version: str) -> bool:
@@ -105,3 +106,18 @@ def dynamo_onnx_export_error() -> Optional[str]:
         return None
     return (f'ONNX export through torch.export needs torch >= 2.6 (installed: {torch.__version__}); '
             'upgrade torch or pass --legacy-onnx')
+
+
+def arange(end: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.arange(end, **kwargs)`` that FX symbolic tracing records when ``end`` is a traced size
+    (a Proxy), as current releases do by themselves; older ones reject the Proxy."""
+    if isinstance(end, torch.fx.Proxy):
+        return end.tracer.create_proxy('call_function', torch.arange, (end,), kwargs)
+    return torch.arange(end, **kwargs)
+
+
+def total_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``tensors`` together (``torch.nn.utils.get_total_norm`` where it exists)."""
+    if _GET_TOTAL_NORM is not None:
+        return _GET_TOTAL_NORM(tensors)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))

@@ -22,7 +22,7 @@ class Probe(torch.nn.Module):
 def api(request, monkeypatch):
     """Run a test with the current APIs and again with them hidden, as on torch 2.4."""
     if request.param == 'fallback':
-        for name in ('_FX_SYMBOLIC_TRACING', '_IS_EXPORTING', '_SAFE_GLOBALS', '_DIM_DYNAMIC'):
+        for name in ('_FX_SYMBOLIC_TRACING', '_IS_EXPORTING', '_SAFE_GLOBALS', '_DIM_DYNAMIC', '_GET_TOTAL_NORM'):
             monkeypatch.setattr(compat, name, None)
     return request.param
 
@@ -57,6 +57,21 @@ def test_export_dim_gives_a_free_dimension(api):
     dims = ({0: compat.export_dim('batch')},)
     program = torch.export.export(torch.nn.Linear(3, 2), (torch.randn(2, 3),), dynamic_shapes=dims)
     assert program.module()(torch.randn(5, 3)).shape == (5, 2)
+
+
+def test_total_norm_is_the_norm_of_all_tensors_together(api):
+    tensors = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]]), torch.zeros(3)]
+    assert torch.allclose(compat.total_norm(tensors), torch.tensor(5.0))
+
+
+def test_arange_of_a_traced_size_is_recorded_by_fx():
+    class Positions(torch.nn.Module):
+        def forward(self, x):
+            return x + compat.arange(x.shape[-1], dtype=x.dtype, device=x.device)
+
+    traced = torch.fx.symbolic_trace(Positions())
+    x = torch.zeros(2, 7)  # the graph follows the input's size
+    assert torch.equal(traced(x), torch.arange(7.0).expand(2, 7))
 
 
 def test_dynamo_onnx_export_names_the_torch_it_needs(monkeypatch, tmp_path, capsys):
