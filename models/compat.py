@@ -11,7 +11,7 @@ import torch
 import torch.fx._symbolic_trace as _fx_trace
 
 __all__ = ['TORCH_VERSION', 'torch_at_least', 'is_fx_symbolic_tracing', 'is_exporting', 'safe_globals',
-           'set_tf32_flags', 'export_dim', 'dynamo_onnx_export_error', 'arange', 'total_norm']
+           'set_tf32_flags', 'export_dim', 'dynamo_onnx_export_error', 'dynamic_export_error', 'arange', 'total_norm']
 
 
 def _release(version: str) -> tuple:
@@ -98,6 +98,16 @@ def export_dim(name: str) -> Any:
     """A free dimension for torch.export's ``dynamic_shapes``: ``Dim.DYNAMIC`` (its size and its
     relations to other sizes inferred) where it exists, else a named ``Dim``."""
     return _DIM_DYNAMIC if _DIM_DYNAMIC is not None else torch.export.Dim(name)
+
+
+def dynamic_export_error() -> Optional[str]:
+    """Why torch.export cannot leave height and width free here (one line), or None if it can: without
+    ``Dim.DYNAMIC`` each free size must be declared with its relations, and torch 2.4's shape solver
+    fails on the network's stride-32 sizes."""
+    if _DIM_DYNAMIC is not None:
+        return None
+    return (f'a torch.export program with free batch, height and width needs torch >= 2.6 '
+            f'(installed: {torch.__version__}); upgrade torch, or export at a fixed size without --dynamic')
 
 
 def dynamo_onnx_export_error() -> Optional[str]:
