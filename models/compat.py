@@ -11,7 +11,7 @@ import torch
 import torch.fx._symbolic_trace as _fx_trace
 
 __all__ = ['TORCH_VERSION', 'torch_at_least', 'is_fx_symbolic_tracing', 'is_exporting', 'safe_globals',
-           'set_tf32_flags', 'export_dim', 'dynamo_onnx_export_error', 'dynamic_export_error', 'arange', 'total_norm']
+           'set_tf32_flags', 'export_dim', 'dynamo_onnx_export_error', 'export_program_error', 'arange', 'total_norm']
 
 
 def _release(version: str) -> tuple:
@@ -100,14 +100,15 @@ def export_dim(name: str) -> Any:
     return _DIM_DYNAMIC if _DIM_DYNAMIC is not None else torch.export.Dim(name)
 
 
-def dynamic_export_error() -> Optional[str]:
-    """Why torch.export cannot leave height and width free here (one line), or None if it can: without
-    ``Dim.DYNAMIC`` each free size must be declared with its relations, and torch 2.4's shape solver
-    fails on the network's stride-32 sizes."""
+def export_program_error() -> Optional[str]:
+    """Why a torch.export program of the model cannot be made here (one line), or None if it can.
+
+    Releases without ``Dim.DYNAMIC`` (torch < 2.6) fail on the model: torch 2.4's exporter rejects the
+    autocast region of the plain path and its shape solver fails on free stride-32 sizes."""
     if _DIM_DYNAMIC is not None:
         return None
-    return (f'a torch.export program with free batch, height and width needs torch >= 2.6 '
-            f'(installed: {torch.__version__}); upgrade torch, or export at a fixed size without --dynamic')
+    return (f'a torch.export program of the model needs torch >= 2.6 (installed: {torch.__version__}); '
+            'upgrade torch, or use --format torchscript or --format onnx --legacy-onnx')
 
 
 def dynamo_onnx_export_error() -> Optional[str]:

@@ -85,11 +85,11 @@ def test_dynamo_onnx_export_names_the_torch_it_needs(monkeypatch, tmp_path, caps
     assert compat.dynamo_onnx_export_error() is None
 
 
-def test_dynamic_export_without_dim_dynamic_names_the_torch_it_needs(monkeypatch, tmp_path, capsys):
+def test_export_program_without_dim_dynamic_names_the_torch_it_needs(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(compat, '_DIM_DYNAMIC', None)
-    assert 'needs torch >= 2.6' in compat.dynamic_export_error()
+    assert 'needs torch >= 2.6' in compat.export_program_error()
     with pytest.raises(SystemExit) as ei:
-        export.main(['--format', 'exported-program', '--dynamic', '--output', str(tmp_path / 'm.pt2')])
+        export.main(['--format', 'exported-program', '--output', str(tmp_path / 'm.pt2')])
     assert ei.value.code == 2 and 'needs torch >= 2.6' in capsys.readouterr().err
 
 

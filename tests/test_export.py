@@ -8,7 +8,7 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the variants)
-from models.compat import dynamic_export_error, dynamo_onnx_export_error
+from models.compat import dynamo_onnx_export_error, export_program_error
 from tools.export import check_export, main
 
 TOL = 1e-4
@@ -49,8 +49,8 @@ def test_torchscript_trace_save_load(model, tmp_path):
 
 @pytest.mark.slow
 def test_torch_export_save_load(model, tmp_path):
-    if dynamic_export_error():
-        pytest.skip(dynamic_export_error())
+    if export_program_error():
+        pytest.skip(export_program_error())
     results = check_export(model, 'exported-program', str(tmp_path / 'm.pt2'), 64, dynamic=True)
     assert_parity(results, DYNAMIC_SHAPES)
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from timm.models import load_state_dict
 
 from models import VARIANTS  # importing models registers the variants
-from models.compat import dynamic_export_error, dynamo_onnx_export_error, export_dim
+from models.compat import dynamo_onnx_export_error, export_dim, export_program_error
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')
 INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
@@ -76,8 +76,8 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
         elif fmt == 'torchscript':
             torch.jit.save(torch.jit.trace(model, x), path)
         elif fmt == 'exported-program':
-            if dynamic and dynamic_export_error():
-                raise RuntimeError(dynamic_export_error())
+            if export_program_error():
+                raise RuntimeError(export_program_error())
             torch.export.save(torch.export.export(model, (x,), dynamic_shapes=(dims,) if dynamic else None), path)
         else:
             raise ValueError(f'unknown format {fmt!r}; choose one of {FORMATS}')
@@ -134,8 +134,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f'--checkpoint {args.checkpoint}: no such file')
     if args.format == 'onnx' and not args.legacy_onnx and dynamo_onnx_export_error():
         parser.error(dynamo_onnx_export_error())
-    if args.format == 'exported-program' and args.dynamic and dynamic_export_error():
-        parser.error(dynamic_export_error())
+    if args.format == 'exported-program' and export_program_error():
+        parser.error(export_program_error())
     if args.format == 'onnx':
         missing = [m for m in ('onnx', 'onnxscript', 'onnxruntime') if not _importable(m)]
         if missing:
