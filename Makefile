@@ -1,15 +1,27 @@
-# `make test` and `make demo` build the virtual environment from requirements.txt on first use.
+# `make test` and `make demo` build the virtual environment from requirements.txt on first use, with the
+# newest tested releases (constraints.txt); `make test-min` builds .venv-min with the oldest supported
+# ones (constraints-min.txt) and runs the fast suite in it.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VENV_MIN ?= .venv-min
+PY_MIN := $(VENV_MIN)/bin/python
 
-.PHONY: test test-fast lint smoke venv venv-optional demo clean-venv
+.PHONY: test test-fast test-min lint smoke venv venv-min venv-optional demo demo-min clean-venv
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements.txt -c constraints.txt
+	touch $@
+
+# torch 2.4.0 / torchvision 0.19.0 / the oldest accepted timm (PyPI's CUDA wheels: a few GB, a few minutes)
+venv-min: $(VENV_MIN)/.installed
+
+$(VENV_MIN)/.installed: requirements.txt constraints-min.txt
+	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
+	$(PY_MIN) -m pip install -q -r requirements.txt -c constraints-min.txt
 	touch $@
 
 # the optional extras (ONNX export, TensorBoard); without them their tests skip with a reason
@@ -26,12 +38,16 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -q -m 'not slow' tests
 
+# the fast suite on the oldest supported releases
+test-min: venv-min
+	$(PY_MIN) -m pytest -q -m 'not slow' tests
+
 # style and simple bugs (rules in pyproject.toml); `ruff check --fix .` repairs the import order
 lint: venv
 	$(VENV)/bin/ruff check .
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_MIN)
 
 # `make demo`: NALAFORMER_XT on the scikit-learn digits (DIGITS, 64 px) on the CPU, trained afresh into
 # output/demo. Short-run settings: a few epochs at a higher LR, light augmentation, no mixup/EMA.
@@ -39,11 +55,16 @@ clean-venv:
 # slower when other processes share the cores.
 DEMO_FLAGS = --model NALAFORMER_XT --data-set DIGITS --input-size 64 --device cpu --epochs 6 \
 	--batch-size 32 --lr 1e-3 --unscale-lr --warmup-epochs 1 --mixup 0 --cutmix 0 --reprob 0 --aa none \
-	--no-repeated-aug --no-model-ema --num_workers 1 --print-freq 20 --output_dir output/demo
+	--no-repeated-aug --no-model-ema --num_workers 1 --print-freq 20
 
 demo: venv
 	rm -rf output/demo
-	OMP_WAIT_POLICY=PASSIVE $(PY) main.py $(DEMO_FLAGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) main.py $(DEMO_FLAGS) --output_dir output/demo
+
+# the same demo on the oldest supported releases, into output/demo-min
+demo-min: venv-min
+	rm -rf output/demo-min
+	OMP_WAIT_POLICY=PASSIVE $(PY_MIN) main.py $(DEMO_FLAGS) --output_dir output/demo-min
 
 # `make smoke`: every training path (DDP, fp16/bf16, compile, channels-last, SyncBN, EMA, resume) once on this machine
 smoke: venv

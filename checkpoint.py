@@ -45,6 +45,7 @@ import torch
 import distributed
 import metrics
 from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from models.compat import safe_globals
 from models.weights import weights_key
 
 TMP_PREFIX = '.tmp-'
@@ -244,7 +245,7 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     if not (is_zip or is_legacy):
         raise CheckpointError(f'{path} is not a PyTorch checkpoint (unknown file format)')
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with safe_globals([argparse.Namespace]):
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=mmap and is_zip)
     except Exception as e:
         msg = str(e)

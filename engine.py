@@ -17,6 +17,7 @@ from checkpoint import EpochState, get_rng_state, set_rng_state
 from distributed import all_reduce_max, get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
+from models.compat import set_tf32_flags, total_norm
 
 
 @dataclass
@@ -60,13 +61,7 @@ def set_tf32(device, enabled: bool = True) -> bool:
     full fp32 (`enabled=False`). Does nothing off CUDA; returns whether the flags were set."""
     if torch.device(device).type != 'cuda':
         return False
-    if hasattr(torch.backends.cuda.matmul, 'fp32_precision'):  # torch >= 2.9: the allow_tf32 flags are deprecated
-        precision = 'tf32' if enabled else 'ieee'
-        torch.backends.cuda.matmul.fp32_precision = precision
-        torch.backends.cudnn.conv.fp32_precision = precision
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    set_tf32_flags(enabled)
     return True
 
 
@@ -192,7 +187,7 @@ class OptimizerStep:
 def _grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of all gradients (unscaled, before clipping), for the per-step log."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    return float(total_norm(grads)) if grads else 0.0
 
 
 def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tensor], data_loader: Any,

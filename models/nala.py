@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .compat import arange
 from .ops import autocast_off, depthwise_conv_same, use_plain_ops
 
 __all__ = [
@@ -45,8 +46,8 @@ class RoPE(nn.Module):
     def forward(self, hw: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
         height, width = hw
         angle = self.angle.float()
-        rows = torch.arange(height, device=angle.device, dtype=torch.float32)
-        cols = torch.arange(width, device=angle.device, dtype=torch.float32)
+        rows = arange(height, device=angle.device, dtype=torch.float32)
+        cols = arange(width, device=angle.device, dtype=torch.float32)
         theta_h = (rows[:, None] * angle[None, :])[:, None, :].expand(height, width, -1)
         theta_w = (cols[:, None] * angle[None, :])[None, :, :].expand(height, width, -1)
         theta = torch.cat([theta_h, theta_w], dim=-1).reshape(height * width, -1)

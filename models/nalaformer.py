@@ -15,9 +15,9 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, SelectAdaptivePool2d, is_scriptable, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
 
+from .compat import is_fx_symbolic_tracing
 from .nala import NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
 from .weights import file_num_classes, weights_key

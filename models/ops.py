@@ -5,7 +5,8 @@ from typing import ContextManager, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+from .compat import is_exporting, is_fx_symbolic_tracing
 
 __all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward', 'use_plain_ops', 'autocast_off']
 
@@ -23,7 +24,7 @@ def use_plain_ops() -> bool:
     if torch.jit.is_scripting():
         return True
     else:  # an explicit else: TorchScript then does not compile these Python-only checks
-        return torch.jit.is_tracing() or torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+        return torch.jit.is_tracing() or is_exporting() or torch.onnx.is_in_onnx_export()
 
 
 def autocast_off(x: torch.Tensor) -> ContextManager:

@@ -196,23 +196,44 @@ def test_consecutive_bad_steps_are_counted_across_epochs(one_thread):
 
 
 # -------------------------------------------------------------------------------------------- precision
-def test_set_tf32_leaves_the_backend_alone_off_cuda():
-    flags = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+def tf32_reads():
+    """Every way to read the TF32 state: the older names (all releases; Inductor's max-autotune calls
+    get_float32_matmul_precision) and, where the installed torch has them, the per-backend ones."""
+    reads = {'matmul precision': torch.get_float32_matmul_precision(),
+             'matmul allow_tf32': torch.backends.cuda.matmul.allow_tf32,
+             'cudnn allow_tf32': torch.backends.cudnn.allow_tf32}
+    if hasattr(torch.backends.cuda.matmul, 'fp32_precision'):
+        reads['matmul fp32_precision'] = torch.backends.cuda.matmul.fp32_precision
+        reads['conv fp32_precision'] = torch.backends.cudnn.conv.fp32_precision
+    return reads
+
+
+@pytest.fixture
+def tf32_restored():
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def test_set_tf32_leaves_the_backend_alone_off_cuda(tf32_restored):
+    flags = tf32_reads()
     assert engine.set_tf32('cpu', True) is False
     assert engine.set_tf32(torch.device('cpu'), False) is False
-    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == flags
+    assert tf32_reads() == flags
 
 
-def test_set_tf32_sets_the_current_precision_flags_on_cuda():
-    # the flags are plain settings: they can be set (and are restored) without a GPU
-    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
-    try:
-        assert engine.set_tf32('cuda', True) is True
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ('tf32', 'tf32')
-        engine.set_tf32('cuda:0', False)
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ('ieee', 'ieee')
-    finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+def test_set_tf32_on_cuda_keeps_every_precision_read_working(tf32_restored):
+    # the flags are plain settings: they can be set (and are restored) without a GPU; mixing the
+    # older and newer setting APIs would make the older reads raise RuntimeError
+    assert engine.set_tf32('cuda', True) is True
+    on = tf32_reads()
+    assert on['matmul precision'] == 'high' and on['matmul allow_tf32'] and on['cudnn allow_tf32']
+    assert on.get('matmul fp32_precision', 'tf32') == 'tf32' and on.get('conv fp32_precision', 'tf32') == 'tf32'
+    engine.set_tf32('cuda:0', False)
+    off = tf32_reads()
+    assert off['matmul precision'] == 'highest' and not off['matmul allow_tf32'] and not off['cudnn allow_tf32']
+    assert off.get('matmul fp32_precision', 'ieee') == 'ieee' and off.get('conv fp32_precision') != 'tf32'
 
 
 # -------------------------------------------------------------------------------- gradient accumulation

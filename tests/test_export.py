@@ -9,6 +9,7 @@ import timm
 import torch
 
 import models  # noqa: F401  (registers the variants)
+from models.compat import dynamo_onnx_export_error, export_program_error
 from tools.export import check_export, main
 
 TOL = 1e-4
@@ -37,6 +38,8 @@ def test_onnx_runtime_matches_pytorch_at_other_sizes(model, tmp_path, legacy):
     pytest.importorskip('onnxruntime')
     if not legacy:
         pytest.importorskip('onnxscript')
+        if dynamo_onnx_export_error():
+            pytest.skip(dynamo_onnx_export_error())
     results = check_export(model, 'onnx', str(tmp_path / 'm.onnx'), 64, dynamic=True, legacy_onnx=legacy)
     assert_parity(results, DYNAMIC_SHAPES)
 
@@ -47,6 +50,8 @@ def test_torchscript_trace_save_load(model, tmp_path):
 
 @pytest.mark.slow
 def test_torch_export_save_load(model, tmp_path):
+    if export_program_error():
+        pytest.skip(export_program_error())
     results = check_export(model, 'exported-program', str(tmp_path / 'm.pt2'), 64, dynamic=True)
     assert_parity(results, DYNAMIC_SHAPES)
 
@@ -62,7 +67,8 @@ def test_cli_exports_a_checkpoint_with_its_head(tmp_path, capsys):
     assert 'input 1x3x32x32: max |exported - PyTorch| =' in printed
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
-        with pytest.warns(FutureWarning):                                # torch.jit.load is deprecated
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', FutureWarning)  # recent torch deprecates torch.jit.load
             loaded = torch.jit.load(str(out))
         assert torch.allclose(loaded(x), trained.eval()(x), atol=TOL)
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 from timm.models import load_state_dict
 
 from models import VARIANTS  # importing models registers the variants
+from models.compat import dynamo_onnx_export_error, export_dim, export_program_error
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')
 INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
@@ -74,7 +75,7 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
     Returns the files written: ``path``, and for ONNX weights over the 2 GB limit ``path + '.data'``."""
     batch_hw = {0: 'batch', 2: 'height', 3: 'width'}
     external = fmt == 'onnx' and not legacy_onnx and weight_bytes(model) >= ONNX_PROTOBUF_LIMIT
-    dims = {i: torch.export.Dim.DYNAMIC for i in batch_hw}
+    dims = {i: export_dim(name) for i, name in batch_hw.items()}
     with torch.no_grad(), warnings.catch_warnings():
         # TorchScript and the legacy ONNX exporter are deprecated by PyTorch but still what many
         # deployments read; their warnings (and the tracer's notes on Python numbers) are expected here.
@@ -86,6 +87,8 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
             torch.onnx.export(model, (x,), path, dynamo=False, input_names=[INPUT_NAME],
                               output_names=[OUTPUT_NAME], dynamic_axes=axes)
         elif fmt == 'onnx':
+            if dynamo_onnx_export_error():
+                raise RuntimeError(dynamo_onnx_export_error())
             # the exporter's default writes the weights to path + '.data' whatever their size; a file
             # copied without it cannot be loaded, so keep them inside whenever ONNX allows
             torch.onnx.export(model, (x,), path, dynamo=True, verbose=False, input_names=[INPUT_NAME],
@@ -94,6 +97,8 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
         elif fmt == 'torchscript':
             torch.jit.save(torch.jit.trace(model, x), path)
         elif fmt == 'exported-program':
+            if export_program_error():
+                raise RuntimeError(export_program_error())
             torch.export.save(torch.export.export(model, (x,), dynamic_shapes=(dims,) if dynamic else None), path)
         else:
             raise ValueError(f'unknown format {fmt!r}; choose one of {FORMATS}')
@@ -160,6 +165,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f'--output {args.output}: directory {out_dir} does not exist; create it first')
     if args.checkpoint and not os.path.isfile(args.checkpoint):
         parser.error(f'--checkpoint {args.checkpoint}: no such file')
+    if args.format == 'onnx' and not args.legacy_onnx and dynamo_onnx_export_error():
+        parser.error(dynamo_onnx_export_error())
+    if args.format == 'exported-program' and export_program_error():
+        parser.error(export_program_error())
     if args.format == 'onnx':
         missing = [m for m in ('onnx', 'onnxscript', 'onnxruntime') if not _importable(m)]
         if missing:
