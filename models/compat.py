@@ -38,8 +38,11 @@ def torch_at_least(version: str) -> bool:
 def is_fx_symbolic_tracing() -> bool:
     """True while torch.fx.symbolic_trace records the model (values are Proxies without a device).
 
-    Older releases only have ``is_fx_tracing``, which is set by symbolic tracing there too."""
-    return (_FX_SYMBOLIC_TRACING or _fx_trace.is_fx_tracing)()
+    Older releases only have ``is_fx_tracing``, which symbolic tracing sets there too, but so does
+    torch.export's tracing, which is told apart by ``is_exporting``."""
+    if _FX_SYMBOLIC_TRACING is not None:
+        return _FX_SYMBOLIC_TRACING()
+    return _fx_trace.is_fx_tracing() and not is_exporting()
 
 
 def is_exporting() -> bool:

@@ -46,8 +46,12 @@ class RoPE(nn.Module):
     def forward(self, hw: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
         height, width = hw
         angle = self.angle.float()
-        rows = arange(height, device=angle.device, dtype=torch.float32)
-        cols = arange(width, device=angle.device, dtype=torch.float32)
+        if torch.jit.is_scripting():
+            rows = torch.arange(height, device=angle.device, dtype=torch.float32)
+            cols = torch.arange(width, device=angle.device, dtype=torch.float32)
+        else:  # an explicit else: TorchScript does not compile compat.arange (FX on older torch needs it)
+            rows = arange(height, device=angle.device, dtype=torch.float32)
+            cols = arange(width, device=angle.device, dtype=torch.float32)
         theta_h = (rows[:, None] * angle[None, :])[:, None, :].expand(height, width, -1)
         theta_w = (cols[:, None] * angle[None, :])[None, :, :].expand(height, width, -1)
         theta = torch.cat([theta_h, theta_w], dim=-1).reshape(height * width, -1)
