@@ -98,6 +98,23 @@ class ConvFFN(nn.Module):
         return self.fc2(y.permute(0, 2, 3, 1))
 
 
+class StochasticDepth(DropPath):
+    """timm's DropPath (same rate, same rescaling by the keep probability) with its per-sample keep mask
+    drawn as ``torch.rand(...) < keep_prob`` instead of ``bernoulli_``: torch.rand gives the same stream
+    on every supported torch release, the CPU ``bernoulli_`` does not (torch 2.4 and 2.14 draw different
+    masks from one seed), so a seeded run drops the same blocks whichever torch it runs on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep_prob = 1.0 - self.drop_prob
+        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        mask = (torch.rand(shape, device=x.device) < keep_prob).to(x.dtype)
+        if keep_prob > 0.0 and self.scale_by_keep:
+            mask = mask / keep_prob
+        return x * mask
+
+
 class NaLaBlock(nn.Module):
     """x += cpe1(x); x += DropPath(g1 * attn(norm1(x))); x += cpe2(x); x += DropPath(g2 * ffn(norm2(x))).
 
@@ -118,7 +135,7 @@ class NaLaBlock(nn.Module):
         self.ffn = ConvFFN(dim, int(mlp_ratio * dim))
         self.cpe1 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self.cpe2 = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.drop_path = StochasticDepth(drop_path) if drop_path > 0 else nn.Identity()
         self.fast_path = True
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:

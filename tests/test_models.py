@@ -409,6 +409,22 @@ def test_create_model_builds_the_variants_own_drop_path(variant, rate):
     assert last_block_drop_prob(timm.create_model(variant.lower(), drop_path_rate=0.3)) == pytest.approx(0.3)
 
 
+def test_stochastic_depth_draws_its_keep_mask_from_torch_rand():
+    """The keep mask is torch.rand(B) < keep_prob (rescaled by 1 / keep_prob): torch.rand's stream is the
+    same on every supported torch release, so seeded runs drop the same blocks on each of them."""
+    from models.nalaformer import StochasticDepth
+    sd = StochasticDepth(0.3).train()
+    x = torch.randn(64, 2, 3, 3)
+    torch.manual_seed(0)
+    out = sd(x)
+    torch.manual_seed(0)
+    keep = (torch.rand(64) < 0.7).float().view(64, 1, 1, 1)
+    assert torch.equal(out, x * (keep / 0.7)) and 0 < keep.sum() < 64
+    assert torch.equal(sd.eval()(x), x)
+    blocks = [m.drop_path for m in timm.create_model('NALAFORMER_XT').modules() if hasattr(m, 'drop_path')]
+    assert all(isinstance(d, StochasticDepth) for d in blocks[1:]) and isinstance(blocks[0], torch.nn.Identity)
+
+
 # ---- timm's model contract (the checks timm's own test suite runs on every model it ships) ----------
 
 def test_global_pool_removed_keeps_the_map_and_reset_classifier_keeps_the_pool():
