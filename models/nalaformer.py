@@ -109,7 +109,8 @@ class StochasticDepth(DropPath):
             return x
         keep_prob = 1.0 - self.drop_prob
         shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-        mask = (torch.rand(shape, device=x.device) < keep_prob).to(x.dtype)
+        # x.new_empty(...).uniform_() is torch.rand's draw, and FX records it on every torch release
+        mask = (x.new_empty(shape, dtype=torch.float32).uniform_() < keep_prob).to(x.dtype)
         if keep_prob > 0.0 and self.scale_by_keep:
             mask = mask / keep_prob
         return x * mask

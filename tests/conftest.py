@@ -89,6 +89,16 @@ def run_main(args, nproc=1, timeout=240, check=True, launcher=TORCHRUN, **kw):
     return p
 
 
+def error_line(p, only: bool = True) -> str:
+    """The `error:` line a failed main.py process ended with, on stderr and without a traceback; with
+    `only`, it must be the one error line (several ranks may each print one otherwise: the last is taken)."""
+    assert p.returncode not in (0, None)
+    assert 'Traceback' not in p.stderr, p.stderr[-3000:]
+    errs = [line for line in p.stderr.splitlines() if 'error:' in line]
+    assert (len(errs) == 1) if only else errs, p.stderr[-3000:]
+    return errs[-1]
+
+
 def load(path):
     return torch.load(path, map_location='cpu', weights_only=True)
 

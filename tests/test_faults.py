@@ -23,6 +23,7 @@ from conftest import (
     assert_same_weights,
     build_xt,
     env,
+    error_line,
     free_port,
     kill_group,
     load,
@@ -35,15 +36,6 @@ from conftest import (
 import checkpoint
 import utils
 
-
-def one_line_error(p):
-    assert p.returncode not in (0, None)
-    assert 'Traceback' not in p.stderr, p.stderr[-3000:]
-    errs = [line for line in p.stderr.splitlines() if 'error:' in line]
-    assert errs, p.stderr[-3000:]
-    return errs[-1]
-
-
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -53,7 +45,7 @@ def test_bad_checkpoint_ends_in_one_line_and_non_zero_exit(data, tmp_path):
     bad.write_bytes(b'\x00garbage' * 10)
     p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--device', 'cpu', '--num_workers', '0',
                   '--no-flops', '--eval', '--resume', str(bad), '--data-path', data], check=False)
-    assert 'is not a PyTorch checkpoint' in one_line_error(p)
+    assert 'is not a PyTorch checkpoint' in error_line(p, only=False)
 
 
 @pytest.fixture(scope='module')
@@ -79,7 +71,7 @@ def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, dat
     # a "full disk": no file may grow beyond 1 MB, the checkpoint needs ~60 MB
     p = run_main(BASE + ['--data-path', data, '--output_dir', out], check=False,
                  preexec_fn=_limit_file_size(1 << 20))
-    line = one_line_error(p)
+    line = error_line(p, only=False)
     assert f'could not write checkpoint {ck}' in line and 'previous checkpoint.pth' in line
     assert open(ck, 'rb').read() == before
     assert not [f for f in os.listdir(out) if f.startswith(checkpoint.TMP_PREFIX)]
@@ -163,7 +155,7 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_last_checkpoint(dat
             '--warmup-epochs', '1', '--epochs', '2', '--max-bad-steps', '2', '--mixup', '0', '--cutmix', '0',
             '--data-path', data, '--output_dir', out]
     p = run_main(args, check=False)
-    line = one_line_error(p)
+    line = error_line(p, only=False)
     assert re.search(r'non-finite (loss|gradients) .*at epoch 1 step \d+', line), line
     assert '--max-bad-steps 2' in line
     ck = load(os.path.join(out, 'checkpoint.pth'))

@@ -19,6 +19,7 @@ from conftest import (
     TORCHRUN,
     assert_same_weights,
     env,
+    error_line,
     free_port,
     kill_group,
     load,
@@ -34,14 +35,6 @@ import checkpoint
 import datasets
 import errors
 import main
-
-
-def one_line_error(p):
-    assert p.returncode not in (0, None)
-    assert 'Traceback' not in p.stderr, p.stderr[-3000:]
-    errs = [line for line in p.stderr.splitlines() if 'error:' in line]
-    assert len(errs) == 1, p.stderr[-3000:]
-    return errs[0]
 
 
 def children(pid, **environ):
@@ -126,7 +119,7 @@ def test_a_second_job_is_refused_while_a_torchrun_job_holds_the_dir(data, tmp_pa
         wait_for_line(first, r'Start training', seen)
         rank0 = children(first.pid, RANK=0)
         second = run_main(args + ['--seed', '1'], check=False)  # a double-submitted job
-        line = one_line_error(second)
+        line = error_line(second)
         assert f'--output_dir {out} is in use by another run (PID {rank0[0]} on host' in line, line
         assert first.poll() is None  # the first job runs on
     finally:
@@ -176,7 +169,7 @@ def test_renamed_class_folder_stops_the_resume(tmp_path):
         os.rename(os.path.join(root, split, 'c0'), os.path.join(root, split, 'c9'))  # mv train/a train/d
     before = open(os.path.join(out, 'checkpoint.pth'), 'rb').read()
     p = run_main(BASE + ['--num_workers', '0', '--data-path', root, '--output_dir', out], check=False)
-    line = one_line_error(p)
+    line = error_line(p)
     assert "class 0 is 'c0' in the checkpoint but 'c1' in the data" in line and '--finetune' in line, line
     assert open(os.path.join(out, 'checkpoint.pth'), 'rb').read() == before
 
@@ -276,7 +269,7 @@ def test_a_killed_loader_worker_ends_in_one_line(data, tmp_path):
     finally:
         kill_group(proc)
     p = subprocess.CompletedProcess(proc.args, proc.returncode, '', err)
-    line = one_line_error(p)
+    line = error_line(p)
     assert re.search(r'a data-loader worker \(pid (\d+)\) (was killed by signal|exited unexpectedly)', line), line
     assert int(re.search(r'pid (\d+)', line).group(1)) in workers
     assert '--num_workers (now 1)' in line and 'the same command resumes' in line
