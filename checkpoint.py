@@ -678,13 +678,9 @@ def epoch_state_entries(state: EpochState) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # Saving and resuming a training run
 # --------------------------------------------------------------------------------------------------
-def _processes(a: Dict[str, Any]) -> Any:
-    return a.get('world_size', 1)
-
-
 def _global_batch(a: Dict[str, Any]) -> Optional[int]:
     try:
-        return int(a['batch_size']) * int(_processes(a)) * int(a.get('accum_steps', 1))
+        return int(a['batch_size']) * int(a.get('world_size', 1)) * int(a.get('accum_steps', 1))
     except (KeyError, TypeError, ValueError):
         return None
 
