@@ -36,13 +36,6 @@ GLOBAL_POOLS = ('avg', 'max', 'avgmax', '')
 BATCH_SLICE_BYTES = 16 * 2 ** 20
 
 
-def conv_residual(x: torch.Tensor, conv: nn.Conv2d, fast: bool) -> torch.Tensor:
-    """x + conv(x) for a depthwise 'same' conv; with ``fast``, ``conv_residual_fast``."""
-    if not fast:
-        return x + conv(x)
-    return conv_residual_fast(x, conv.weight, conv.bias)
-
-
 @torch.jit.unused
 def conv_residual_fast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x + conv(x) as one depthwise 'same' conv whose kernel has 1 added at its centre (the custom op on
@@ -79,7 +72,7 @@ class ChannelsLastLayerNorm(nn.Module):
 class ConvFFN(nn.Module):
     """fc1 -> exact GELU -> y + DWConv3x3(y) -> fc2, on (B, H, W, C) tokens. The depthwise conv reads
     the (B, H, W, F) activations as a (B, F, H, W) map by a permute; ``fast_path`` folds its residual
-    into its kernel (``conv_residual``)."""
+    into its kernel (``conv_residual_fast``)."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
