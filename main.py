@@ -24,6 +24,8 @@ import torch
 import checkpoint
 import datasets
 import distributed
+import eval_sets
+import image_folder
 import utils
 from errors import FlagError, UserError, eprint, first_line
 
@@ -598,16 +600,18 @@ def main(args, parser):
         nb_classes = nb_val if nb_classes is None else nb_classes
         if (args.eval_sets or args.real_labels is not None) and not args.eval:
             raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
-        eval_sets = datasets.build_eval_sets(args, dataset_val)
+        extra_sets = eval_sets.build_eval_sets(args, dataset_val)
         real = None
         if args.real_labels is not None:
             try:
-                real = datasets.RealLabels(dataset_val, args.real_labels or None)
-            except datasets.DataLayoutError as e:  # the flag does not fit this validation set
+                real = eval_sets.RealLabels(dataset_val, args.real_labels or None)
+            except image_folder.DataLayoutError as e:  # the flag does not fit this validation set
                 raise FlagError(str(e)) from e
-    except datasets.DataLayoutError as e:
+    except image_folder.DataLayoutError as e:
         raise UserError(str(e)) from e
-    sampler_train, loader_train, loader_val = build_loaders(args, dataset_train, dataset_val)
+    # with ReaL labels the validation batches carry the sample indices the labels are looked up by
+    sampler_train, loader_train, loader_val = build_loaders(
+        args, dataset_train, dataset_val if real is None else eval_sets.WithIndex(dataset_val))
     if not args.eval and len(loader_train) == 0:
         raise UserError(f'the training set ({len(dataset_train)} images) gives no full batch of {args.batch_size} '
                         f'per process on {world} process(es); lower --batch-size')
@@ -705,22 +709,21 @@ def main(args, parser):
             if weights is not None:
                 checkpoint.load_weights_into(model_without_ddp, weights, args.model, resume_path)
             test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
-                                         args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
+                                         args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag,
+                                         real=real)
             if test_stats['aborted']:
                 print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
                       f'{test_stats["seen"]} of {len(dataset_val)} images: no accuracy reported')
                 return 128 + int(stop_flag.signum or signal.SIGTERM)
             print(accuracy_line(test_stats, label=label))
-            for name, ds in eval_sets:  # build_loaders: only its validation loader is used
+            for name, ds in extra_sets:  # build_loaders: only its validation loader is used
                 stats = engine.evaluate(build_loaders(args, ds, ds)[2], eval_model, device, amp_dtype,
                                         args.channels_last, args.print_freq, header=f'{name}:',
                                         sum_over_ranks=sum_over_ranks)
                 print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
                       f"on {stats['n']} of {len(ds)} images")
             if real is not None:
-                stats = datasets.evaluate_real(build_loaders(args, dataset_val, datasets.WithIndex(dataset_val))[2],
-                                               eval_model, real, device, amp_dtype, args.channels_last,
-                                               sum_over_ranks)
+                stats = test_stats['real']
                 print(f"ImageNet-ReaL{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
                       f"on {stats['n']} images with a ReaL label")
         best = checkpoint.describe_best(resumed.ckpt)
@@ -763,7 +766,7 @@ def main(args, parser):
             if model_ema is not None:  # a CPU EMA (--model-ema-force-cpu) goes through the device under NCCL
                 distributed.broadcast_tensors_(list(model_ema.module.state_dict().values()), device=device)
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
-        bad = datasets.bad_sample_count_all_ranks(dataset_train, device)
+        bad = image_folder.bad_sample_count_all_ranks(dataset_train, device)
 
         with checkpoint.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
             test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
@@ -855,7 +858,7 @@ def run(argv=None):
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    from datasets import BadSampleError
+    from image_folder import BadSampleError
     code = 0
     try:
         code = main(args, parser)

@@ -32,8 +32,8 @@ from conftest import (
 from PIL import Image
 
 import checkpoint
-import datasets
 import errors
+import image_folder
 import main
 
 
@@ -308,7 +308,7 @@ def test_pil_large_image_warning_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(Image, 'MAX_IMAGE_PIXELS', 1000)  # 1600 pixels: over the limit, under twice it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        assert datasets.load_image(path).size == (40, 40)
+        assert image_folder.load_image(path).size == (40, 40)
     bombs = [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     assert len(bombs) == 1 and str(bombs[0].message).startswith(path + ': '), [str(w.message) for w in caught]
 

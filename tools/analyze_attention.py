@@ -55,6 +55,7 @@ import timm
 
 import checkpoint
 import datasets
+import image_folder
 import models  # noqa: F401  (registers the variants)
 from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms
 
@@ -477,9 +478,9 @@ def images_from_dir(root: str, cfg: Dict[str, Any], limit: int) -> torch.Tensor:
     if not os.path.isdir(root):
         raise ValueError(f'{root}: not a directory')
     paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                   if f.lower().endswith(datasets.IMAGE_EXTENSIONS) and not f.startswith('.'))
+                   if f.lower().endswith(image_folder.IMAGE_EXTENSIONS) and not f.startswith('.'))
     if not paths:
-        raise ValueError(f'{root}: no image files ({", ".join(datasets.IMAGE_EXTENSIONS)})')
+        raise ValueError(f'{root}: no image files ({", ".join(image_folder.IMAGE_EXTENSIONS)})')
     t = datasets.eval_transform(cfg)
     out = []
     for p in paths[:limit]:
@@ -493,8 +494,9 @@ def digits_images(cfg: Dict[str, Any], limit: int, data_path: Optional[str],
     """The first ``limit`` images of the DIGITS validation split, through datasets.build_dataset with
     ``model``'s data config at the input size and crop of ``cfg`` (written once under ``data_path``,
     default ./data/digits)."""
-    args = Namespace(data_set='DIGITS', data_path=data_path, model=model, input_size=cfg['input_size'][-1],
-                     eval_crop_ratio=cfg['crop_pct'])
+    from main import get_args_parser
+    args = get_args_parser().parse_args(['--data-set', 'DIGITS'], namespace=Namespace(
+        data_path=data_path, model=model, input_size=cfg['input_size'][-1], eval_crop_ratio=cfg['crop_pct']))
     ds, _ = datasets.build_dataset(False, args)
     return torch.stack([ds[i][0] for i in range(min(limit, len(ds)))])
 

@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 
 import checkpoint
 import datasets
+import image_folder
 import models  # noqa: F401  (registers the variants)
 from errors import CheckpointError, UserError, first_line
 from tools.release import WEIGHT_CHOICES, select_weights
@@ -38,9 +39,9 @@ def list_images(paths: Sequence[str]) -> List[str]:
     for path in paths:
         if os.path.isdir(path):
             found = sorted(os.path.join(root, f) for root, _, files in os.walk(path) for f in files
-                           if f.lower().endswith(datasets.IMAGE_EXTENSIONS))
+                           if f.lower().endswith(image_folder.IMAGE_EXTENSIONS))
             if not found:
-                raise UserError(f'{path}: no image files ({", ".join(datasets.IMAGE_EXTENSIONS)}) in this folder')
+                raise UserError(f'{path}: no image files ({", ".join(image_folder.IMAGE_EXTENSIONS)}) in this folder')
             out += found
         elif os.path.isfile(path):
             out.append(path)
