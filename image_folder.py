@@ -115,13 +115,16 @@ def load_image(path: str) -> Image.Image:
 
 
 # --------------------------------------------------------------------------------------------
-# Class folders
+# Undecodable images, class folders
 # --------------------------------------------------------------------------------------------
 class BadSampleMixin:
-    """Replace-and-record (or raise) for samples whose image cannot be decoded.
+    """Replace-and-record (or, ``strict``, raise ``BadSampleError``) for samples whose image cannot be
+    decoded: training reads the next decodable index with its own label; evaluation reads it with target
+    ``IGNORE_TARGET``, which the engine does not count. Each bad path is warned once and flagged in a
+    per-index tensor in shared memory, so the main process sees what DataLoader workers found.
 
-    Requires ``self.samples`` (list of (path, target)), ``self.loader``, ``self.transform``,
-    ``self.target_transform``, ``self.is_train`` and ``self.strict``.
+    Requires ``self.samples`` (list of (path, target)), ``self.loader``, ``self.transform`` and
+    ``self.target_transform``; subclasses call ``_init_bad_tracking`` once ``samples`` is set.
     """
 
     samples: list
