@@ -264,8 +264,7 @@ def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
 
     if data_set in ("INAT", "INAT19"):
         ds = INatDataset(root, train=is_train, year=2018 if data_set == "INAT" else 2019,
-                         category=args.inat_category, transform=transform,
-                         strict=strict)
+                         category=args.inat_category, transform=transform, strict=strict)
         return ds, ds.nb_classes
 
     if data_set in ("IMNET", "DIGITS"):
@@ -280,8 +279,7 @@ def build_dataset(is_train: bool, args: Any) -> tuple[Dataset, int]:
             ds = FlatLabelledFolder(val_dir, transform=transform, strict=strict)
             return ds, len(ds.classes)
         ds = RobustImageFolder(os.path.join(root, "train" if is_train else "val"), transform=transform,
-                               is_train=is_train, strict=strict,
-                               follow_links=args.follow_links)
+                               is_train=is_train, strict=strict, follow_links=args.follow_links)
         if data_set == "DIGITS" and len(ds.classes) != 10:
             raise layout_error(root, f"{len(ds.classes)} class folders, not 10", IMAGEFOLDER_LAYOUT)
         return ds, len(ds.classes)

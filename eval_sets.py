@@ -77,7 +77,7 @@ def build_eval_sets(args: Any, dataset_val: Any) -> list[tuple[str, Dataset]]:
     for); [] when none is asked for."""
     classes = list(getattr(unwrap_dataset(dataset_val), "classes", None) or [])
     out = []
-    for spec in args.eval_sets or []:
+    for spec in args.eval_sets:
         name, path = parse_eval_set(spec)
         out.append((name, build_eval_set(path, classes, args)))
     return out

@@ -4,12 +4,14 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import REPO
 from image_folders import assert_one_line_error, make_args, make_folder, save_img
 from PIL import Image
+from test_engine import count_host_reads
 from torch.utils.data import DataLoader
 
 import datasets as D
@@ -169,3 +171,37 @@ def test_real_labels_need_imagenet_file_names(tmp_path):
     with pytest.raises(IF.DataLayoutError) as e:
         E.RealLabels(dv)
     assert_one_line_error(e, "0.png", "ILSVRC2012_val_", "1000-class ImageNet validation set", "drop --real-labels")
+
+
+class _Batches(list):
+    batch_size = 4
+
+
+def test_real_labels_are_scored_on_the_device_with_no_extra_host_read(tmp_path, monkeypatch):
+    """ReaL counts ride along the validation pass: the same predictions, no host read per batch."""
+    table = [[i % 5] if i % 4 else ([] if i % 8 else [1, 3]) for i in range(24)]
+    (tmp_path / "real.json").write_text(json.dumps(table))
+    files = SimpleNamespace(samples=[(f"ILSVRC2012_val_{i + 1:08d}.JPEG", 0) for i in range(24)],
+                            classes=[str(c) for c in range(5)])
+    real = E.RealLabels(files, str(tmp_path / "real.json"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 5))
+    x, y = torch.randn(24, 2, 1, 1), torch.randint(0, 5, (24,))
+    y[6] = IF.IGNORE_TARGET  # undecodable: not scored either
+    idx = torch.arange(24)
+    reads = []
+    for with_real in (False, True):
+        batches = _Batches([(x[i:i + 4], y[i:i + 4], idx[i:i + 4]) if with_real else (x[i:i + 4], y[i:i + 4])
+                            for i in range(0, 24, 4)])
+        calls = count_host_reads(monkeypatch)
+        stats = engine.evaluate(batches, model, "cpu", print_freq=1000, real=real if with_real else None)
+        monkeypatch.undo()
+        reads.append(len(calls))
+    assert reads[0] == reads[1], reads
+    with torch.no_grad():
+        top = model(x).topk(5, dim=1).indices.tolist()
+    scored = [(t, table[i]) for i, t in enumerate(top) if table[i] and i != 6]
+    assert stats["real"]["n"] == len(scored)
+    assert stats["real"]["acc1"] == pytest.approx(100 * sum(t[0] in r for t, r in scored) / len(scored))
+    assert stats["real"]["acc5"] == pytest.approx(100 * sum(any(p in r for p in t) for t, r in scored) / len(scored))
+    assert stats["n"] == 23 and stats["seen"] == 24
