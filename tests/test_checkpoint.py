@@ -187,6 +187,32 @@ def test_best_records_which_weights_and_both_accuracies(tmp_path):
     assert 'EMA' not in checkpoint.describe_best(state) and '60.00% at epoch 2' in checkpoint.describe_best(state)
 
 
+def test_a_state_is_written_once_and_linked_to_its_other_names(tmp_path, monkeypatch):
+    run = _run(tmp_path, with_state=True)
+    written = []
+    real = checkpoint.save_atomic
+    monkeypatch.setattr(checkpoint, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
+                                                                        real(state, path)))
+    run.save(0, {}, ['checkpoint.pth', 'best.pth', 'checkpoint_0000.pth'])
+    assert written == ['checkpoint.pth']
+    ck = tmp_path / 'checkpoint.pth'
+    assert os.path.samefile(ck, tmp_path / 'best.pth') and os.path.samefile(ck, tmp_path / 'checkpoint_0000.pth')
+    best = (tmp_path / 'best.pth').read_bytes()
+    # the next epoch replaces the name checkpoint.pth; the file that best.pth names stays as it was
+    run.save(1, {}, ['checkpoint.pth'])
+    assert not os.path.samefile(ck, tmp_path / 'best.pth') and (tmp_path / 'best.pth').read_bytes() == best
+    assert checkpoint.load_checkpoint_file(str(tmp_path / 'best.pth'))['epoch'] == 0  # checksum verified
+    assert checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+    monkeypatch.setattr(checkpoint.os, 'link', no_links)  # a filesystem without hard links: copies
+    run.save(2, {}, ['checkpoint.pth', 'best.pth'])
+    assert not os.path.samefile(ck, tmp_path / 'best.pth') and (tmp_path / 'best.pth').read_bytes() == ck.read_bytes()
+    assert checkpoint.load_checkpoint_file(str(tmp_path / 'best.pth'))['epoch'] == 2
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(checkpoint.TMP_PREFIX)]
+
+
 # ------------------------------------------------------------------------------------------ crash repair
 def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, monkeypatch, capsys):
     run = _run(tmp_path, with_state=True)

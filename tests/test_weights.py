@@ -112,3 +112,18 @@ def test_checkpoint_of_another_variant_names_it(xt_ckpt):
 def test_other_number_of_classes_points_to_finetune(xt_ckpt):
     with pytest.raises(errors.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
         weights.load_model_weights(build_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
+
+
+def test_the_variant_of_a_file_is_guessed_from_its_shapes_without_building_a_model(xt_ckpt, monkeypatch):
+    t = timm.create_model('NALAFORMER_T', num_classes=3)
+    xt_sd, t_sd = load(xt_ckpt)['model'], t.state_dict()
+    monkeypatch.setattr(timm, 'create_model', lambda *a, **k: pytest.fail('a model was built'))
+    assert weights.guess_variant(xt_sd) == ('NALAFORMER_XT', 1.0)
+    assert weights.guess_variant(t_sd) == ('NALAFORMER_T', 1.0)
+    # the blocks decide: the stem, the downsamples and the head are not read
+    assert weights.guess_variant({k: v for k, v in t_sd.items() if k.startswith('layers.') and 'downsample' not in k}) \
+        == ('NALAFORMER_T', 1.0)
+    assert weights.guess_variant(xt_sd, candidates=['NALAFORMER_T', 'NALAFORMER_S'])[1] < 0.5
+    assert weights.guess_variant({'fc.weight': torch.zeros(2, 2)}) == (None, 0.0)  # not a NaLaFormer
+    with pytest.raises(errors.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
+        weights.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
