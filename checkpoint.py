@@ -14,8 +14,9 @@ and ours: ``best_weights`` ('model' or 'model_ema': which weights gave max_accur
 ``best_acc1`` (the two accuracies of that epoch), ``acc1`` (this epoch's two accuracies), ``log`` (the
 epoch's log.txt record), ``files`` (the names this state was written to), ``rng_state`` (one entry per
 process), ``train_carry`` (the skipped-step counts), mid-epoch stops add ``step``, ``epoch_rng_state`` and
-``loss_meter`` (these and ``rng_state``, ``train_carry`` hold an ``EpochState``: ``epoch_state_entries``
-and ``TrainingCheckpoints.resume``), and ``checksum`` (a sha256 of every part, verified on load).
+``loss_meter`` (these and ``rng_state``, ``train_carry`` hold an ``engine.EpochState``:
+``engine.epoch_state_entries`` and ``TrainingCheckpoints.resume``), and ``checksum`` (a sha256 of every
+part, verified on load).
 
 A state is serialised once, to its first file name; its other names (best.pth, checkpoint_NNNN.pth) are
 hard links to that file where the filesystem has them, else copies, as timm's ``CheckpointSaver`` does.
@@ -232,12 +233,20 @@ def run_checkpoints(directory: str) -> List[str]:
         + numbered
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def other_checkpoints_hint(path: str) -> str:
-    """What to do instead of loading a damaged `path`: the other checkpoints next to it."""
+    """What to do instead of loading a damaged `path`: the other checkpoints next to it (not the names
+    linked to the same file, which share its damage)."""
     directory = os.path.dirname(os.path.abspath(path)) if path else '.'
     shown = os.path.dirname(path) or '.'
     others = [os.path.join(shown, os.path.basename(p)) for p in run_checkpoints(directory)
-              if os.path.basename(p) != os.path.basename(path)]
+              if os.path.basename(p) != os.path.basename(path) and not _same_file(p, path)]
     alt = (f'resume from another checkpoint of the run ({", ".join("--resume " + p for p in others[:4])})'
            if others else f'there is no other checkpoint in {shown}')
     return f'{alt}, or start a new run with --no-auto-resume --overwrite'

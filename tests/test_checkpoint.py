@@ -95,6 +95,18 @@ def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
     assert '--no-auto-resume --overwrite' in msg
 
 
+
+def test_a_damaged_file_is_not_offered_again_under_a_linked_name(tmp_path):
+    run = _run(tmp_path, with_state=True)
+    run.save(4, {}, ['checkpoint.pth', 'checkpoint_0004.pth'])
+    run.save(5, {}, ['checkpoint.pth', 'best.pth'])
+    path = tmp_path / 'checkpoint.pth'
+    path.write_bytes(path.read_bytes()[:5000])  # in place: best.pth is the same file
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_checkpoint_file(str(path))
+    assert f'(--resume {tmp_path / "checkpoint_0004.pth"})' in str(e.value) and 'best.pth' not in str(e.value)
+
+
 # ------------------------------------------------------------------------------------------ writing
 class _FailingFile(io.RawIOBase):
     """A file that fails with `exc` once more than `limit` bytes were written."""
