@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 import warnings
+from typing import Any, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -33,7 +34,8 @@ from models.nalaformer import VARIANTS
 from models.weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
 
 
-def add_bool_flag(parser, name, default, help_on, dest=None):
+def add_bool_flag(parser: argparse.ArgumentParser, name: str, default: Optional[bool], help_on: str,
+                  dest: Optional[str] = None) -> None:
     """--name / --no-name setting one boolean (the last one given wins), help text on --name."""
     # not timm.utils.add_bool_arg: it makes the pair exclusive (tools/smoke.py appends --model-ema to --no-model-ema)
     dest = dest or name.replace('-', '_')
@@ -533,8 +535,9 @@ def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') ->
     return line
 
 
-def evaluate_checkpoint(args, ckpt, path, model, eval_model, loader_val, eval_sets, real, device, amp_dtype,
-                        stop_flag) -> int:
+def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: torch.nn.Module,
+                        eval_model: torch.nn.Module, loader_val: Any, eval_sets: Sequence[Tuple[str, Any]],
+                        real: Any, device: torch.device, amp_dtype: Optional[torch.dtype], stop_flag: Any) -> int:
     """--eval (or a run with nothing left to train): the accuracy of the loaded weights on the validation set,
     the --eval-sets and ImageNet-ReaL; a checkpoint `ckpt` with an EMA is measured twice, one labelled line per
     set of weights and data set. `model` is the bare module holding the weights, `eval_model` what runs
