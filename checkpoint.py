@@ -14,25 +14,28 @@ and ours: ``best_weights`` ('model' or 'model_ema': which weights gave max_accur
 ``best_acc1`` (the two accuracies of that epoch), ``acc1`` (this epoch's two accuracies), ``log`` (the
 epoch's log.txt record), ``files`` (the names this state was written to), ``rng_state`` (one entry per
 process), ``train_carry`` (the skipped-step counts), mid-epoch stops add ``step``, ``epoch_rng_state`` and
-``loss_meter`` (these and ``rng_state``, ``train_carry`` hold an ``EpochState``: ``epoch_state_entries``
-and ``TrainingCheckpoints.resume``), and ``checksum`` (a sha256 of every part, verified on load).
+``loss_meter`` (these and ``rng_state``, ``train_carry`` hold an ``engine.EpochState``:
+``engine.epoch_state_entries`` and ``TrainingCheckpoints.resume``), and ``checksum`` (a sha256 of every
+part, verified on load).
 
-Every loader that takes a single set of weights from a checkpoint uses one rule, the rule of timm's own
-``checkpoint_path`` loader: ``state_dict_ema``, else ``model_ema``, else ``state_dict``, else ``model``,
-else the file is a bare state dict (``select_weights``).
+A state is serialised once, to its first file name; its other names (best.pth, checkpoint_NNNN.pth) are
+hard links to that file where the filesystem has them, else copies, as timm's ``CheckpointSaver`` does.
+Every name is replaced by a rename, never rewritten in place, so a later write to one name leaves the
+others as they were.
+
+The one rule by which loaders take a single set of weights from a checkpoint, and the diagnosis of
+weights that do not fit a model, are in models/weights.py; the run directory's rules in run_dir.py; the
+random-number and epoch state in engine.py.
 """
 import argparse
 import errno
-import fcntl
 import glob
 import hashlib
 import json
 import math
 import os
-import random
 import re
 import shutil
-import socket
 import stat
 import tempfile
 import zipfile
@@ -44,15 +47,14 @@ import torch
 
 import distributed
 import metrics
-from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from engine import SKIP_COUNTS_KEY, EpochState, set_rng_state
+from errors import CheckpointError, CheckpointWriteError, UserError, exception_chain, first_line
 from models.compat import safe_globals
-from models.weights import weights_key
+from models.weights import load_weights_into, select_weights
 
 TMP_PREFIX = '.tmp-'
-LOCK_NAME = '.run.lock'  # in --output_dir: held by the run writing there
 NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
 
-#: timm.models.load_state_dict's order (use_ema=True): the weights a single-weights loader takes.
 #: optimizer settings that come from the command line (the LR comes from the schedule)
 FOLLOWED_OPTIMIZER_KEYS = ('weight_decay', 'betas', 'eps', 'momentum', 'lr_scale')
 
@@ -60,19 +62,10 @@ FOLLOWED_OPTIMIZER_KEYS = ('weight_decay', 'betas', 'eps', 'momentum', 'lr_scale
 # --------------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------------
-def _chain(e: BaseException):
-    """The exception and everything it was raised from or while handling."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
-def _write_failure_reason(e: BaseException) -> str:
+def write_failure_reason(e: BaseException) -> str:
     """The cause of a failed write: the OSError anywhere in the chain (torch.save reports a failed
     write as 'unexpected pos'), else the first line of the error."""
-    for c in _chain(e):
+    for c in exception_chain(e):
         if isinstance(c, OSError) and c.errno:
             return 'no space left on device' if c.errno == errno.ENOSPC else os.strerror(c.errno)
     return first_line(e)
@@ -139,6 +132,18 @@ def _new_file_mode(path: str) -> int:
         return 0o666 & ~mask
 
 
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in `directory` durable (where the filesystem allows)."""
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
 def _write_atomic(path: str, write) -> None:
     """Call write(file) on a temporary file in path's directory, fsync, then rename it to path: a crash
     at any moment leaves either the previous file or the new one. A KeyboardInterrupt passes through
@@ -155,23 +160,16 @@ def _write_atomic(path: str, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         tmp = None
-        try:
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
+        _fsync_dir(directory)
     except (OSError, RuntimeError) as e:  # torch.save wraps write failures and interrupts in RuntimeError
-        if any(isinstance(c, KeyboardInterrupt) for c in _chain(e)):
+        if any(isinstance(c, KeyboardInterrupt) for c in exception_chain(e)):
             raise KeyboardInterrupt from e
         if not os.path.isdir(directory):
             raise CheckpointWriteError(f'could not write checkpoint {path}: the output directory {directory} is '
                                        f'gone (deleted or renamed while the run was going), so nothing could be '
                                        f'saved; if it was renamed, its checkpoints went with it and the same '
                                        f'command with --output_dir set to its new name resumes') from e
-        raise CheckpointWriteError(f'could not write checkpoint {path}: {_write_failure_reason(e)}; '
+        raise CheckpointWriteError(f'could not write checkpoint {path}: {write_failure_reason(e)}; '
                                    f'the previous {os.path.basename(path)} (if any) is kept') from e
     finally:
         if tmp is not None:
@@ -194,6 +192,27 @@ def copy_atomic(src: str, dst: str) -> None:
     _write_atomic(dst, write)
 
 
+def link_atomic(src: str, dst: str) -> None:
+    """Give the file `src` the further name `dst` (a hard link, renamed into place: `dst` is at every moment
+    the previous file or `src`'s), or copy it atomically where the filesystem has no hard links."""
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        return
+    directory = os.path.dirname(os.path.abspath(dst))
+    tmp = os.path.join(directory, f'{TMP_PREFIX}{os.path.basename(dst)}.{os.getpid()}.link')
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.link(src, tmp)
+        os.replace(tmp, dst)
+        _fsync_dir(directory)
+    except OSError:  # no hard links here (EPERM, EXDEV, ENOTSUP on some network and FAT filesystems)
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        copy_atomic(src, dst)
+
+
 def remove_stale_tmp(directory: str) -> None:
     """Temporary files left by a process killed mid-write (kill -9)."""
     for p in glob.glob(os.path.join(glob.escape(directory), TMP_PREFIX + '*')):
@@ -214,15 +233,28 @@ def run_checkpoints(directory: str) -> List[str]:
         + numbered
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def other_checkpoints_hint(path: str) -> str:
-    """What to do instead of loading a damaged `path`: the other checkpoints next to it."""
+    """What to do instead of loading a damaged `path`: the other checkpoints next to it (not the names
+    linked to the same file, which share its damage)."""
     directory = os.path.dirname(os.path.abspath(path)) if path else '.'
     shown = os.path.dirname(path) or '.'
     others = [os.path.join(shown, os.path.basename(p)) for p in run_checkpoints(directory)
-              if os.path.basename(p) != os.path.basename(path)]
+              if os.path.basename(p) != os.path.basename(path) and not _same_file(p, path)]
     alt = (f'resume from another checkpoint of the run ({", ".join("--resume " + p for p in others[:4])})'
            if others else f'there is no other checkpoint in {shown}')
     return f'{alt}, or start a new run with --no-auto-resume --overwrite'
+
+
+def is_url(path: str) -> bool:
+    """Whether a checkpoint flag names a URL (nothing is downloaded: checkpoints are local files)."""
+    return path.startswith(('http://', 'https://'))
 
 
 def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> Any:
@@ -230,11 +262,9 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     unsafe files. argparse.Namespace is accepted (reference checkpoints store their args as one).
     A checkpoint with a checksum is verified unless verify=False."""
     path = os.fspath(path)
-    if path.startswith(('http://', 'https://')):
-        raise CheckpointError(f'{path}: downloading checkpoints is disabled; '
-                              'download it yourself and pass the local file')
     if not os.path.exists(path):
-        raise CheckpointError(f'checkpoint {path} does not exist')
+        raise CheckpointError(f'checkpoint {path} does not exist' + (
+            ' (downloading is disabled: download it yourself and pass the local file)' if is_url(path) else ''))
     if os.path.isdir(path):
         raise CheckpointError(f'checkpoint {path} is a directory, expected a .pth file')
     if os.path.getsize(path) == 0:
@@ -270,289 +300,12 @@ def saved_args(ckpt: Any) -> Dict[str, Any]:
     return dict(args) if isinstance(args, dict) else {}
 
 
-def select_weights(ckpt: Any, path: str = 'the checkpoint',
-                   which: str = 'default') -> Tuple[str, Dict[str, torch.Tensor]]:
-    """(key, state dict) of the one set of weights a loader takes from a loaded checkpoint.
-
-    which='default' is timm's rule (``timm.create_model(checkpoint_path=...)``): ``state_dict_ema``,
-    else ``model_ema``, else ``state_dict``, else ``model``, else the file itself as a bare state dict
-    (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed."""
-    from timm.models import clean_state_dict
-    key = weights_key(ckpt, which)
-    if key is None:
-        if which == 'model_ema':
-            raise CheckpointError(f'{path} has no EMA weights (model_ema); '
-                                  'take its model weights instead (--weights model)')
-        raise CheckpointError(f'{path} is a torch file but holds no model weights '
-                              f'(expected a state dict or a dict with "model")')
-    return key, clean_state_dict(ckpt[key] if key else ckpt)
-
-
-def classifier_keys(model: torch.nn.Module) -> set:
-    """State-dict keys of the classifier (those re-initialised by --finetune)."""
-    keys = set()
-    get = getattr(model, 'get_classifier', None)
-    clf = get() if callable(get) else None
-    if isinstance(clf, torch.nn.Module):
-        ids = {id(p) for p in clf.parameters()}
-        for name, p in model.named_parameters():
-            if id(p) in ids:
-                keys.add(name)
-    return keys
-
-
-def guess_variant(sd: Dict[str, torch.Tensor], candidates: Sequence[str],
-                  num_classes: int) -> Tuple[Optional[str], float]:
-    """Name of the registered model whose key/shape set matches `sd` best (ignoring the classifier)."""
-    import timm
-    best, best_score = None, -1.0
-    target = {k: tuple(v.shape) for k, v in sd.items()}
-    for name in sorted(candidates, key=lambda n: (-len(n), n)):
-        if best_score > 0.98:
-            break
-        m = None
-        try:
-            with torch.device('meta'):  # no memory, no init: shapes only
-                m = timm.create_model(name, num_classes=num_classes)
-        except Exception:  # some models compute with tensors while building
-            pass
-        if m is None:
-            try:
-                with torch.no_grad():
-                    m = timm.create_model(name, num_classes=num_classes)
-            except Exception:
-                continue
-        ref = {k: tuple(v.shape) for k, v in m.state_dict().items()}
-        del m
-        common = set(ref) | set(target)
-        score = sum(1 for k in common if k in ref and k in target and ref[k] == target[k]) / max(len(common), 1)
-        if score > best_score:
-            best, best_score = name, score
-    return best, best_score
-
-
-def _candidates() -> List[str]:
-    import timm
-    return sorted(set(timm.list_models('NALAFORMER_*')))
-
-
-def describe_mismatch(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str, path: str,
-                      candidates: Optional[Sequence[str]] = None) -> Optional[str]:
-    """One line explaining why `sd` does not load into `model` strictly (None if it does)."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if not (missing or unexpected or wrong):
-        return None
-    clf = classifier_keys(model)
-    if not missing and not unexpected and wrong and set(wrong) <= clf:
-        k = sorted(wrong)[0]
-        n_ckpt = sd[k].shape[0]
-        return (f'{path} has a {n_ckpt}-class classifier but the model has {own[k].shape[0]} classes; '
-                f'to start from it with a new head use --finetune {path}')
-    candidates = _candidates() if candidates is None else candidates
-    guess, score = guess_variant(sd, [c for c in candidates if c != model_name], num_classes=1000)
-    if guess is not None and score > 0.9:
-        return f'{path} looks like a {guess} checkpoint, not {model_name}; pass --model {guess}'
-    detail = []
-    if missing:
-        detail.append(f'{len(missing)} missing keys (e.g. {missing[0]})')
-    if unexpected:
-        detail.append(f'{len(unexpected)} unexpected keys (e.g. {unexpected[0]})')
-    if wrong:
-        k = wrong[0]
-        detail.append(f'{len(wrong)} shape mismatches (e.g. {k}: {tuple(sd[k].shape)} vs {tuple(own[k].shape)})')
-    return f'{path} does not match {model_name}: ' + ', '.join(detail)
-
-
-def load_weights_into(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str, path: str) -> None:
-    """load_state_dict(strict=True) with a one-line CheckpointError naming the mismatch."""
-    msg = describe_mismatch(model, sd, model_name, path)
-    if msg:
-        raise CheckpointError(msg)
-    model.load_state_dict(sd, strict=True)
-
-
-def load_model_weights(model: torch.nn.Module, path: str, model_name: str) -> Any:
-    """Load the weights of checkpoint `path` (the default rule: the EMA when present) into `model` (strict);
-    returns the loaded checkpoint."""
-    ckpt = load_checkpoint_file(path)
-    _, sd = select_weights(ckpt, path)
-    load_weights_into(model, sd, model_name, path)
-    return ckpt
-
-
-def finetune_from(model: torch.nn.Module, path: str, model_name: str) -> None:
-    """Start from the weights of `path` (the default rule: the EMA when present), re-initialising a
-    classifier whose shape differs; every other tensor must match."""
-    ckpt = load_checkpoint_file(path)
-    key, sd = select_weights(ckpt, path)
-    own = model.state_dict()
-    clf = classifier_keys(model)
-    dropped = [k for k in sd if k in own and k in clf and tuple(sd[k].shape) != tuple(own[k].shape)]
-    rest = {k: v for k, v in sd.items() if k not in dropped}
-    wrong = [k for k in rest if k in own and tuple(rest[k].shape) != tuple(own[k].shape)]
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    if wrong or unexpected or (set(missing) - clf):
-        msg = describe_mismatch(model, rest, model_name, path)
-        raise CheckpointError(msg or f'{path} does not match {model_name}')
-    model.load_state_dict(rest, strict=False)
-    what = f'{path} ({key} weights)' if key else path
-    if dropped:
-        shapes = ', '.join(f'{k} {tuple(sd[k].shape)} -> {tuple(own[k].shape)}' for k in dropped)
-        print(f'Finetune: loaded {what}; classifier re-initialised (shape differs): {shapes}')
-    else:
-        print(f'Finetune: loaded {what} (all {len(own)} tensors, classifier kept)')
-
-
-# --------------------------------------------------------------------------------------------------
-# The output directory of a run
-# --------------------------------------------------------------------------------------------------
-def _agree(err: Optional[str], device: Any) -> None:
-    """Raise UserError(err) on every rank when any rank (in practice rank 0) found a problem."""
-    failed = bool(err)
-    if distributed.is_dist_avail_and_initialized():
-        failed = distributed.all_reduce_max([1.0 if err else 0.0], device)[0] > 0
-    if failed:
-        raise UserError(err or 'rank 0 could not prepare --output_dir (see its error); stopped')
-
-
-def _same_dir(path: str, directory: str) -> bool:
+def in_directory(path: str, directory: str) -> bool:
+    """Whether the file `path` is in `directory` (the same directory, however each is spelt)."""
     try:
         return os.path.samefile(os.path.dirname(os.path.abspath(path)), directory)
     except OSError:
         return False
-
-
-def find_resume_path(args: argparse.Namespace) -> str:
-    """--resume, else (auto-resume, no --overwrite) output_dir/checkpoint.pth when it exists, else ''."""
-    if args.resume:
-        return args.resume
-    auto = os.path.join(args.output_dir, 'checkpoint.pth') if args.output_dir else ''
-    if auto and args.auto_resume and not getattr(args, 'overwrite', False) and os.path.isfile(auto):
-        return auto
-    return ''
-
-
-def previous_run_files(directory: str) -> List[str]:
-    """Names of the files of an earlier run in `directory` (checkpoints, a non-empty log.txt)."""
-    names = [os.path.basename(p) for p in run_checkpoints(directory)]
-    log = os.path.join(directory, 'log.txt')
-    if os.path.isfile(log) and os.path.getsize(log) > 0:
-        names.append('log.txt')
-    return names
-
-
-def _check_previous_run(args: argparse.Namespace) -> Optional[str]:
-    out = args.output_dir
-    resume = find_resume_path(args)
-    old = previous_run_files(out)
-    if not old or (resume and _same_dir(resume, out)):
-        return None  # an empty directory, or continuing the run it holds
-    if getattr(args, 'overwrite', False):
-        for name in old:
-            os.remove(os.path.join(out, name))
-        print(f'--overwrite: removed the previous run from {out} ({", ".join(old)}); starting a new run')
-        return None
-    listed = ', '.join(old[:5]) + (', ...' if len(old) > 5 else '')
-    if resume:
-        return (f'--output_dir {out} already holds another run ({listed}); resuming {resume} there would mix the two '
-                f'runs: choose another --output_dir, or pass --overwrite to delete those files first')
-    first = next((n for n in old if n.endswith('.pth')), None)
-    cont = (' relaunch without --no-auto-resume to continue it,' if first == 'checkpoint.pth' else
-            f' pass --resume {os.path.join(out, first)} to continue it,' if first else '')
-    return (f'--output_dir {out} already holds a run ({listed}):{cont} choose another --output_dir, '
-            f'or pass --overwrite to delete those files and start a new run there')
-
-
-# open lock files of the run directories this process holds (kept open: closing one releases its lock)
-_held_locks: Dict[str, int] = {}
-
-
-def lock_run_dir(directory: str) -> Optional[str]:
-    """Hold an exclusive lock on `directory` for the rest of this process; returns an error line when another
-    process holds it. The lock is a POSIX record lock (fcntl) on ``directory/.run.lock``: the OS releases it when
-    the process ends, however it ends, so a killed run never leaves a stale lock; unlike flock() it is not
-    inherited by forked data-loader workers, which may outlive a killed process by a few seconds. Where the
-    filesystem has no locks, says so and goes on without one."""
-    key = os.path.abspath(directory)
-    if key in _held_locks:
-        return None
-    path = os.path.join(directory, LOCK_NAME)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    except OSError as e:
-        print(f'Note: cannot create the lock file {path} ({e.strerror}); running without a lock, so a second job '
-              f'in this --output_dir would not be noticed')
-        return None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK, EOPNOTSUPP...: a filesystem without locks
-            os.close(fd)
-            print(f'Note: the filesystem of --output_dir {directory} does not support file locks '
-                  f'({os.strerror(e.errno)}); running without a lock, so a second job in this directory would '
-                  f'not be noticed (--no-lock silences this)')
-            return None
-        try:
-            holder = os.read(fd, 256).decode(errors='replace').strip()
-        except OSError:
-            holder = ''
-        os.close(fd)
-        return (f'--output_dir {directory} is in use by another run ({holder or "a process that holds its lock"}); '
-                f'wait for that run to end or stop it, or choose another --output_dir')
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f'PID {os.getpid()} on host {socket.gethostname()}\n'.encode(), 0)
-    _held_locks[key] = fd
-    return None
-
-
-def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
-    """Create --output_dir, lock it (training, unless --no-lock: one run per directory) and remove temporaries
-    of killed writes. A training run that would start over in a directory holding another run stops with one
-    line, unless --overwrite (which deletes that run's checkpoints and log.txt, nothing is moved).
-    Evaluation only neither locks nor cleans: it writes nothing there and may read a running job's files."""
-    if not args.output_dir:
-        return
-    err = None
-    if distributed.is_main_process():
-        try:
-            os.makedirs(args.output_dir, exist_ok=True)
-        except OSError as e:
-            err = f'cannot create --output_dir {args.output_dir}: {e.strerror}'
-        else:
-            if not args.eval and getattr(args, 'lock', True):
-                err = lock_run_dir(args.output_dir)
-            if err is None and not args.eval:
-                remove_stale_tmp(args.output_dir)
-                try:
-                    err = _check_previous_run(args)
-                except OSError as e:
-                    err = f'cannot clear --output_dir {args.output_dir}: {e.strerror} ({e.filename})'
-    _agree(err, device)
-
-
-def check_room(directory: str, nbytes: int, device: Any) -> None:
-    """Before training: `directory` is writable and has room for two checkpoints of about `nbytes`
-    (the new one is written next to the previous one, then renamed)."""
-    err = None
-    if directory and distributed.is_main_process():
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + 'probe.', dir=directory)
-            os.close(fd)
-            os.remove(tmp)
-        except OSError as e:
-            err = (f'cannot write to --output_dir {directory}: {_write_failure_reason(e)}; '
-                   f'make it writable or choose another --output_dir')
-        else:
-            free = shutil.disk_usage(directory).free
-            if free < 2 * nbytes:
-                err = (f'--output_dir {directory} has {free / 2**20:.0f} MiB free, but a checkpoint takes about '
-                       f'{nbytes / 2**20:.0f} MiB and two must fit while one replaces the other; free some space '
-                       f'or choose another --output_dir')
-    _agree(err, device)
 
 
 def describe_best(ckpt: Any) -> str:
@@ -573,54 +326,9 @@ def _order(ckpt: Dict[str, Any]) -> Tuple[int, float]:
     return int(ckpt.get('epoch', -1)), float(ckpt['step']) if ckpt.get('step') else float('inf')
 
 
-def _plain(v: Any) -> Any:
+def _comparable(v: Any) -> Any:
+    """A list as a tuple, so that a value read back from a checkpoint compares equal to the one it was."""
     return tuple(v) if isinstance(v, list) else v
-
-
-# --------------------------------------------------------------------------------------------------
-# Random-number state (torch, CUDA, numpy, python) as weights_only-loadable plain objects
-# --------------------------------------------------------------------------------------------------
-def get_rng_state() -> dict:
-    """torch, numpy and python RNG state (and this process's CUDA device's) as plain objects."""
-    np_state = np.random.get_state()
-    state = {
-        'torch': torch.get_rng_state(),
-        'numpy': {'name': str(np_state[0]), 'keys': torch.from_numpy(np_state[1].astype(np.int64)),
-                  'pos': int(np_state[2]), 'has_gauss': int(np_state[3]), 'cached_gaussian': float(np_state[4])},
-        'python': _to_plain(random.getstate()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # this process's own device only: another launch may see fewer GPUs per process
-        state['cuda'] = torch.cuda.get_rng_state(torch.cuda.current_device())
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore get_rng_state()'s result; the CUDA state goes to this process's current device."""
-    torch.set_rng_state(state['torch'])
-    n = state['numpy']
-    np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'],
-                         n['cached_gaussian']))
-    py = state['python']
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    cuda = state.get('cuda')
-    if cuda is not None and torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state
-            cuda = cuda[device] if device < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-
-
-class preserved_rng:
-    """Context manager: the torch/numpy/python RNG state is the same after the block as before."""
-
-    def __enter__(self):
-        self.state = get_rng_state()
-
-    def __exit__(self, *exc):
-        set_rng_state(self.state)
-        return False
 
 
 def _to_plain(obj: Any) -> Any:
@@ -639,40 +347,6 @@ def _to_plain(obj: Any) -> Any:
 def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
     """The command line as a plain dict (the checkpoint's ``args``)."""
     return _to_plain(dict(vars(args)))
-
-
-def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every rank's RNG state, in rank order (collective under torch.distributed)."""
-    if not distributed.is_dist_avail_and_initialized():
-        return [state]
-    out = [None] * distributed.get_world_size()
-    torch.distributed.all_gather_object(out, state)
-    return out
-
-
-@dataclass
-class EpochState:
-    """Where training stands inside an epoch: the first step not yet run, what a resume at that step needs,
-    and the skipped-step counts. engine.train_one_epoch takes and returns it; epoch_state_entries and
-    TrainingCheckpoints.resume save and load it (docs/usage.md#checkpoints)."""
-    step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
-    rng_state: Optional[dict] = None        # RNG state at `step` (a mid-epoch stop)
-    epoch_rng_state: Optional[dict] = None  # RNG state before the epoch's data iterator was created
-    loss_meter: Optional[dict] = None       # the epoch's loss meter so far: {'total': ..., 'count': ...}
-    bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
-    skipped_steps: int = 0  # optimizer steps skipped so far in this epoch
-
-
-def epoch_state_entries(state: EpochState) -> Dict[str, Any]:
-    """The checkpoint entries of where training stands (collective: every rank calls it). Between epochs
-    (``state.step`` 0): every rank's RNG state now; inside an epoch: ``step``, every rank's RNG state at
-    the stop and before the epoch's data iterator, and the loss meter. Always the skipped-step counts."""
-    carry = {'bad_steps': state.bad_steps, 'skipped_steps': state.skipped_steps}
-    if not state.step:
-        return {'rng_state': gather_rng(get_rng_state()), 'train_carry': carry}
-    return {'step': state.step, 'rng_state': gather_rng(state.rng_state),
-            'epoch_rng_state': gather_rng(state.epoch_rng_state), 'loss_meter': state.loss_meter,
-            'train_carry': carry}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -708,7 +382,7 @@ def _differs(a: Any, b: Any) -> bool:
             return not math.isclose(float(a), float(b), rel_tol=1e-9)
         except (TypeError, ValueError):
             pass
-    return _plain(a) != _plain(b)
+    return _comparable(a) != _comparable(b)
 
 
 def flag_changes(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
@@ -769,9 +443,9 @@ class TrainingCheckpoints:
     """Writes the checkpoints of one training run and restores a run from one.
 
     Rank 0 writes; a failed write stops every rank. ``record_accuracy`` keeps the best accuracy and
-    which weights gave it; ``save`` writes the state to the given names in order (checkpoint.pth first),
-    ``append_log`` adds the epoch's line to log.txt. ``resume`` restores everything and repairs what a
-    crash between those writes left behind."""
+    which weights gave it; ``save`` writes the state once, to the first of the given names (checkpoint.pth),
+    and links it to the others in order; ``append_log`` adds the epoch's line to log.txt. ``resume``
+    restores everything and repairs what a crash between those writes left behind."""
 
     def __init__(self, args: argparse.Namespace, model: torch.nn.Module, model_ema: Any, optimizer: Any,
                  lr_scheduler: Any, loss_scaler: Any, n_parameters: int, device: Any,
@@ -826,13 +500,16 @@ class TrainingCheckpoints:
         return state
 
     def save(self, epoch: int, extra: Dict[str, Any], names: Sequence[str]) -> None:
-        """Write the run's state after `epoch` to each of `names` in --output_dir (nothing without one)."""
+        """Write the run's state after `epoch` to the first of `names` in --output_dir (nothing without one),
+        then link (or copy) that file to the others, in order."""
         err = None
         if distributed.is_main_process() and self.output_dir:
             state = self.state(epoch, names, extra)
             try:
-                for name in names:
-                    save_atomic(state, os.path.join(self.output_dir, name))
+                first = os.path.join(self.output_dir, names[0])
+                save_atomic(state, first)
+                for name in names[1:]:
+                    link_atomic(first, os.path.join(self.output_dir, name))
             except CheckpointWriteError as e:
                 err = e
         if distributed.is_dist_avail_and_initialized():
@@ -851,7 +528,7 @@ class TrainingCheckpoints:
         try:
             metrics.write_json_line(path, record)
         except OSError as e:
-            raise UserError(f'could not append to {path}: {_write_failure_reason(e)}; the checkpoint of epoch '
+            raise UserError(f'could not append to {path}: {write_failure_reason(e)}; the checkpoint of epoch '
                             f'{record.get("epoch")} holds the line, it is added when the run resumes') from e
 
     def estimate_bytes(self, resume_path: str = '') -> int:
@@ -901,15 +578,15 @@ class TrainingCheckpoints:
         self.max_accuracy = float(ckpt.get('max_accuracy', 0.0))
         self.best = {k: ckpt.get(k) for k in self.best}
         # consecutive skipped steps survive epochs and resumes; the epoch's own count only a mid-epoch resume
-        carry = ckpt.get('train_carry') or {}
+        skip_counts = ckpt.get(SKIP_COUNTS_KEY) or {}
         if ckpt.get('step'):
             r.start_epoch = int(ckpt['epoch'])
             r.state = EpochState(step=int(ckpt['step']), loss_meter=ckpt.get('loss_meter'),
-                                 bad_steps=int(carry.get('bad_steps', 0)),
-                                 skipped_steps=int(carry.get('skipped_steps', 0)))
+                                 bad_steps=int(skip_counts.get('bad_steps', 0)),
+                                 skipped_steps=int(skip_counts.get('skipped_steps', 0)))
         else:
             r.start_epoch = int(ckpt['epoch']) + 1
-            r.state = EpochState(bad_steps=int(carry.get('bad_steps', 0)))
+            r.state = EpochState(bad_steps=int(skip_counts.get('bad_steps', 0)))
         world, rank = distributed.get_world_size(), distributed.get_rank()
         rng = ckpt.get('rng_state')
         order = data_order_changes(ckpt, args, self.n_train_images) if r.state.step else []
@@ -934,7 +611,7 @@ class TrainingCheckpoints:
             writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
             print(f'Note: the checkpoint was written by {writers} '
                   f'process(es), this run has {world}: random-number state not restored')
-        if distributed.is_main_process() and self.output_dir and _same_dir(path, self.output_dir):
+        if distributed.is_main_process() and self.output_dir and in_directory(path, self.output_dir):
             self._repair_files(path, ckpt)
             self._repair_log(ckpt.get('log'))
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
@@ -986,8 +663,8 @@ class TrainingCheckpoints:
         changed: Dict[str, List[Tuple[Any, Any]]] = {}
         for group, want in zip(self.optimizer.param_groups, fresh):
             for k in FOLLOWED_OPTIMIZER_KEYS:
-                if k in want and _plain(group.get(k)) != _plain(want[k]):
-                    pair = (_plain(group.get(k)), _plain(want[k]))
+                if k in want and _comparable(group.get(k)) != _comparable(want[k]):
+                    pair = (_comparable(group.get(k)), _comparable(want[k]))
                     if pair not in changed.setdefault(k, []):
                         changed[k].append(pair)
                     group[k] = want[k]

@@ -31,6 +31,15 @@ class PeerLostError(UserError):
     """Another process of the job died or stopped answering."""
 
 
+def exception_chain(e: BaseException):
+    """The exception and everything it was raised from or while handling."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     msg = str(e).strip().splitlines()

@@ -5,8 +5,8 @@
 #   NPROC=8 ... bash eval.sh          # exact --dist-eval over 8 processes (every image counted once)
 #
 # Environment: MODEL (default NALAFORMER_T), CKPT (required), DATA, NPROC (1), NNODES (1), NODE_RANK (0),
-# MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), BATCH (128), OUTPUT (unused by --eval, accepted for
-# symmetry with pretrain.sh), PYTHON. Extra flags go to main.py (e.g. --device cpu, --input-size 288).
+# MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), BATCH (128), PYTHON. Evaluation writes no files. Extra
+# flags go to main.py (e.g. --device cpu, --input-size 288).
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -18,19 +18,26 @@ import sys
 import time
 import traceback
 import warnings
+from typing import Any, Optional, Sequence, Tuple
 
+import timm
 import torch
 
 import checkpoint
 import datasets
 import distributed
+import engine
 import eval_sets
 import image_folder
+import run_dir
 import utils
-from errors import FlagError, UserError, eprint, first_line
+from errors import FlagError, UserError, eprint, exception_chain, first_line
+from models.nalaformer import VARIANTS
+from models.weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
 
 
-def str2bool_flag(parser, name, default, help_on, dest=None):
+def add_bool_flag(parser: argparse.ArgumentParser, name: str, default: Optional[bool], help_on: str,
+                  dest: Optional[str] = None) -> None:
     """--name / --no-name setting one boolean (the last one given wins), help text on --name."""
     # not timm.utils.add_bool_arg: it makes the pair exclusive (tools/smoke.py appends --model-ema to --no-model-ema)
     dest = dest or name.replace('-', '_')
@@ -115,25 +122,25 @@ def default_num_workers() -> int:
 
 def get_args_parser():
     p = LauncherArgumentParser('NaLaFormer training and evaluation script', add_help=True)
-    p.add_argument('--batch-size', default=128, type=int, help='batch size per process (recipe: 128 x 8)')
+    p.add_argument('--batch-size', default=128, type=POSITIVE_INT, help='batch size per process (recipe: 128 x 8)')
     p.add_argument('--epochs', default=300, type=int)
     p.add_argument('--bce-loss', action='store_true',
                    help="binary cross-entropy on the (mixed, smoothed) soft targets instead of soft-target CE")
     p.add_argument('--bce-target-thresh', type=float, default=None, metavar='T',
                    help='with --bce-loss: binarise the targets at this threshold (1 where target > T)')
-    p.add_argument('--accum-steps', type=int, default=1, metavar='K',
+    p.add_argument('--accum-steps', type=POSITIVE_INT, default=1, metavar='K',
                    help='accumulate the gradients of K batches per optimizer step (global batch = '
                         'batch x processes x K, for the LR and EMA scaling)')
     p.add_argument('--unscale-lr', action='store_true', help='do not scale --lr by global batch / 512')
 
     # Model
     p.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
-    p.add_argument('--input-size', default=224, type=int, help='image size')
+    p.add_argument('--input-size', default=224, type=ranged(int, 8), help='image size')
     p.add_argument('--drop', type=RATE, default=0.0, metavar='PCT', help='dropout rate')
-    p.add_argument('--drop-path', type=float, default=None, metavar='PCT',
+    p.add_argument('--drop-path', type=RATE, default=None, metavar='PCT',
                    help="drop path (stochastic depth) rate; default: the variant's own rate "
                         "(XT 0.1, T 0.1, S 0.15, B 0.4, L 0.55)")
-    str2bool_flag(p, 'model-ema', True, 'keep an EMA of the weights (default on)')
+    add_bool_flag(p, 'model-ema', True, 'keep an EMA of the weights (default on)')
     p.add_argument('--model-ema-decay', type=RATE, default=0.99996,
                    help='EMA decay at global batch 512; the decay used is this ** (global batch / 512)')
     p.add_argument('--model-ema-force-cpu', action='store_true')
@@ -146,7 +153,7 @@ def get_args_parser():
     p.add_argument('--clip-mode', type=str, default='norm', choices=['norm', 'value', 'agc'])
     p.add_argument('--momentum', type=float, default=0.9, metavar='M')
     p.add_argument('--weight-decay', type=NON_NEGATIVE, default=0.05)
-    p.add_argument('--layer-decay', type=float, default=None,
+    p.add_argument('--layer-decay', type=ranged(float, 0, 1, lo_open=True), default=None,
                    help='layer-wise LR decay for fine-tuning: block i of n gets LR x decay^(n - i) (head: x1)')
 
     # Learning rate schedule
@@ -167,8 +174,8 @@ def get_args_parser():
     p.add_argument('--aa', type=str, default='rand-m9-mstd0.5-inc1', metavar='NAME')
     p.add_argument('--smoothing', type=RATE, default=0.1)
     p.add_argument('--train-interpolation', type=str, default='bicubic')
-    str2bool_flag(p, 'repeated-aug', True, 'repeated augmentation x3 (RASampler, default on)')
-    str2bool_flag(p, 'train-mode', None, 'model.train() while training (default: on, but off with --finetune, '
+    add_bool_flag(p, 'repeated-aug', True, 'repeated augmentation x3 (RASampler, default on)')
+    add_bool_flag(p, 'train-mode', None, 'model.train() while training (default: on, but off with --finetune, '
                   'as the reference fine-tunes)')
     p.add_argument('--ThreeAugment', action='store_true', help="DeiT III's three-augment (not supported, refused)")
     p.add_argument('--src', action='store_true', help="DeiT III's simple random crop (not supported, refused)")
@@ -221,37 +228,38 @@ def get_args_parser():
     p.add_argument('--seed', default=0, type=ranged(int, 0, 2 ** 32 - 1))
     p.add_argument('--resume', default='',
                    help='resume from this checkpoint (default: output_dir/checkpoint.pth if present)')
-    str2bool_flag(p, 'auto-resume', True, 'resume from output_dir/checkpoint.pth when it exists (default on)')
+    add_bool_flag(p, 'auto-resume', True, 'resume from output_dir/checkpoint.pth when it exists (default on)')
     p.add_argument('--start_epoch', '--start-epoch', dest='start_epoch', default=0, type=NON_NEGATIVE_INT, metavar='N')
     p.add_argument('--eval', action='store_true', help='evaluation only')
-    str2bool_flag(p, 'dist-eval', None, 'split the validation set over the processes (exact: every image counted '
+    add_bool_flag(p, 'dist-eval', None, 'split the validation set over the processes (exact: every image counted '
                                         'once); default on with several processes, --no-dist-eval: every process '
                                         'evaluates the whole set')
     p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=None, type=NON_NEGATIVE_INT,
                    help=f'data-loader workers per process (default {DEFAULT_NUM_WORKERS}, at most the CPUs '
                         'available to the process)')
-    str2bool_flag(p, 'pin-mem', True, 'pin CPU memory in the data loader (GPU runs)', dest='pin_mem')
+    add_bool_flag(p, 'pin-mem', True, 'pin CPU memory in the data loader (GPU runs)', dest='pin_mem')
     p.add_argument('--print-freq', default=10, type=POSITIVE_INT)
     p.add_argument('--log-dir', default='', help='also write TensorBoard events here (rank 0; needs tensorboard)')
-    p.add_argument('--save-freq', default=50, type=int, help='keep a backup checkpoint every N epochs (0: none)')
+    p.add_argument('--save-freq', default=50, type=NON_NEGATIVE_INT,
+                   help='keep a backup checkpoint every N epochs (0: none)')
     p.add_argument('--no-flops', dest='flops', action='store_false', help='skip the fvcore FLOPs count at start')
-    p.add_argument('--max-bad-steps', default=20, type=int,
+    p.add_argument('--max-bad-steps', default=20, type=NON_NEGATIVE_INT,
                    help='consecutive non-finite steps skipped before the run stops')
 
     # Precision and speed
     p.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'],
                    help='mixed precision: fp16 (with GradScaler, the default of a bare --amp) or bf16')
-    str2bool_flag(p, 'tf32', True, 'let fp32 matmuls/convolutions use TF32 on CUDA, as the reference '
+    add_bool_flag(p, 'tf32', True, 'let fp32 matmuls/convolutions use TF32 on CUDA, as the reference '
                                    'trained (default on; --no-tf32: full fp32)')
     p.add_argument('--channels-last', action='store_true')
     p.add_argument('--compile', action='store_true', help='torch.compile the model')
-    str2bool_flag(p, 'sync-bn', True, 'SyncBatchNorm in multi-GPU runs (default on)')
+    add_bool_flag(p, 'sync-bn', True, 'SyncBatchNorm in multi-GPU runs (default on)')
 
     # Distributed
     p.add_argument('--world_size', '--world-size', dest='world_size', default=1, type=POSITIVE_INT,
                    help='number of processes; set by the launcher (torchrun, srun), checked against it')
     p.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
-    p.add_argument('--dist-timeout', default=1800, type=float,
+    p.add_argument('--dist-timeout', default=1800, type=POSITIVE,
                    help='seconds a collective waits for a silent peer before the run stops')
     p.add_argument('--local_rank', '--local-rank', dest='local_rank', default=None, type=int,
                    help=argparse.SUPPRESS)
@@ -267,20 +275,11 @@ def get_args_parser():
 
 
 # --------------------------------------------------------------------------------------------------
-def known_models():
-    import timm
-    return sorted(set(timm.list_models('NALAFORMER_*')))
-
-
 def validate_args(args, parser):
-    """Incompatible or impossible flags: argparse-style error before any process group or data loader."""
-    import timm
-    try:
-        import models  # noqa: F401  (registers the NaLaFormer variants)
-    except ImportError as e:
-        parser.error(f'cannot import the models package: {e}')
+    """Incompatible or impossible flags: argparse-style error before any process group or data loader.
+    (Ranges of single flags are their argparse types.)"""
     if not timm.is_model(args.model):
-        parser.error(f"unknown model '{args.model}'; known NaLaFormer variants: {', '.join(known_models())} "
+        parser.error(f"unknown model '{args.model}'; known NaLaFormer variants: {', '.join(sorted(VARIANTS))} "
                      f"(any timm model name also works)")
     if args.distillation_type != 'none':
         if args.finetune and not args.eval:
@@ -288,15 +287,11 @@ def validate_args(args, parser):
                          '(DeiT: "Finetuning with distillation not yet supported")')
         if not args.teacher_path:
             parser.error('--distillation-type needs --teacher-path: a local teacher checkpoint (nothing is downloaded)')
-        if args.teacher_path.startswith(('http://', 'https://')):
-            parser.error('--teacher-path must be a local file: downloading is disabled')
         if not timm.is_model(args.teacher_model):
             parser.error(f"unknown teacher model '{args.teacher_model}'")
     for flag, on in (('--cosub', args.cosub), ('--ThreeAugment', args.ThreeAugment), ('--src', args.src)):
         if on:
             parser.error(f'{flag} (DeiT III) is not supported by this engine (the recipe is DeiT\'s: --aa)')
-    if args.batch_size < 1:
-        parser.error(f'--batch-size must be at least 1, got {args.batch_size}')
     _, world, _, _ = distributed.launch_env()
     if args.dist_eval is None:  # exact, so the default whenever there are several processes
         args.dist_eval = world > 1
@@ -306,48 +301,31 @@ def validate_args(args, parser):
                      f'per-process batch (or --mixup 0 --cutmix 0)')
     if args.epochs < 1 and not args.eval:
         parser.error('--epochs must be at least 1')
-    if args.input_size < 8:
-        parser.error(f'--input-size {args.input_size} is too small')
     for flag, path in (('--resume', args.resume), ('--finetune', args.finetune), ('--teacher-path', args.teacher_path)):
-        if path and not path.startswith(('http://', 'https://')) and not os.path.isfile(path):
-            parser.error(f'{flag} {path}: no such file')
-    if args.resume.startswith(('http://', 'https://')) or args.finetune.startswith(('http://', 'https://')):
-        parser.error('checkpoints must be local files: downloading is disabled')
+        if path and not os.path.isfile(path):
+            parser.error(f'{flag} {path}: ' + ('checkpoints must be local files: downloading is disabled'
+                                               if checkpoint.is_url(path) else 'no such file'))
     if args.real_labels is not None and args.data_set != 'IMNET':
         parser.error(f'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set (--data-set IMNET), '
                      f'not --data-set {args.data_set}; drop --real-labels')
-    if args.eval and not args.resume and not args.finetune:
-        auto = os.path.join(args.output_dir, 'checkpoint.pth') if args.output_dir else ''
-        if not (auto and args.auto_resume and os.path.isfile(auto)):
-            parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
+    if args.eval and not args.finetune and not run_dir.find_resume_path(args):
+        parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.resume and args.finetune:
         parser.error('--resume and --finetune exclude each other (resume continues a run; finetune starts a new one)')
     if args.log_dir:
         import tb_logger
         if tb_logger.tensorboard_missing():
             parser.error(tb_logger.tensorboard_missing())
-    if args.layer_decay is not None and not 0 < args.layer_decay <= 1:
-        parser.error(f'--layer-decay must be in (0, 1], got {args.layer_decay}')
-    if args.save_freq < 0 or args.max_bad_steps < 0:
-        parser.error('--save-freq and --max-bad-steps must be >= 0')
-    if args.dist_timeout <= 0:
-        parser.error('--dist-timeout must be positive')
     if args.compile and not hasattr(torch, 'compile'):
         parser.error('--compile needs torch >= 2.0')
-    if world > 1 and args.world_size not in (1, world):
-        parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)')
-    # training-loop recipe checks
-    if args.accum_steps < 1:
-        parser.error(f'--accum-steps must be at least 1, got {args.accum_steps}')
+    if args.world_size not in (1, world):  # 1, the default, takes the launcher's count
+        parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)' if world > 1
+                     else f'--world_size {args.world_size} without a launcher would run one process; start '
+                          f'{args.world_size} with torchrun --nproc_per_node={args.world_size} main.py ... (or srun)')
     if args.bce_target_thresh is not None and not args.bce_loss:
         parser.error('--bce-target-thresh needs --bce-loss')
-    if world == 1 and args.world_size != 1:
-        parser.error(f'--world_size {args.world_size} without a launcher would run one process; start '
-                     f'{args.world_size} with torchrun --nproc_per_node={args.world_size} main.py ... (or srun)')
     if args.seed + world - 1 > 2 ** 32 - 1:  # every rank seeds numpy with --seed + rank
         parser.error(f'--seed {args.seed} + rank exceeds 2**32 - 1 on {world} processes; use a smaller --seed')
-    if args.drop_path is not None and not 0 <= args.drop_path < 1:  # None: the variant's own rate
-        parser.error(f'--drop-path must be in [0, 1), got {args.drop_path}')
     if args.cutmix_minmax is not None and not 0 < args.cutmix_minmax[0] < args.cutmix_minmax[1]:
         parser.error(f'--cutmix-minmax needs 0 < MIN < MAX <= 1, got {args.cutmix_minmax[0]} {args.cutmix_minmax[1]}')
     check_device(args.device, world, parser)
@@ -419,9 +397,6 @@ def check_auto_augment(aa, parser):
 def build_model(args, nb_classes):
     """The model with the number of classes and dropout of the command line; drop path from --drop-path,
     or the variant's own rate when --drop-path is not given."""
-    import timm
-
-    import models  # noqa: F401
     extra = {} if args.drop_path is None else {'drop_path_rate': args.drop_path}
     return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
 
@@ -554,6 +529,54 @@ def build_loaders(args, dataset_train, dataset_val):
     return sampler_train, loader_train, loader_val
 
 
+def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') -> str:
+    """The accuracy line of one evaluation of the validation set of `n_images` images."""
+    line = f"Accuracy of the {tag}network{label} on the {stats['n']} test images: {stats['acc1']:.2f}%"
+    if stats['n'] != n_images or stats.get('seen', stats['n']) != n_images:
+        line += f" (evaluated {stats['n']} of {n_images} images; undecodable ones excluded)"
+    return line
+
+
+def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: torch.nn.Module,
+                        eval_model: torch.nn.Module, loader_val: Any, extra_sets: Sequence[Tuple[str, Any]],
+                        real: Any, device: torch.device, amp_dtype: Optional[torch.dtype], stop_flag: Any) -> int:
+    """--eval (or a run with nothing left to train): the accuracy of the loaded weights on the validation set,
+    the --eval-sets and ImageNet-ReaL; a checkpoint `ckpt` with an EMA is measured twice, one labelled line per
+    set of weights and data set. `model` is the bare module holding the weights, `eval_model` what runs
+    them (compiled with --compile). Returns the exit status (128 + signal when a stop cut it short)."""
+    sum_over_ranks = bool(args.dist_eval and args.distributed)
+    dataset_val = loader_val.dataset
+    ema_sd = None
+    if isinstance(ckpt, dict) and isinstance(ckpt.get('model_ema'), dict):
+        ema_sd = select_weights(ckpt, path, 'model_ema')[1]
+    for label, weights in ((' (model)', None), (' (EMA)', ema_sd)) if ema_sd is not None else (('', None),):
+        if weights is not None:
+            load_weights_into(model, weights, args.model, path)
+        test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
+                                     args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag,
+                                     real=real)
+        if test_stats['aborted']:
+            print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
+                  f'{test_stats["seen"]} of {len(dataset_val)} images: no accuracy reported')
+            return 128 + int(stop_flag.signum or signal.SIGTERM)
+        print(accuracy_line(test_stats, len(dataset_val), label=label))
+        for name, ds in extra_sets:  # build_loaders: only its validation loader is used
+            stats = engine.evaluate(build_loaders(args, ds, ds)[2], eval_model, device, amp_dtype,
+                                    args.channels_last, args.print_freq, header=f'{name}:',
+                                    sum_over_ranks=sum_over_ranks)
+            print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
+                  f"on {stats['n']} of {len(ds)} images")
+        if real is not None:
+            stats = test_stats['real']
+            print(f"ImageNet-ReaL{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
+                  f"on {stats['n']} images with a ReaL label")
+    best = checkpoint.describe_best(ckpt)
+    if best:
+        print(f'{path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
+                                   'take the EMA weights' if ema_sd is not None else ''))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------
 def main(args, parser):
     validate_args(args, parser)
@@ -577,11 +600,9 @@ def main(args, parser):
               f'at most the {available_cpus()} CPUs available to this process; --num_workers N sets it)')
     print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
 
-    import timm
     from timm.data import Mixup
     from timm.utils import ModelEmaV3, distribute_bn, random_seed
 
-    import engine
     from losses import DistillationLoss
 
     random_seed(args.seed, rank)  # torch, numpy and python seeded with --seed + rank
@@ -590,7 +611,7 @@ def main(args, parser):
     engine.set_tf32(device, args.tf32)
 
     output_dir = args.output_dir
-    checkpoint.prepare_output_dir(args, device)
+    run_dir.prepare_output_dir(args, device)
 
     # ---------------- data ----------------
     try:
@@ -633,9 +654,9 @@ def main(args, parser):
     if not args.eval:
         print(f'Train mode: {train_mode}')
     if args.finetune:
-        checkpoint.finetune_from(model, args.finetune, args.model)
+        finetune_from(model, args.finetune, args.model)
     if args.attn_only:
-        clf = checkpoint.classifier_keys(model)
+        clf = classifier_keys(model)
         for name, p in model.named_parameters():
             p.requires_grad = ('.attn.' in name) or name in clf
     n_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -673,26 +694,20 @@ def main(args, parser):
     teacher_model = None
     if args.distillation_type != 'none':
         teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)
-        checkpoint.load_model_weights(teacher_model, args.teacher_path, args.teacher_model)
+        load_model_weights(teacher_model, args.teacher_path, args.teacher_model)
         teacher_model.to(device).eval()
     criterion = DistillationLoss(criterion, teacher_model, args.distillation_type, args.distillation_alpha,
                                  args.distillation_tau)
 
     # ---------------- resume ----------------
-    run_ckpt = checkpoint.TrainingCheckpoints(
+    checkpoints = checkpoint.TrainingCheckpoints(
         args, model_without_ddp, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
         classes=getattr(dataset_train, 'classes', None),
         n_train_images=len(dataset_train) if dataset_train is not None else None)
-    resume_path = checkpoint.find_resume_path(args)
-    resumed = run_ckpt.resume(resume_path, eval_only=args.eval)
+    resume_path = run_dir.find_resume_path(args)
+    resumed = checkpoints.resume(resume_path, eval_only=args.eval)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
-    max_accuracy = run_ckpt.max_accuracy
-
-    def accuracy_line(stats, tag='', label=''):
-        line = f"Accuracy of the {tag}network{label} on the {stats['n']} test images: {stats['acc1']:.2f}%"
-        if stats['n'] != len(dataset_val) or stats.get('seen', stats['n']) != len(dataset_val):
-            line += f" (evaluated {stats['n']} of {len(dataset_val)} images; undecodable ones excluded)"
-        return line
+    max_accuracy = checkpoints.max_accuracy
 
     # evaluation uses the bare module: a DDP forward may broadcast buffers, a collective that would hang
     # when ranks get different numbers of validation batches (exact dist-eval does not pad)
@@ -701,41 +716,13 @@ def main(args, parser):
         print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
               f'evaluating it (raise --epochs to train longer)')
     if args.eval or start_epoch >= args.epochs:
-        # a checkpoint with an EMA is measured twice, one labelled line per set of weights and data set
-        ema_sd = None
-        if isinstance(resumed.ckpt, dict) and isinstance(resumed.ckpt.get('model_ema'), dict):
-            ema_sd = checkpoint.select_weights(resumed.ckpt, resume_path, 'model_ema')[1]
-        for label, weights in ((' (model)', None), (' (EMA)', ema_sd)) if ema_sd is not None else (('', None),):
-            if weights is not None:
-                checkpoint.load_weights_into(model_without_ddp, weights, args.model, resume_path)
-            test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
-                                         args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag,
-                                         real=real)
-            if test_stats['aborted']:
-                print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
-                      f'{test_stats["seen"]} of {len(dataset_val)} images: no accuracy reported')
-                return 128 + int(stop_flag.signum or signal.SIGTERM)
-            print(accuracy_line(test_stats, label=label))
-            for name, ds in extra_sets:  # build_loaders: only its validation loader is used
-                stats = engine.evaluate(build_loaders(args, ds, ds)[2], eval_model, device, amp_dtype,
-                                        args.channels_last, args.print_freq, header=f'{name}:',
-                                        sum_over_ranks=sum_over_ranks)
-                print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
-                      f"on {stats['n']} of {len(ds)} images")
-            if real is not None:
-                stats = test_stats['real']
-                print(f"ImageNet-ReaL{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
-                      f"on {stats['n']} images with a ReaL label")
-        best = checkpoint.describe_best(resumed.ckpt)
-        if best:
-            print(f'{resume_path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
-                                              'take the EMA weights' if ema_sd is not None else ''))
-        return 0
+        return evaluate_checkpoint(args, resumed.ckpt, resume_path, model_without_ddp, eval_model, loader_val,
+                                   extra_sets, real, device, amp_dtype, stop_flag)
     resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
 
     # ---------------- train ----------------
-    checkpoint.check_room(output_dir, run_ckpt.estimate_bytes(resume_path), device)
-    save = run_ckpt.save
+    run_dir.check_room(output_dir, checkpoints.estimate_bytes(resume_path), device)
+    save = checkpoints.save
     step = engine.OptimizerStep(optimizer, device, amp_dtype, loss_scaler, args.clip_grad, args.clip_mode,
                                 args.accum_steps)
     settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
@@ -750,11 +737,11 @@ def main(args, parser):
     for epoch in range(start_epoch, args.epochs):
         sampler_train.set_epoch(epoch)
         lr_scheduler.step(epoch)  # epoch e runs at the LR of epoch e (the reference lagged one epoch)
-        res = engine.train_one_epoch(train_model, criterion, loader_train, step, epoch, settings, model_ema, mixup_fn,
-                                     state, stop_flag, logger=tb)
-        state = res.state
-        if res.stopped and state.step:
-            save(epoch, checkpoint.epoch_state_entries(state), ['checkpoint.pth'])
+        epoch_result = engine.train_one_epoch(train_model, criterion, loader_train, step, epoch, settings, model_ema,
+                                              mixup_fn, state, stop_flag, logger=tb)
+        state = epoch_result.state
+        if epoch_result.stopped and state.step:
+            save(epoch, engine.epoch_state_entries(state), ['checkpoint.pth'])
             where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
                   f'{state.step}; checkpoint {where}; run the same command again to resume')
@@ -768,7 +755,7 @@ def main(args, parser):
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
         bad = image_folder.bad_sample_count_all_ranks(dataset_train, device)
 
-        with checkpoint.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
+        with engine.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
             test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
                                          args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
             ema_stats = None
@@ -780,7 +767,7 @@ def main(args, parser):
                                                 stop_flag=stop_flag)
         # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
         flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
-                 float(stop_flag.requested or res.stopped)]
+                 float(stop_flag.requested or epoch_result.stopped)]
         if args.distributed:
             flags = distributed.all_reduce_max(flags, device)
         eval_aborted, stop_now = flags[0] > 0, flags[1] > 0
@@ -789,11 +776,11 @@ def main(args, parser):
             print(f'Evaluation of epoch {epoch} interrupted by {stop_flag.name() or "a stop signal"}: '
                   f'the epoch is saved without its accuracy')
         else:
-            print(accuracy_line(test_stats))
+            print(accuracy_line(test_stats, len(dataset_val)))
             if ema_stats:
-                print(accuracy_line(ema_stats, 'EMA '))
-            improved = run_ckpt.record_accuracy(epoch, test_stats['acc1'], ema_stats['acc1'] if ema_stats else None)
-            max_accuracy = run_ckpt.max_accuracy
+                print(accuracy_line(ema_stats, len(dataset_val), 'EMA '))
+            improved = checkpoints.record_accuracy(epoch, test_stats['acc1'], ema_stats['acc1'] if ema_stats else None)
+            max_accuracy = checkpoints.max_accuracy
         print(f'Max accuracy: {max_accuracy:.2f}%' + (f'  (undecodable training images so far: {bad})' if bad else ''))
 
         names = ['checkpoint.pth']
@@ -801,15 +788,15 @@ def main(args, parser):
             names.append('best.pth')
         if args.save_freq and (epoch + 1) % args.save_freq == 0:
             names.append(f'checkpoint_{epoch:04d}.pth')
-        log_stats = {**{f'train_{k}': v for k, v in res.stats.items()},
+        log_stats = {**{f'train_{k}': v for k, v in epoch_result.stats.items()},
                      **({f'test_{k}': v for k, v in test_stats.items() if k != 'aborted'} if not eval_aborted else {}),
                      **({f'test_ema_{k}': v for k, v in ema_stats.items() if k != 'aborted'}
                         if ema_stats and not eval_aborted else {}),
                      'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
                      'bad_train_images': bad}
         # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
-        save(epoch, {**checkpoint.epoch_state_entries(state), 'log': log_stats}, names)
-        run_ckpt.append_log(log_stats)
+        save(epoch, {**engine.epoch_state_entries(state), 'log': log_stats}, names)
+        checkpoints.append_log(log_stats)
         if tb is not None:
             tb.log_epoch(log_stats, epoch)
         if stop_now:
@@ -841,7 +828,7 @@ def _is_peer_failure(e):
 def _dead_loader_worker(e: BaseException) -> str:
     """'a data-loader worker (pid N) was killed by signal Killed' (or '... exited unexpectedly') when a DataLoader
     worker died under `e` (torch reports it as a RuntimeError naming the pid), else ''."""
-    for c in checkpoint._chain(e):
+    for c in exception_chain(e):
         if not isinstance(c, RuntimeError):
             continue
         killed = re.search(r'DataLoader worker \(pid (\d+)\) is killed by signal: ([^.\n]+)', str(c))

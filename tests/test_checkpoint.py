@@ -1,27 +1,24 @@
-"""The checkpoint format (checkpoint.py): which weights every loader takes, checksums, atomic writes and
-their error messages, crash repair on resume, optimizer flags on resume, the output-directory checks, the RNG state, and
-weights that do not fit the model. Tiny models in-process; the killed-process runs are in test_faults.py."""
+"""The checkpoint format (checkpoint.py): checksums, atomic writes and their error messages, one serialisation
+linked to every name, crash repair on resume, optimizer flags on resume, and the epoch state a resume continues
+from. Tiny models in-process; the killed-process runs are in test_faults.py."""
 import errno
-import fractions
 import io
 import json
 import os
 import random
 import re
 import shutil
-from argparse import Namespace
 
-import numpy as np
 import pytest
 import timm
 import torch
-from conftest import build_xt, load, parse
+from conftest import parse
 
 import checkpoint
+import engine
 import errors
 import main
 import metrics
-from tools import analyze_attention as aa
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -56,54 +53,10 @@ def _run(tmp_path, argv=(), model=None, with_state=False):
     return run
 
 
-# ------------------------------------------------------------------------------------------ one loader rule
-@pytest.mark.parametrize('with_ema', [True, False])
-def test_every_single_weights_loader_takes_the_same_weights(tmp_path, with_ema, capsys):
-    raw, ema = _xt(1), _xt(2)
-    ckpt = {'model': raw.state_dict(), 'epoch': 3, 'args': {'input_size': 40, 'model': 'NALAFORMER_XT'}}
-    if with_ema:
-        ckpt['model_ema'] = {'module.' + k: v for k, v in ema.state_dict().items()}  # a DDP prefix, too
-    path = tmp_path / 'best.pth'
-    torch.save(ckpt, path)
-    want = (ema if with_ema else raw).state_dict()
-
-    key, sd = checkpoint.select_weights(torch.load(path, weights_only=True), str(path))
-    assert key == ('model_ema' if with_ema else 'model') and _same(sd, want)
-    loaded = {
-        'timm checkpoint_path': timm.create_model('NALAFORMER_XT', num_classes=3, checkpoint_path=str(path)),
-        'timm pretrained file': timm.create_model('NALAFORMER_XT', num_classes=3, pretrained=True,
-                                                  pretrained_cfg_overlay=dict(file=str(path), num_classes=3)),
-        'analyze_attention': aa.load_model('NALAFORMER_XT', str(path))[0],
-    }
-    finetuned = _xt(9)
-    checkpoint.finetune_from(finetuned, str(path), 'NALAFORMER_XT')  # main.py --finetune
-    teacher = _xt(9)
-    checkpoint.load_model_weights(teacher, str(path), 'NALAFORMER_XT')  # main.py --teacher-path
-    loaded.update({'--finetune': finetuned, '--teacher-path': teacher})
-    for name, model in loaded.items():
-        assert _same(model.state_dict(), want), name
-    assert aa.load_model('NALAFORMER_XT', str(path))[1]['input_size'] == 40  # args stored as a dict
-    assert _same(aa.load_model('NALAFORMER_XT', str(path), weights='model')[0].state_dict(), raw.state_dict())
-    # a reference checkpoint stores args as a Namespace: it loads without unpickling anything else
-    ckpt['args'] = Namespace(input_size=48)
-    torch.save(ckpt, path)
-    assert aa.load_model('NALAFORMER_XT', str(path))[1]['input_size'] == 48
-
-
-def test_select_weights_errors():
-    sd = _Tiny().state_dict()
-    with pytest.raises(checkpoint.CheckpointError, match=r'x\.pth has no EMA weights'):
-        checkpoint.select_weights({'model': sd}, 'x.pth', 'model_ema')
-    with pytest.raises(checkpoint.CheckpointError, match='holds no model weights'):
-        checkpoint.select_weights({'epoch': 1}, 'x.pth')
-    assert checkpoint.select_weights(sd, 'x.pth') == ('', sd)
-    assert checkpoint.select_weights({'model': sd, 'model_ema': None}, 'x.pth')[0] == 'model'
-
-
 # ------------------------------------------------------------------------------------------ checksums
 def _write_state(tmp_path, name='checkpoint.pth', **extra):
     run = _run(tmp_path, with_state=True)
-    run.save(0, {'rng_state': [checkpoint.get_rng_state()], **extra}, [name])
+    run.save(0, {'rng_state': [engine.get_rng_state()], **extra}, [name])
     return tmp_path / name
 
 
@@ -140,6 +93,18 @@ def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
                            for n in ('best.pth', 'checkpoint_0009.pth', 'checkpoint_0004.pth'))
     assert f'--resume {best}, --resume {newest}, --resume {older}' in msg
     assert '--no-auto-resume --overwrite' in msg
+
+
+
+def test_a_damaged_file_is_not_offered_again_under_a_linked_name(tmp_path):
+    run = _run(tmp_path, with_state=True)
+    run.save(4, {}, ['checkpoint.pth', 'checkpoint_0004.pth'])
+    run.save(5, {}, ['checkpoint.pth', 'best.pth'])
+    path = tmp_path / 'checkpoint.pth'
+    path.write_bytes(path.read_bytes()[:5000])  # in place: best.pth is the same file
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_checkpoint_file(str(path))
+    assert f'(--resume {tmp_path / "checkpoint_0004.pth"})' in str(e.value) and 'best.pth' not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -234,6 +199,32 @@ def test_best_records_which_weights_and_both_accuracies(tmp_path):
     assert 'EMA' not in checkpoint.describe_best(state) and '60.00% at epoch 2' in checkpoint.describe_best(state)
 
 
+def test_a_state_is_written_once_and_linked_to_its_other_names(tmp_path, monkeypatch):
+    run = _run(tmp_path, with_state=True)
+    written = []
+    real = checkpoint.save_atomic
+    monkeypatch.setattr(checkpoint, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
+                                                                        real(state, path)))
+    run.save(0, {}, ['checkpoint.pth', 'best.pth', 'checkpoint_0000.pth'])
+    assert written == ['checkpoint.pth']
+    ck = tmp_path / 'checkpoint.pth'
+    assert os.path.samefile(ck, tmp_path / 'best.pth') and os.path.samefile(ck, tmp_path / 'checkpoint_0000.pth')
+    best = (tmp_path / 'best.pth').read_bytes()
+    # the next epoch replaces the name checkpoint.pth; the file that best.pth names stays as it was
+    run.save(1, {}, ['checkpoint.pth'])
+    assert not os.path.samefile(ck, tmp_path / 'best.pth') and (tmp_path / 'best.pth').read_bytes() == best
+    assert checkpoint.load_checkpoint_file(str(tmp_path / 'best.pth'))['epoch'] == 0  # checksum verified
+    assert checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+    monkeypatch.setattr(checkpoint.os, 'link', no_links)  # a filesystem without hard links: copies
+    run.save(2, {}, ['checkpoint.pth', 'best.pth'])
+    assert not os.path.samefile(ck, tmp_path / 'best.pth') and (tmp_path / 'best.pth').read_bytes() == ck.read_bytes()
+    assert checkpoint.load_checkpoint_file(str(tmp_path / 'best.pth'))['epoch'] == 2
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(checkpoint.TMP_PREFIX)]
+
+
 # ------------------------------------------------------------------------------------------ crash repair
 def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, monkeypatch, capsys):
     run = _run(tmp_path, with_state=True)
@@ -242,13 +233,9 @@ def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, mon
     run.save(0, {'log': log0}, ['checkpoint.pth', 'best.pth'])
     run.append_log(log0)
     run.record_accuracy(1, 45.0, None)
-    real = checkpoint.save_atomic
-
-    def dies_after_the_first_file(state, path):
-        if os.path.basename(path) != 'checkpoint.pth':
-            raise SystemExit('killed')
-        real(state, path)
-    monkeypatch.setattr(checkpoint, 'save_atomic', dies_after_the_first_file)
+    def dies_after_the_first_file(src, dst):  # the other names are links to the first file
+        raise SystemExit('killed')
+    monkeypatch.setattr(checkpoint, 'link_atomic', dies_after_the_first_file)
     with pytest.raises(SystemExit):
         run.save(1, {'log': {'epoch': 1, 'test_acc1': 45.0}}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
@@ -291,14 +278,14 @@ def test_resume_with_another_optimizer_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------ where training stands
 def _draws(rng_state):
     """What the random streams give after `rng_state` is restored."""
-    checkpoint.set_rng_state(rng_state)
+    engine.set_rng_state(rng_state)
     return torch.rand(4).tolist(), random.random()
 
 
 def _rng_at(seed):
     torch.manual_seed(seed)
     random.seed(seed)
-    return checkpoint.get_rng_state()
+    return engine.get_rng_state()
 
 
 def test_a_mid_epoch_state_written_in_the_checkpoint_layout_resumes_as_it_was(tmp_path):
@@ -306,9 +293,9 @@ def test_a_mid_epoch_state_written_in_the_checkpoint_layout_resumes_as_it_was(tm
     # the keys a mid-epoch stop writes, as main.py has written them since before EpochState
     layout = {'step': 6, 'rng_state': [stop_rng], 'epoch_rng_state': [epoch_rng],
               'loss_meter': {'total': 4.5, 'count': 6}, 'train_carry': {'bad_steps': 2, 'skipped_steps': 3}}
-    state = checkpoint.EpochState(step=6, rng_state=stop_rng, epoch_rng_state=epoch_rng,
-                                  loss_meter={'total': 4.5, 'count': 6}, bad_steps=2, skipped_steps=3)
-    entries = checkpoint.epoch_state_entries(state)
+    state = engine.EpochState(step=6, rng_state=stop_rng, epoch_rng_state=epoch_rng,
+                              loss_meter={'total': 4.5, 'count': 6}, bad_steps=2, skipped_steps=3)
+    entries = engine.epoch_state_entries(state)
     assert entries.keys() == layout.keys() and entries['train_carry'] == layout['train_carry']
     for extra in (layout, entries):
         _run(tmp_path, with_state=True).save(1, extra, ['checkpoint.pth'])
@@ -328,51 +315,18 @@ def test_an_end_of_epoch_state_resumes_at_the_next_epoch_with_the_bad_step_count
         _run(tmp_path, with_state=True).save(2, extra, ['checkpoint.pth'])
         _rng_at(9)
         r = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
-        assert _draws(checkpoint.get_rng_state()) == want  # the RNG state is restored at once
+        assert _draws(engine.get_rng_state()) == want  # the RNG state is restored at once
         got = r.state
         assert r.start_epoch == 3 and (got.step, got.bad_steps, got.skipped_steps) == (0, bad, 0)
         assert got.rng_state is None and got.epoch_rng_state is None and got.loss_meter is None
     _rng_at(3)
-    entries = checkpoint.epoch_state_entries(checkpoint.EpochState(bad_steps=4))
+    entries = engine.epoch_state_entries(engine.EpochState(bad_steps=4))
     assert set(entries) == {'rng_state', 'train_carry'}
     assert entries['train_carry'] == {'bad_steps': 4, 'skipped_steps': 0}
     assert _draws(entries['rng_state'][0]) == want  # between epochs: the RNG state of now
 
 
-# ------------------------------------------------------------------------------------------ output directory
-def _args(tmp_path, *argv):
-    return main.get_args_parser().parse_args(['--output_dir', str(tmp_path), *argv])
-
-
-def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
-    for name in ('checkpoint.pth', 'best.pth', 'checkpoint_0049.pth'):
-        (tmp_path / name).write_bytes(b'x')
-    (tmp_path / 'log.txt').write_text('{"epoch": 0}\n')
-    (tmp_path / 'notes.md').write_text('mine')
-    with pytest.raises(errors.UserError) as e:
-        checkpoint.prepare_output_dir(_args(tmp_path, '--no-auto-resume'), 'cpu')
-    assert 'already holds a run (checkpoint.pth, best.pth, checkpoint_0049.pth, log.txt): relaunch without ' \
-           '--no-auto-resume to continue it' in str(e.value) and '--overwrite' in str(e.value)
-    checkpoint.prepare_output_dir(_args(tmp_path), 'cpu')  # resuming it is fine
-    checkpoint.prepare_output_dir(_args(tmp_path, '--eval'), 'cpu')  # so is evaluating
-    run_files = lambda: sorted(f for f in os.listdir(tmp_path) if f != checkpoint.LOCK_NAME)  # noqa: E731
-    assert len(run_files()) == 5
-    checkpoint.prepare_output_dir(_args(tmp_path, '--overwrite'), 'cpu')
-    assert run_files() == ['notes.md']
-    assert checkpoint.find_resume_path(_args(tmp_path, '--overwrite')) == ''
-
-
-def test_an_unwritable_or_full_output_dir_is_found_before_training(tmp_path, monkeypatch):
-    def read_only(*a, **k):
-        raise OSError(errno.EROFS, 'Read-only file system')
-    with monkeypatch.context() as m:
-        m.setattr(checkpoint.tempfile, 'mkstemp', read_only)
-        with pytest.raises(errors.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
-            checkpoint.check_room(str(tmp_path), 100, 'cpu')
-    monkeypatch.setattr(checkpoint.shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(10 << 30, 0, 150 << 20))
-    checkpoint.check_room(str(tmp_path), 70 << 20, 'cpu')
-    with pytest.raises(errors.UserError, match=r'has 150 MiB free, but a checkpoint takes about 80 MiB'):
-        checkpoint.check_room(str(tmp_path), 80 << 20, 'cpu')
+def test_a_checkpoint_is_estimated_as_weights_and_two_optimizer_moments(tmp_path):
     run = _run(tmp_path)
     n = sum(p.numel() for p in run.model.parameters())
     assert run.estimate_bytes() == 4 * n * 3  # weights + two optimizer moments, fp32
@@ -385,7 +339,7 @@ def _state():
     m(torch.ones(1, 3)).sum().backward()
     opt.step()
     return {'model': m.state_dict(), 'optimizer': opt.state_dict(), 'epoch': 4, 'max_accuracy': 12.5,
-            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [checkpoint.get_rng_state()]}
+            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [engine.get_rng_state()]}
 
 
 def test_checkpoint_round_trip_weights_only(tmp_path):
@@ -425,110 +379,3 @@ def test_stale_temporary_files_are_removed(tmp_path):
     assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 
-# ------------------------------------------------------------------------------ weights that do not fit
-@pytest.fixture(scope='module')
-def xt_ckpt(tmp_path_factory):
-    p = tmp_path_factory.mktemp('ck') / 'xt.pth'
-    torch.save({'model': build_xt(3).state_dict(), 'epoch': 0}, p)
-    return p
-
-
-def test_not_a_checkpoint(tmp_path):
-    p = tmp_path / 'notes.pth'
-    p.write_text('these are not weights\n')
-    with pytest.raises(errors.CheckpointError, match=r'is not a PyTorch checkpoint'):
-        checkpoint.load_model_weights(build_xt(), str(p), 'NALAFORMER_XT')
-
-
-def test_truncated_checkpoint(xt_ckpt, tmp_path):
-    p = tmp_path / 'cut.pth'
-    p.write_bytes(xt_ckpt.read_bytes()[: xt_ckpt.stat().st_size // 2])
-    with pytest.raises(errors.CheckpointError, match=r'truncated or corrupt'):
-        checkpoint.load_model_weights(build_xt(), str(p), 'NALAFORMER_XT')
-
-
-def test_arbitrary_objects_are_never_unpickled(xt_ckpt, tmp_path):
-    p = tmp_path / 'obj.pth'
-    torch.save({'model': load(xt_ckpt)['model'], 'extra': fractions.Fraction(1, 3)}, p)
-    with pytest.raises(errors.CheckpointError, match=r'refusing to unpickle'):
-        checkpoint.load_model_weights(build_xt(), str(p), 'NALAFORMER_XT')
-
-
-def test_checkpoint_of_another_variant_names_it(xt_ckpt):
-    import timm
-    t = timm.create_model('NALAFORMER_T', num_classes=3)
-    with pytest.raises(errors.CheckpointError, match=r'looks like a NALAFORMER_XT checkpoint.*--model NALAFORMER_XT'):
-        checkpoint.load_model_weights(t, str(xt_ckpt), 'NALAFORMER_T')
-
-
-def test_other_number_of_classes_points_to_finetune(xt_ckpt):
-    with pytest.raises(errors.CheckpointError, match=r'3-class classifier but the model has 10 classes.*--finetune'):
-        checkpoint.load_model_weights(build_xt(10), str(xt_ckpt), 'NALAFORMER_XT')
-
-# RNG state: a round trip through a weights-only file, preserved_rng, the CUDA state of the own device only
-def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
-    torch.manual_seed(1)
-    np.random.seed(2)
-    random.seed(3)
-    checkpoint.save_atomic({'rng': checkpoint.get_rng_state()}, tmp_path / 'r.pth')
-    want = (torch.rand(3), np.random.rand(3), random.random())
-    torch.manual_seed(9)
-    np.random.seed(9)
-    random.seed(9)
-    checkpoint.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
-    got = (torch.rand(3), np.random.rand(3), random.random())
-    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
-
-
-def test_preserved_rng_restores_every_generator():
-    def seed():
-        torch.manual_seed(0)
-        np.random.seed(0)
-        random.seed(0)
-
-    def draw():
-        return torch.rand(1).item(), float(np.random.rand()), random.random()
-
-    seed()
-    want = draw()
-    seed()
-    with checkpoint.preserved_rng():
-        draw()
-    assert draw() == want
-
-
-class _FakeCuda:
-    def __init__(self, device, n_devices):
-        self.device, self.set = device, []
-        self.states = [torch.tensor([i], dtype=torch.uint8) for i in range(n_devices)]
-
-    def install(self, monkeypatch):
-        c = torch.cuda
-        monkeypatch.setattr(c, 'is_available', lambda: True)
-        monkeypatch.setattr(c, 'is_initialized', lambda: True)
-        monkeypatch.setattr(c, 'current_device', lambda: self.device)
-        monkeypatch.setattr(c, 'get_rng_state', lambda device='cuda': self.states[device])
-        monkeypatch.setattr(c, 'set_rng_state', lambda state, device='cuda': self.set.append((int(state[0]), device)))
-        monkeypatch.setattr(c, 'get_rng_state_all', lambda: pytest.fail('every device saved'))
-        monkeypatch.setattr(c, 'set_rng_state_all', lambda s: pytest.fail('every device restored'))
-
-
-def test_cuda_rng_state_is_the_own_device_only(monkeypatch):
-    saved = checkpoint.get_rng_state()
-    cuda = _FakeCuda(device=3, n_devices=8)
-    cuda.install(monkeypatch)
-    state = checkpoint.get_rng_state()
-    assert torch.equal(state['cuda'], torch.tensor([3], dtype=torch.uint8))
-    one = _FakeCuda(device=0, n_devices=1)  # resumed with one visible GPU per process
-    one.install(monkeypatch)
-    checkpoint.set_rng_state(state)
-    assert one.set == [(3, 0)]
-    old = dict(state, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)])  # older list form
-    checkpoint.set_rng_state(old)
-    assert one.set[-1] == (0, 0)
-    few = _FakeCuda(device=2, n_devices=4)
-    few.install(monkeypatch)
-    checkpoint.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
-    assert few.set == []
-    monkeypatch.undo()
-    checkpoint.set_rng_state(saved)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PY, REPO, build_xt, env
 
-import checkpoint
+from models import weights
 
 
 def _read(path):
@@ -50,7 +50,7 @@ def test_finetune_takes_the_weights_the_docs_name(tmp_path, capsys):
     path = str(tmp_path / 'ckpt.pth')
     torch.save({'model': src.state_dict(), 'model_ema': ema}, path)
     dst = build_xt(5)
-    checkpoint.finetune_from(dst, path, 'NALAFORMER_XT')
+    weights.finetune_from(dst, path, 'NALAFORMER_XT')
     assert '(model_ema weights)' in capsys.readouterr().out
     w = 'patch_embed.proj.0.weight'
     assert torch.equal(dst.state_dict()[w], ema[w])

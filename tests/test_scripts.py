@@ -1,5 +1,6 @@
 """The launch scripts pretrain.sh, eval.sh and finetune.sh print (or dry-run) valid main.py command lines."""
 import os
+import re
 import subprocess
 
 import pytest
@@ -41,6 +42,16 @@ def test_eval_sh_prints_and_runs_an_exact_evaluation():
                        capture_output=True, text=True, check=True)
     ran = p.stdout.splitlines()[1]
     assert '--nproc_per_node=2' in ran and '--eval --resume /c.pth' in ran and '--dist-eval' in ran
+
+
+def test_eval_sh_documents_only_the_variables_it_reads():
+    with open(os.path.join(REPO, 'eval.sh')) as f:
+        text = f.read()
+    header = text.split('set -euo pipefail')[0]
+    documented = re.findall(r'\b([A-Z][A-Z_]+) \(', header.split('Environment:')[1])
+    assert documented and 'OUTPUT' not in header
+    for name in documented:
+        assert '${' + name in text, name
 
 
 # ------------------------------------------------------------------------------------------ finetune.sh

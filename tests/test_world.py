@@ -32,9 +32,11 @@ from conftest import (
 from PIL import Image
 
 import checkpoint
+import engine
 import errors
 import image_folder
 import main
+import run_dir
 
 
 def children(pid, **environ):
@@ -66,8 +68,8 @@ def wait_for_line(proc, pattern, seen, timeout=180):
 
 
 # ------------------------------------------------------------------------------ one job per output dir
-LOCK_HOLDER = ('import sys, checkpoint\n'
-               'assert checkpoint.lock_run_dir(sys.argv[1]) is None\n'
+LOCK_HOLDER = ('import sys, run_dir\n'
+               'assert run_dir.lock_run_dir(sys.argv[1]) is None\n'
                'print("held", flush=True)\n'
                'sys.stdin.read()\n')
 
@@ -77,35 +79,35 @@ def test_a_held_output_dir_is_refused_naming_the_holder(tmp_path):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == 'held'
-        err = checkpoint.lock_run_dir(str(tmp_path))
+        err = run_dir.lock_run_dir(str(tmp_path))
         assert err and f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host ' in err
         # the holder's checkpoint being written: a refused job must not clean it away
         saving = tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.x1')
         saving.write_bytes(b'half a checkpoint')
         with pytest.raises(errors.UserError, match='is in use by another run'):
-            checkpoint.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
+            run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
         assert saving.exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
     # its process ended, so did its lock: nothing stale is left behind
-    assert checkpoint.lock_run_dir(str(tmp_path)) is None
+    assert run_dir.lock_run_dir(str(tmp_path)) is None
 
 
 def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-    monkeypatch.setattr(checkpoint.fcntl, 'lockf', no_locks)
-    assert checkpoint.lock_run_dir(str(tmp_path)) is None
+    monkeypatch.setattr(run_dir.fcntl, 'lockf', no_locks)
+    assert run_dir.lock_run_dir(str(tmp_path)) is None
     out = capsys.readouterr().out
     assert 'does not support file locks' in out and 'running without a lock' in out
 
 
 def test_no_lock_leaves_the_output_dir_unlocked(tmp_path):
-    checkpoint.prepare_output_dir(parse('--output_dir', str(tmp_path / 'a'), '--no-lock'), 'cpu')
-    assert not os.path.exists(tmp_path / 'a' / checkpoint.LOCK_NAME)
-    checkpoint.prepare_output_dir(parse('--output_dir', str(tmp_path / 'b')), 'cpu')
-    assert os.path.exists(tmp_path / 'b' / checkpoint.LOCK_NAME)
+    run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'a'), '--no-lock'), 'cpu')
+    assert not os.path.exists(tmp_path / 'a' / run_dir.LOCK_NAME)
+    run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'b')), 'cpu')
+    assert os.path.exists(tmp_path / 'b' / run_dir.LOCK_NAME)
 
 
 @pytest.mark.slow
@@ -177,9 +179,9 @@ def test_renamed_class_folder_stops_the_resume(tmp_path):
 # ------------------------------------------------------------------------------ mid-epoch resume, other world
 def test_a_mid_epoch_checkpoint_under_another_batch_restarts_the_epoch(tmp_path, capsys):
     run = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24)
-    state = checkpoint.EpochState(step=2, rng_state=checkpoint.get_rng_state(),
-                                  epoch_rng_state=checkpoint.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
-    run.save(1, checkpoint.epoch_state_entries(state), ['checkpoint.pth'])
+    state = engine.EpochState(step=2, rng_state=engine.get_rng_state(),
+                              epoch_rng_state=engine.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
+    run.save(1, engine.epoch_state_entries(state), ['checkpoint.pth'])
     path = str(tmp_path / 'checkpoint.pth')
     same = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24).resume(path)
     assert (same.start_epoch, same.state.step) == (1, 2)

@@ -30,6 +30,7 @@ import datasets
 import image_folder
 import models  # noqa: F401  (registers the variants)
 from errors import CheckpointError, UserError, first_line
+from models.weights import describe_mismatch
 from tools.release import WEIGHT_CHOICES, select_weights
 
 
@@ -85,7 +86,7 @@ def build_model(model_name: str, sd: Dict[str, torch.Tensor], path: str) -> torc
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
     model = timm.create_model(model_name, num_classes=num_classes)
-    msg = checkpoint.describe_mismatch(model, sd, model_name, path, candidates=timm.list_models('NALAFORMER_*'))
+    msg = describe_mismatch(model, sd, model_name, path)
     if msg:
         raise CheckpointError(msg)
     model.load_state_dict(sd, strict=True)

@@ -30,10 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import timm
 
-import checkpoint
 import datasets
-import models  # noqa: F401  (registers the variants)
-from checkpoint import describe_mismatch, load_checkpoint_file, saved_args
+import models.weights  # registers the variants too
+from checkpoint import load_checkpoint_file, saved_args
 from errors import CheckpointError, UserError
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
@@ -41,8 +40,8 @@ WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 
 def select_weights(ckpt: Any, which: str, path: str) -> Tuple[Dict[str, torch.Tensor], str]:
     """The state dict to release and the checkpoint entry it came from, by the repo's one loader rule
-    (checkpoint.select_weights): ``default`` takes the EMA weights when the checkpoint has them."""
-    key, sd = checkpoint.select_weights(ckpt, path, which)
+    (models.weights.select_weights): ``default`` takes the EMA weights when the checkpoint has them."""
+    key, sd = models.weights.select_weights(ckpt, path, which)
     return sd, key or 'state dict'
 
 
@@ -164,7 +163,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
     model = timm.create_model(model_name, num_classes=num_classes)
-    msg = describe_mismatch(model, sd, model_name, checkpoint, candidates=timm.list_models('NALAFORMER_*'))
+    msg = models.weights.describe_mismatch(model, sd, model_name, checkpoint)
     if msg:
         raise CheckpointError(msg)
     model.load_state_dict(sd, strict=True)
