@@ -46,6 +46,7 @@ import distributed
 import metrics
 from errors import CheckpointError, CheckpointWriteError, UserError, first_line
 from models.compat import safe_globals
+from models.nalaformer import from_reference_layout
 from models.weights import weights_key
 
 TMP_PREFIX = '.tmp-'
@@ -276,7 +277,8 @@ def select_weights(ckpt: Any, path: str = 'the checkpoint',
 
     which='default' is timm's rule (``timm.create_model(checkpoint_path=...)``): ``state_dict_ema``,
     else ``model_ema``, else ``state_dict``, else ``model``, else the file itself as a bare state dict
-    (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed."""
+    (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed, and
+    NaLaFormer weights in the reference layout are mapped onto the model's (``from_reference_layout``)."""
     from timm.models import clean_state_dict
     key = weights_key(ckpt, which)
     if key is None:
@@ -285,7 +287,7 @@ def select_weights(ckpt: Any, path: str = 'the checkpoint',
                                   'take its model weights instead (--weights model)')
         raise CheckpointError(f'{path} is a torch file but holds no model weights '
                               f'(expected a state dict or a dict with "model")')
-    return key, clean_state_dict(ckpt[key] if key else ckpt)
+    return key, from_reference_layout(clean_state_dict(ckpt[key] if key else ckpt))
 
 
 def classifier_keys(model: torch.nn.Module) -> set:
