@@ -1,8 +1,10 @@
 """NaLaFormer: a hybrid vision backbone with norm×direction linear attention (NaLa) in stages 1-2
 and softmax attention in stages 3-4 (docs/method.md#network).
 
-The module and parameter names follow the reference checkpoints (``../shared/reference``), so a
-reference state dict loads with ``strict=True``. Variants are registered in timm as
+The module and parameter names follow the reference checkpoints (``../shared/reference``), except that
+each downsample is the first module of the stage it feeds (timm's ConvNeXt/Swin layout), where the
+reference holds it at the end of the previous stage; a reference state dict loads with ``strict=True``
+all the same (``from_reference_layout``), and ``to_reference_layout`` converts back. Variants are registered in timm as
 ``NALAFORMER_XT/T/S/B/L`` and in lowercase (``nalaformer_xt`` ...).
 """
 import os
