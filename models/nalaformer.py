@@ -1,12 +1,15 @@
 """NaLaFormer: a hybrid vision backbone with norm×direction linear attention (NaLa) in stages 1-2
 and softmax attention in stages 3-4 (docs/method.md#network).
 
-The module and parameter names follow the reference checkpoints (``../shared/reference``), so a
-reference state dict loads with ``strict=True``. Variants are registered in timm as
+The module and parameter names follow the reference checkpoints (``../shared/reference``), except that
+each downsample is the first module of the stage it feeds (timm's ConvNeXt/Swin layout), where the
+reference holds it at the end of the previous stage; a reference state dict loads with ``strict=True``
+all the same (``from_reference_layout``), and ``to_reference_layout`` converts back. Variants are registered in timm as
 ``NALAFORMER_XT/T/S/B/L`` and in lowercase (``nalaformer_xt`` ...).
 """
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -22,18 +25,44 @@ from .nala import NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
 from .weights import file_num_classes, weights_key
 
-__all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn', 'set_fast_path']
+__all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn', 'from_reference_layout', 'to_reference_layout',
+           'is_reference_layout', 'set_fast_path', 'batch_slices', 'BATCH_SLICE_BYTES']
 
 HEAD_HIDDEN = 1024
 
 #: ``global_pool`` values: timm's pools that keep the head's width ('' keeps the spatial map).
 GLOBAL_POOLS = ('avg', 'max', 'avgmax', '')
 
-#: The fast path runs a stage's blocks on slices of the batch whose widest activation (the 4C-wide
-#: qkvg output or FFN hidden) stays below this many bytes: such blocks stay in cache between ops, and
-#: glibc serves them from memory freed by the previous slice instead of mapping fresh, zeroed pages.
-#: 0 turns slicing off.
-BATCH_SLICE_BYTES = 16 * 2 ** 20
+
+def _batch_slice_bytes_from_env(default: int) -> int:
+    value = os.environ.get('NALAFORMER_BATCH_SLICE_BYTES', '').strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ValueError(f'NALAFORMER_BATCH_SLICE_BYTES must be a whole number of bytes (0 turns batch slicing '
+                         f'off), got {value!r}')
+    return int(value)
+
+
+#: Batch slicing: on a CPU a stage runs its blocks on slices of the batch whose widest activation (the
+#: 4C-wide qkvg output or the FFN hidden) stays within this many bytes. Such slices stay in cache between
+#: ops, and glibc serves them from memory freed by the previous slice instead of mapping fresh, zeroed
+#: pages. Exact, because the blocks hold no BatchNorm: every image is computed on its own. The environment
+#: variable ``NALAFORMER_BATCH_SLICE_BYTES`` sets it at import; 0 turns slicing off (so does a stage's
+#: ``batch_slicing`` attribute, ``NaLaFormer.set_batch_slicing``).
+BATCH_SLICE_BYTES = _batch_slice_bytes_from_env(16 * 2 ** 20)
+
+
+def batch_slices(x: torch.Tensor, widest: float) -> Tuple[torch.Tensor, ...]:
+    """x split along the batch into slices whose widest activation, ``widest`` times the size of an
+    image of x, stays within ``BATCH_SLICE_BYTES`` (at least one image a slice); ``(x,)`` when that is
+    the whole batch, on a GPU, while a tracer, exporter or compiler records the model, or when
+    ``BATCH_SLICE_BYTES`` is 0."""
+    if (BATCH_SLICE_BYTES <= 0 or is_fx_symbolic_tracing() or use_plain_ops() or torch.compiler.is_compiling()
+            or x.device.type != 'cpu' or x.shape[0] == 1):
+        return (x,)
+    size = max(1, int(BATCH_SLICE_BYTES // (x[0].numel() * x.element_size() * widest)))
+    return tuple(x.split(size)) if size < x.shape[0] else (x,)
 
 
 @torch.jit.unused
@@ -161,57 +190,42 @@ class Downsample(nn.Module):
 
 
 class NaLaStage(nn.Module):
-    """One stage: RoPE tables, blocks, and (except the last stage) a downsample.
+    """One stage: the downsample that feeds it (Identity in stage 0), RoPE tables, then the blocks. Its
+    output is its feature map.
 
-    The downsample is held here (the reference checkpoints' layout) but run at the start of the next
-    stage (``link_input``), so that every stage's output is its feature map: feature extractors
-    that read a stage's output (timm's 'hook', 'dict' and 'fx' feature classes, torchvision's
-    create_feature_extractor) get the pre-downsample maps ``feature_info`` describes.
+    ``fast_path`` hands the blocks a channels-last map (the layout of the fast path's ops);
+    ``batch_slicing`` runs the blocks on slices of the batch on a CPU (``batch_slices``).
     """
 
-    def __init__(self, dim: int, out_dim: Optional[int], depth: int, num_heads: int, mlp_ratio: float,
-                 linear: bool, drop_path: Sequence[float], layer_scale_init: float) -> None:
+    def __init__(self, in_dim: int, dim: int, depth: int, num_heads: int, mlp_ratio: float, linear: bool,
+                 drop_path: Sequence[float], layer_scale_init: float, downsample: bool = True) -> None:
         super().__init__()
+        self.downsample = Downsample(in_dim, dim) if downsample else nn.Identity()
         self.RoPE = RoPE(dim, num_heads)
         self.blocks = nn.ModuleList([
             NaLaBlock(dim, num_heads, mlp_ratio, linear, drop_path[i], layer_scale_init)
             for i in range(depth)])
-        self.downsample = Downsample(dim, out_dim) if out_dim is not None else None
         self.grad_checkpointing = False
         self.fast_path = True
-        self._input_stage: Tuple['NaLaStage', ...] = ()  # a tuple: not a submodule, no state-dict keys
+        self.batch_slicing = True
 
-    def link_input(self, previous: 'NaLaStage') -> None:
-        """Run ``previous.downsample`` on this stage's input, ahead of the blocks."""
-        self._input_stage = (previous,)
-
-    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """The stage's blocks, without the downsample: the stage's feature map."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.downsample(x)
         sin, cos = self.RoPE((x.shape[-2], x.shape[-1]))
         if self.fast_path and not use_plain_ops():
-            return self._run_blocks_fast(x, sin, cos)
+            x = x.contiguous(memory_format=torch.channels_last)
+        if self.batch_slicing and not use_plain_ops():
+            return self._run_sliced(x, sin, cos)
         return self._run_blocks(x, sin, cos)
 
     @torch.jit.unused
-    def _run_blocks_fast(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        """The fast path's layout (channels-last) and batch slicing. An FX graph runs the whole batch
-        at once: it records one graph for every batch size."""
-        x = x.contiguous(memory_format=torch.channels_last)
-        if not is_fx_symbolic_tracing():
-            slice_size = self.batch_slice_size(x)
-            if slice_size < x.shape[0]:
-                return torch.cat([self._run_blocks(part, sin, cos) for part in x.split(slice_size)])
-        return self._run_blocks(x, sin, cos)
-
-    @torch.jit.unused
-    def batch_slice_size(self, x: torch.Tensor) -> int:
-        """Images per slice of the batch for the fast path (see ``BATCH_SLICE_BYTES``); the whole
-        batch on a GPU, where slicing is off, under tracing or compilation, or for a single image."""
-        if (BATCH_SLICE_BYTES <= 0 or x.shape[0] == 1 or x.device.type != 'cpu' or use_plain_ops()
-                or torch.compiler.is_compiling()):
-            return x.shape[0]
-        widest = max(4, self.blocks[0].ffn.fc1.out_features / x.shape[1])
-        return max(1, int(BATCH_SLICE_BYTES // (x[0].numel() * x.element_size() * widest)))
+    def _run_sliced(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        """The blocks on each slice of ``batch_slices``, concatenated."""
+        fc1 = self.blocks[0].ffn.fc1
+        parts = batch_slices(x, max(4, fc1.out_features / fc1.in_features))
+        if len(parts) == 1:
+            return self._run_blocks(x, sin, cos)
+        return torch.cat([self._run_blocks(part, sin, cos) for part in parts])
 
     def _run_blocks(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -220,23 +234,6 @@ class NaLaStage(nn.Module):
             else:
                 x = block(x, sin, cos)
         return x
-
-    @torch.jit.unused
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The linked previous stage's downsample, then the blocks: this stage's feature map.
-        (TorchScript cannot follow the link; a scripted model runs ``forward_blocks`` and the
-        downsamples itself, see ``NaLaFormer.forward_features``.)"""
-        downsample = self._input_stage[0].downsample if self._input_stage else None
-        if downsample is not None and is_fx_symbolic_tracing():
-            # FX names a module call after the module's path (layers.{i-1}.downsample); run as
-            # functions, its ops are named after this stage, so layers.{i-1} ends with its feature map.
-            # (The traced graph does not count num_batches_tracked, which a fixed momentum ignores.)
-            bn = downsample.norm
-            x = F.batch_norm(downsample.reduction.forward(x), bn.running_mean, bn.running_var, bn.weight,
-                             bn.bias, bn.training, bn.momentum, bn.eps)
-        elif downsample is not None:
-            x = downsample(x)
-        return self.forward_blocks(x)
 
 
 def _stem(in_chans: int, dim: int) -> nn.Sequential:
@@ -303,13 +300,11 @@ class NaLaFormer(nn.Module):
         for i, depth in enumerate(depths):
             start = sum(depths[:i])
             stages.append(NaLaStage(
-                embed_dims[i], embed_dims[i + 1] if i + 1 < len(depths) else None, depth, num_heads[i],
-                mlp_ratio, linear=i < num_linear_stages, drop_path=dpr[start:start + depth],
-                layer_scale_init=layer_scale_init[i]))
+                embed_dims[max(i - 1, 0)], embed_dims[i], depth, num_heads[i], mlp_ratio,
+                linear=i < num_linear_stages, drop_path=dpr[start:start + depth],
+                layer_scale_init=layer_scale_init[i], downsample=i > 0))
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=4 * 2 ** i, module=f'layers.{i}'))
-        for previous, stage in zip(stages, stages[1:]):
-            stage.link_input(previous)
-        # Sequential (same keys as a list): timm's 'dict'/'hook' extractors run its stages one by one
+        # Sequential: timm's 'dict'/'hook' extractors run its stages one by one
         self.layers = nn.Sequential(*stages)
 
         self.proj = nn.Linear(embed_dims[-1], HEAD_HIDDEN)
@@ -323,6 +318,14 @@ class NaLaFormer(nn.Module):
         self.set_fast_path(fast_path)
         if is_scriptable():  # timm's set_scriptable(True) asks for models TorchScript compiles as they run
             self.set_fast_path(False)
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        """Weights in the reference layout (the reference's checkpoints and this repository's older ones)
+        load through every loader: their downsample keys move to the stages that hold them here."""
+        if is_reference_layout(state_dict, prefix):
+            moved = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix + 'layers.')]}
+            state_dict.update(_shift_downsamples(moved, 1, prefix))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -346,11 +349,15 @@ class NaLaFormer(nn.Module):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's parameter groups. Fine: one group per block, and a stage's downsample joins the previous
+        stage's last block (the suffix sorts it after that block, and timm's MATCH_PREV_GROUP, 99999,
+        merges it there), so layer-wise LR decay scales it as the op that runs right after that block.
+        Coarse: one group per stage, its downsample included."""
         return dict(
             stem=r'^patch_embed',
             blocks=r'^layers\.(\d+)' if coarse else [
+                (r'^layers\.(\d+)\.downsample', (-1, 99999)),
                 (r'^layers\.(\d+)\.blocks\.(\d+)', None),
-                (r'^layers\.(\d+)\.downsample', (99999,)),  # timm's MATCH_PREV_GROUP: runs after the stage's last block
             ],
         )
 
@@ -382,6 +389,13 @@ class NaLaFormer(nn.Module):
         ``fast_path`` on the model and on every submodule that has one."""
         set_fast_path(self, enable)
 
+    def set_batch_slicing(self, enable: bool = True) -> None:
+        """Switch batch slicing (``BATCH_SLICE_BYTES``) on or off in every stage; numbers are the same."""
+        if not isinstance(enable, bool):
+            raise ValueError(f'batch slicing must be True or False, got {enable!r}')
+        for stage in self.layers:
+            stage.batch_slicing = enable
+
     def forward_intermediates(
             self,
             x: torch.Tensor,
@@ -391,7 +405,7 @@ class NaLaFormer(nn.Module):
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Stage feature maps (before each downsample) at strides 4, 8, 16, 32; timm's signature."""
+        """Stage feature maps at strides 4, 8, 16, 32; timm's signature."""
         if output_fmt != 'NCHW':
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
@@ -415,7 +429,6 @@ class NaLaFormer(nn.Module):
         """Drop the stages after the last wanted feature map (and the head)."""
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
         self.layers = self.layers[:max_index + 1]
-        self.layers[-1].downsample = None
         if prune_head:
             self.proj = nn.Identity()
             self.norm = nn.Identity()
@@ -423,18 +436,7 @@ class NaLaFormer(nn.Module):
         return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)
-        if torch.jit.is_scripting():
-            # TorchScript cannot follow a stage's link to the previous stage's downsample: the same
-            # ops in the same order, each stage's blocks followed by its own downsample
-            for stage in self.layers:
-                x = stage.forward_blocks(x)
-                if stage.downsample is not None:
-                    x = stage.downsample(x)
-        else:
-            for stage in self.layers:
-                x = stage(x)
-        return x
+        return self.layers(self.patch_embed(x))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """The hidden layer (a per-position linear, BN, SiLU), the global pool, the classifier (a 1x1
@@ -468,16 +470,46 @@ def set_fast_path(module: nn.Module, enable: bool) -> None:
             m.fast_path = enable
 
 
+def is_reference_layout(state_dict: Mapping[str, Any], prefix: str = '') -> bool:
+    """Whether ``state_dict`` (its keys under ``prefix``) holds NaLaFormer weights in the reference
+    layout, where stage i holds the downsample that runs after it: stage 0 has one there, none here."""
+    return (f'{prefix}layers.0.downsample.reduction.weight' in state_dict
+            and f'{prefix}layers.0.RoPE.angle' in state_dict)
+
+
+def _shift_downsamples(state_dict: Mapping[str, Any], shift: int, prefix: str = '') -> Dict[str, Any]:
+    """``state_dict`` with each ``{prefix}layers.{i}.downsample.*`` key renamed to stage i + shift, in order."""
+    pattern = re.compile(re.escape(prefix) + r'layers\.(\d+)\.downsample\.')
+    out = {}
+    for key, value in state_dict.items():
+        m = pattern.match(key)
+        out[f'{prefix}layers.{int(m[1]) + shift}.downsample.{key[m.end():]}' if m else key] = value
+    return out
+
+
+def from_reference_layout(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
+    """A state dict of the reference layout in this model's: ``layers.{i}.downsample.*`` (run after
+    stage i) becomes ``layers.{i+1}.downsample.*`` (the first module of the stage it feeds). Key order
+    follows; a state dict already in this model's layout comes back as a copy."""
+    return _shift_downsamples(state_dict, 1) if is_reference_layout(state_dict) else dict(state_dict)
+
+
+def to_reference_layout(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
+    """The inverse of ``from_reference_layout``: this model's state dict with the keys (and key order)
+    of the reference implementation, for loading our weights in the reference code."""
+    return dict(state_dict) if is_reference_layout(state_dict) else _shift_downsamples(state_dict, -1)
+
+
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[str, torch.Tensor]:
-    """Accept a bare reference state dict or a training checkpoint, with or without a DDP ``module.``
-    prefix. A training checkpoint gives the weights of the repository's one loader rule
-    (models/weights.py: ``model_ema`` when present, as timm's ``load_checkpoint`` does). Keys are not
-    renamed: the reference layout is ours."""
+    """Accept a bare state dict or a training checkpoint, with or without a DDP ``module.`` prefix, in
+    this model's layout or the reference layout (``from_reference_layout``). A training checkpoint gives
+    the weights of the repository's one loader rule (models/weights.py: ``model_ema`` when present, as
+    timm's ``load_checkpoint`` does)."""
     from timm.models import clean_state_dict
     key = weights_key(state_dict)
     if key is None:
         raise ValueError('the pretrained file holds no model weights (expected a state dict or a dict with "model")')
-    return clean_state_dict(state_dict[key] if key else state_dict)
+    return from_reference_layout(clean_state_dict(state_dict[key] if key else state_dict))
 
 
 #: Architecture of every variant; drop_path is the stochastic-depth rate the recipe trains the variant with,

@@ -72,7 +72,9 @@ def select_weights(ckpt: Any, path: str = 'the checkpoint',
 
     which='default' is timm's rule (``timm.create_model(checkpoint_path=...)``): ``state_dict_ema``,
     else ``model_ema``, else ``state_dict``, else ``model``, else the file itself as a bare state dict
-    (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed."""
+    (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed, and
+    NaLaFormer weights in the reference layout are mapped onto the model's (``from_reference_layout``)."""
+    from .nalaformer import from_reference_layout  # this module is imported by nalaformer
     key = weights_key(ckpt, which)
     if key is None:
         if which == 'model_ema':
@@ -80,7 +82,7 @@ def select_weights(ckpt: Any, path: str = 'the checkpoint',
                                   'take its model weights instead (--weights model)')
         raise CheckpointError(f'{path} is a torch file but holds no model weights '
                               f'(expected a state dict or a dict with "model")')
-    return key, clean_state_dict(ckpt[key] if key else ckpt)
+    return key, from_reference_layout(clean_state_dict(ckpt[key] if key else ckpt))
 
 
 def classifier_keys(model: torch.nn.Module) -> set:

@@ -132,7 +132,7 @@ def test_hooks_capture_the_layers_q_and_k(tiny_model, images):
     captured = aa.capture(tiny_model, images, batch_size=1)
     assert sorted(captured) == [(s, b) for s in range(4) for b in range(2)]
     with torch.no_grad():                                        # stage 1, block 0 (2 heads) by hand
-        x = tiny_model.layers[0].downsample(tiny_model.layers[0](tiny_model.patch_embed(images)))
+        x = tiny_model.layers[1].downsample(tiny_model.layers[0](tiny_model.patch_embed(images)))
         block = tiny_model.layers[1].blocks[0]
         x = x + block.cpe1(x)
         tokens = block.norm1(x.permute(0, 2, 3, 1)).flatten(1, 2)

@@ -251,16 +251,53 @@ def test_batch_slices_give_the_plain_numbers(monkeypatch):
     assert max(rel_err(grads_f[n], grads_p[n]) for n in grads_p) <= TOL
 
 
-def test_batch_slice_size_follows_the_budget(monkeypatch):
+def test_batch_slices_follow_the_budget(monkeypatch):
     from models import nalaformer
-    stage = timm.create_model('NALAFORMER_XT').layers[0]          # C = 32, widest activation 4C
-    x = torch.randn(8, 32, 16, 16)
+    x = torch.randn(8, 32, 16, 16)                                 # XT's stage 0: C = 32, widest activation 4C
     per_image = 32 * 16 * 16 * 4 * 4
     monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 3 * per_image)
-    assert stage.batch_slice_size(x) == 3
-    assert stage.batch_slice_size(x[:1]) == 1
+    assert [p.shape[0] for p in nalaformer.batch_slices(x, 4)] == [3, 3, 2]
+    assert [p.shape[0] for p in nalaformer.batch_slices(x[:1], 4)] == [1]
+    assert [p.shape[0] for p in nalaformer.batch_slices(x[:3], 4)] == [3]
     monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 0)
-    assert stage.batch_slice_size(x) == 8
+    assert [p.shape[0] for p in nalaformer.batch_slices(x, 4)] == [8]
+
+
+@pytest.mark.parametrize('fast_path', [True, False], ids=['fast', 'plain'])
+def test_batch_slicing_is_its_own_switch_and_changes_no_number(monkeypatch, fast_path):
+    """Sliced and unsliced runs give the same outputs and gradients on either path; fast_path does not
+    switch slicing, set_batch_slicing(False) does."""
+    from models import nalaformer
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2),
+                              drop_path_rate=0.0)
+    x = torch.randn(3, 3, 48, 40)
+    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
+    calls = []
+    run_blocks = nalaformer.NaLaStage._run_blocks
+    monkeypatch.setattr(nalaformer.NaLaStage, '_run_blocks',
+                        lambda self, part, sin, cos: calls.append(part.shape[0]) or run_blocks(self, part, sin, cos))
+    out_s, xg_s, grads_s = model_pass(model, x, fast_path)
+    assert calls == [1] * 3 * len(model.layers)
+    calls.clear()
+    model.set_batch_slicing(False)
+    out_w, xg_w, grads_w = model_pass(model, x, fast_path)
+    assert calls == [3] * len(model.layers)
+    assert rel_err(out_s, out_w) <= TOL and rel_err(xg_s, xg_w) <= TOL
+    assert max(rel_err(grads_s[n], grads_w[n]) for n in grads_w) <= TOL
+    with pytest.raises(ValueError, match='batch slicing must be True or False'):
+        model.set_batch_slicing('no')
+
+
+def test_batch_slice_bytes_comes_from_the_environment(monkeypatch):
+    from models import nalaformer
+    monkeypatch.setenv('NALAFORMER_BATCH_SLICE_BYTES', '0')
+    assert nalaformer._batch_slice_bytes_from_env(123) == 0
+    monkeypatch.delenv('NALAFORMER_BATCH_SLICE_BYTES')
+    assert nalaformer._batch_slice_bytes_from_env(123) == 123
+    monkeypatch.setenv('NALAFORMER_BATCH_SLICE_BYTES', '16MB')
+    with pytest.raises(ValueError, match="NALAFORMER_BATCH_SLICE_BYTES must be a whole number of bytes.*'16MB'"):
+        nalaformer._batch_slice_bytes_from_env(123)
 
 
 def fast_path_flags(model):

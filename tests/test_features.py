@@ -1,5 +1,5 @@
 """Feature extraction: every timm feature class and torchvision's FX extractor give the stage maps
-(before each downsample) that feature_info describes, with the default features_only numbers."""
+that feature_info describes, with the default features_only numbers."""
 import os
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from reference_impl import read_keys
 
 import models  # noqa: F401  (registers the variants)
-from models.nalaformer import conv_residual_fast
+from models.nalaformer import conv_residual_fast, to_reference_layout
 
 KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'reference', 'NALAFORMER_XT.keys.txt')
 X = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(0))
@@ -47,14 +47,22 @@ def test_torchvision_fx_feature_extractor_matches_forward_intermediates():
         torch.testing.assert_close(got[str(i)], w, rtol=1e-4, atol=1e-5)
 
 
-def test_stage_outputs_are_pre_downsample_and_keys_keep_the_reference_layout():
+def test_stages_own_their_downsample_and_output_their_feature_map():
+    """Stage i > 0 starts with the downsample that feeds it (stage 0 has none): its parameters and its
+    hooks belong to that stage, and every stage's output is its feature map."""
     model = timm.create_model('NALAFORMER_XT').eval()
-    assert list(model.state_dict()) == [k for k, _, _ in read_keys(KEYS)]
+    assert isinstance(model.layers[0].downsample, torch.nn.Identity)
+    for i, stage in enumerate(model.layers):
+        names = [n for n, _ in stage.named_parameters()]
+        assert (names[0] == 'downsample.reduction.weight') == (i > 0), i
+    fired = []
+    model.layers[1].downsample.register_forward_hook(lambda module, args, out: fired.append(tuple(out.shape)))
     with torch.no_grad():
-        x = model.patch_embed(X)
-        s0 = model.layers[0](x)
-        assert s0.shape[1:] == (32, 16, 24)
-        torch.testing.assert_close(model.layers[1](s0), model.layers[1].forward_blocks(model.layers[0].downsample(s0)))
+        s0 = model.layers[0](model.patch_embed(X))
+        assert s0.shape[1:] == (32, 16, 24) and not fired
+        s1 = model.layers[1](s0)
+    assert fired == [(2, 64, 8, 12)] and s1.shape[1:] == (64, 8, 12)
+    assert list(to_reference_layout(model.state_dict())) == [k for k, _, _ in read_keys(KEYS)]
 
 
 def test_fused_conv_residual_equals_the_residual_sum():

@@ -32,8 +32,8 @@ def test_main_build_uses_the_variant_rate_unless_drop_path_is_given(capsys):
 
 # -------------------------------------------------------------------------------------------- optimizer
 def _depth(name):
-    """Position of a parameter in the forward order: stem 0, then each block, a stage's downsample with its
-    last block, then the head (proj, norm, head)."""
+    """Position of a parameter in the forward order: stem 0, then each block, a stage's downsample with the
+    previous stage's last block, then the head (proj, norm, head)."""
     if name.startswith('patch_embed'):
         return 0
     if name.startswith('layers.'):
@@ -42,7 +42,7 @@ def _depth(name):
         before = sum(depths[:stage])
         if rest == 'blocks':
             return 1 + before + int(name.split('.')[3])
-        return before + depths[stage]  # downsample: after the stage's last block
+        return before  # downsample: right after the previous stage's last block
     return 1 + sum(models.VARIANTS['NALAFORMER_XT']['depths'])
 
 

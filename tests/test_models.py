@@ -15,6 +15,7 @@ from reference_impl import read_keys, reference_forward, seeded_state_dict
 from models import VARIANTS
 from models.flops import count_flops, count_params
 from models.nala import NALA_EPS, RoPE, apply_rope, nala_attention_fast, nala_attention_plain, nala_kernel_terms
+from models.nalaformer import from_reference_layout, to_reference_layout
 
 NALA_CORES = pytest.mark.parametrize('core', [nala_attention_plain, nala_attention_fast], ids=['plain', 'fast'])
 
@@ -45,9 +46,13 @@ def xt_seeded(tmp_path_factory):
 
 @pytest.mark.parametrize('variant', list(VARIANTS))
 def test_state_dict_layout_matches_reference(variant):
+    """In the reference layout (``to_reference_layout``) the keys, their order, shapes and dtypes are the
+    reference's; ``from_reference_layout`` maps them back onto the model's own keys and order."""
     rows = read_keys(keys_file(variant))
-    sd = timm.create_model(variant).state_dict()
+    own = timm.create_model(variant).state_dict()
+    sd = to_reference_layout(own)
     assert list(sd) == [r[0] for r in rows]
+    assert list(from_reference_layout(sd)) == list(own)
     for key, shape, dtype in rows:
         assert tuple(sd[key].shape) == shape, key
         assert str(sd[key].dtype) == f'torch.{dtype}', key

@@ -30,6 +30,7 @@ import datasets
 import image_folder
 import models  # noqa: F401  (registers the variants)
 from errors import CheckpointError, UserError, first_line
+from models.nalaformer import from_reference_layout
 from models.weights import describe_mismatch
 from tools.release import WEIGHT_CHOICES, select_weights
 
@@ -62,7 +63,7 @@ def _run_info(values: Dict[str, Any], crop_key: str) -> Dict[str, Any]:
 
 def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """State dict and run settings (``model``, ``input_size``, ``crop_pct`` when recorded) of a training
-    checkpoint or a released safetensors file."""
+    checkpoint or a released safetensors file (in either key layout, ``from_reference_layout``)."""
     if path.endswith('.safetensors'):
         from safetensors import safe_open
         if not os.path.isfile(path):
@@ -70,7 +71,7 @@ def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.T
         try:
             with safe_open(path, framework='pt') as f:
                 meta = f.metadata() or {}
-                sd = {k: f.get_tensor(k) for k in f.keys()}
+                sd = from_reference_layout({k: f.get_tensor(k) for k in f.keys()})
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f'{path} is not a readable safetensors file ({first_line(e)})') from e
         return sd, _run_info(meta, 'crop_pct')

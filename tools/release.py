@@ -3,6 +3,7 @@
 
     python tools/release.py output/t/best.pth --output-dir release
     python tools/release.py output/t/best.pth --weights model --name nalaformer_t_in1k --output-dir release
+    python tools/release.py output/t/best.pth --reference-layout --output-dir release
 
 Only the weights are kept (no optimizer, scheduler, scaler, RNG or arguments). ``--weights default``
 takes the EMA weights when the checkpoint has them, else the raw model weights, which is what
@@ -12,6 +13,10 @@ model with ``strict=True`` before anything is written, and the file is written u
 name and renamed once complete. Load the result with
 
     timm.create_model('NALAFORMER_T', pretrained=True, pretrained_cfg_overlay=dict(file='release/...safetensors'))
+
+``--reference-layout`` writes the keys of the reference implementation (each stage holds the downsample
+that runs after it; ``models.nalaformer.to_reference_layout``), so the file loads there with ``strict=True``;
+this repository's loaders read either layout.
 
 The model card's load lines name the file by the path it was written to (relative to the working
 directory when ``--output-dir`` is relative), so they work as pasted from where release.py ran.
@@ -34,8 +39,13 @@ import datasets
 import models.weights  # registers the variants too
 from checkpoint import load_checkpoint_file, saved_args
 from errors import CheckpointError, UserError
+from models.nalaformer import to_reference_layout
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
+#: The model card's line for each key layout a release can have.
+LAYOUTS = {'nalaformer': "this repository's (each stage holds the downsample that feeds it)",
+           'reference': "the reference implementation's (each stage holds the downsample that runs after it); "
+                        "this repository's loaders read it too"}
 
 
 def select_weights(ckpt: Any, which: str, path: str) -> Tuple[Dict[str, torch.Tensor], str]:
@@ -120,6 +130,7 @@ def model_card(info: Dict[str, Any]) -> str:
         lines.append(f"- Trained on: `{info['data_set']}`")
     lines += [
         f"- Source: `{info['source']}`, weights `{info['weights']}`",
+        f"- Key layout: {LAYOUTS[info.get('layout', 'nalaformer')]}",
         f"- SHA-256: `{info['sha256']}`",
         f"- License: {info['license']}",
         '',
@@ -145,9 +156,10 @@ def model_card(info: Dict[str, Any]) -> str:
 
 def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Optional[str] = None,
             model_name: Optional[str] = None, flops: bool = True,
-            license_line: str = 'see the LICENSE of the NaLaFormer repository and the terms of the training data') \
-        -> Dict[str, Any]:
-    """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written."""
+            license_line: str = 'see the LICENSE of the NaLaFormer repository and the terms of the training data',
+            reference_layout: bool = False) -> Dict[str, Any]:
+    """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written.
+    ``reference_layout`` writes the reference implementation's keys (``to_reference_layout``)."""
     from safetensors.torch import save_file
     ckpt = load_checkpoint_file(checkpoint)
     args = saved_args(ckpt)
@@ -169,11 +181,13 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     model.load_state_dict(sd, strict=True)
 
     os.makedirs(output_dir, exist_ok=True)
-    name = name or f'{model_name.lower()}_{input_size}'
+    name = name or f'{model_name.lower()}_{input_size}' + ('_reference' if reference_layout else '')
     tmp = os.path.join(output_dir, f'.{name}.safetensors.tmp')
-    tensors = {k: v.detach().to('cpu').contiguous().clone() for k, v in sd.items()}
+    layout = 'reference' if reference_layout else 'nalaformer'
+    tensors = {k: v.detach().to('cpu').contiguous().clone()
+               for k, v in (to_reference_layout(sd) if reference_layout else sd).items()}
     meta = {'format': 'pt', 'model': model_name, 'num_classes': str(num_classes), 'input_size': str(input_size),
-            'crop_pct': str(crop_pct), 'source_weights': taken}
+            'crop_pct': str(crop_pct), 'source_weights': taken, 'layout': layout}
     save_file(tensors, tmp, metadata=meta)
     digest = sha256_file(tmp)
     final = os.path.join(output_dir, f'{name}-{digest[:8]}.safetensors')
@@ -184,7 +198,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
                 params=sum(p.numel() for p in model.parameters()),
                 gflops=None, eval=eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {},
                 data_set=args.get('data_set'), source=checkpoint, weights=taken, sha256=digest,
-                license=license_line, file=final)
+                license=license_line, file=final, layout=layout)
     if flops:
         from models.flops import count_flops
         info['gflops'] = count_flops(model, (3, input_size, input_size)) / 1e9
@@ -204,12 +218,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument('--name', default=None, help='file name stem (default: <model>_<input size>)')
     parser.add_argument('--model', default=None, help='model name (default: the one recorded in the checkpoint)')
     parser.add_argument('--no-flops', dest='flops', action='store_false', help='leave FLOPs out of the model card')
+    parser.add_argument('--reference-layout', action='store_true',
+                        help="write the reference implementation's keys, so the file loads there strictly "
+                             '(default name <model>_<input size>_reference)')
     parser.add_argument('--license', dest='license_line',
                         default='see the LICENSE of the NaLaFormer repository and the terms of the training data')
     args = parser.parse_args(argv)
     try:
         info = release(args.checkpoint, args.output_dir, args.weights, args.name, args.model, args.flops,
-                       args.license_line)
+                       args.license_line, args.reference_layout)
     except UserError as e:
         parser.exit(2, f'{parser.prog}: error: {e}\n')
     print(f"{info['file']}  ({info['weights']} weights of {info['source']}, sha256 {info['sha256']})")
