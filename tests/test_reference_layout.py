@@ -11,6 +11,7 @@ from reference_impl import read_keys, reference_forward
 
 import checkpoint
 import main
+from models import weights
 from models.nalaformer import checkpoint_filter_fn, from_reference_layout, is_reference_layout, to_reference_layout
 from tools import analyze_attention, predict, release
 
@@ -75,8 +76,8 @@ def test_every_loader_takes_a_reference_layout_checkpoint(tmp_path, one_thread, 
     timm_loaded = _xt(9)
     timm.models.load_checkpoint(timm_loaded, path, use_ema=True, strict=True)
     finetuned, teacher = _xt(9), _xt(9)
-    checkpoint.finetune_from(finetuned, path, 'NALAFORMER_XT')              # main.py --finetune
-    checkpoint.load_model_weights(teacher, path, 'NALAFORMER_XT')           # main.py --teacher-path
+    weights.finetune_from(finetuned, path, 'NALAFORMER_XT')              # main.py --finetune
+    weights.load_model_weights(teacher, path, 'NALAFORMER_XT')           # main.py --teacher-path
     loaded = {
         'timm checkpoint_path': timm.create_model('NALAFORMER_XT', num_classes=3, checkpoint_path=path),
         'timm pretrained file': timm.create_model('NALAFORMER_XT', pretrained=True,
@@ -92,8 +93,8 @@ def test_every_loader_takes_a_reference_layout_checkpoint(tmp_path, one_thread, 
     run = checkpoint.TrainingCheckpoints(args, evaluated, None, None, None, None, 7, 'cpu')
     run.resume(path, eval_only=True)
     assert _same(evaluated.state_dict(), raw.state_dict())
-    _, ema_sd = checkpoint.select_weights(run.resume(path, eval_only=True).ckpt, path, 'model_ema')
-    checkpoint.load_weights_into(evaluated, ema_sd, 'NALAFORMER_XT', path)
+    _, ema_sd = weights.select_weights(run.resume(path, eval_only=True).ckpt, path, 'model_ema')
+    weights.load_weights_into(evaluated, ema_sd, 'NALAFORMER_XT', path)
     loaded['--eval (EMA)'] = evaluated
     released = release.release(path, str(tmp_path / 'rel'), flops=False)['file']
     loaded['release'] = timm.create_model('NALAFORMER_XT', pretrained=True,
