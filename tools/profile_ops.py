@@ -48,6 +48,7 @@ COPY_OPS = frozenset({
     'aten::repeat',
 })
 STAGE_TAG, FAMILY_TAG = 'stage::', 'family::'
+Tags = Tuple[Optional[str], Optional[str], bool]  # (stage, family, under the optimizer)
 OPTIMIZER_PREFIXES = ('Optimizer.', 'optimizer', 'autograd::engine::evaluate_function: torch::autograd::AccumulateGrad')
 
 
@@ -131,7 +132,7 @@ def labelled(model: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def _tags(event, cache: Dict[int, Tuple[Optional[str], Optional[str], bool]]) -> Tuple[Optional[str], Optional[str], bool]:
+def _tags(event, cache: Dict[int, Tags]) -> Tags:
     """(innermost stage, innermost family, under the optimizer) from an event's enclosing ranges."""
     key = id(event)
     if key in cache:
@@ -160,7 +161,7 @@ def _backward_root(event):
 
 def attribute(events) -> Dict[str, Dict[str, float]]:
     """Self CPU milliseconds per (stage, family) cell; every event's self time in exactly one cell."""
-    cache: Dict[int, Tuple[Optional[str], Optional[str], bool]] = {}
+    cache: Dict[int, Tags] = {}
     forward_of: Dict[int, Tuple[Optional[str], Optional[str]]] = {}
     roots = {}
     for event in events:
