@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import models.nala as nala
-import models.nalaformer as nalaformer
 from tools import profile_ops
 from tools.benchmark import create_any, make_step
 
@@ -48,11 +47,12 @@ def test_labels_are_removed_after_profiling():
     x = torch.randn(1, 3, 32, 32)
     step, _ = make_step(model, x, torch.zeros(1, dtype=torch.long), 'inference', torch.float32,
                         torch.device('cpu'), False)
-    lepe, conv = nala.lepe_fast, nalaformer.conv_residual_fast
+    originals = [getattr(owner, attr) for owner, attr in profile_ops.FAST_PATH_DWCONVS]
     with profile_ops.labelled(model):
-        assert nala.lepe_fast is not lepe and 'core' in vars(model.layers[0].blocks[0].attn)
+        assert nala.lepe_fast is not originals[0]
+        assert any('core' in vars(m) for m in model.modules())
         step()
-    assert nala.lepe_fast is lepe and nalaformer.conv_residual_fast is conv
+    assert [getattr(owner, attr) for owner, attr in profile_ops.FAST_PATH_DWCONVS] == originals
     assert not any('core' in vars(m) for m in model.modules())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 

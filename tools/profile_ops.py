@@ -49,6 +49,8 @@ COPY_OPS = frozenset({
 })
 STAGE_TAG, FAMILY_TAG = 'stage::', 'family::'
 Tags = Tuple[Optional[str], Optional[str], bool]  # (stage, family, under the optimizer)
+#: the fast path's depthwise convs, functions that the blocks look up in their modules at call time
+FAST_PATH_DWCONVS = ((nala, 'lepe_fast'), (nalaformer, 'conv_residual_fast'))
 OPTIMIZER_PREFIXES = ('Optimizer.', 'optimizer', 'autograd::engine::evaluate_function: torch::autograd::AccumulateGrad')
 
 
@@ -116,8 +118,7 @@ def labelled(model: nn.Module) -> Iterator[None]:
             family = 'nala_core' if isinstance(module, nala.NaLaAttention) else 'softmax_attn'
             module.core = _ranged(FAMILY_TAG + family, module.core)  # an instance attribute shadows the method
             cores.append(module)
-    # the fast path's depthwise convs are functions, not module calls
-    patched = [(nala, 'lepe_fast'), (nalaformer, 'conv_residual_fast')]
+    patched = [(owner, attr) for owner, attr in FAST_PATH_DWCONVS if hasattr(owner, attr)]
     originals = [getattr(owner, attr) for owner, attr in patched]
     for (owner, attr), fn in zip(patched, originals):
         setattr(owner, attr, _ranged(FAMILY_TAG + 'dwconv', fn))
