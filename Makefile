@@ -1,6 +1,6 @@
-# `make test` and `make demo` build the virtual environment from requirements.txt on first use, with the
-# newest tested releases (constraints.txt); `make test-min` builds .venv-min with the oldest supported
-# ones (constraints-min.txt) and runs the fast suite in it.
+# `make test` and `make demo` build the virtual environment from requirements.txt and requirements-dev.txt
+# (tests, lint) on first use, with the newest tested releases (constraints.txt); `make test-min` builds
+# .venv-min with the oldest supported ones (constraints-min.txt) and runs the fast suite in it.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,17 +11,17 @@ PY_MIN := $(VENV_MIN)/bin/python
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt constraints.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints.txt
 	touch $@
 
 # torch 2.4.0 / torchvision 0.19.0 / the oldest accepted timm (PyPI's CUDA wheels: a few GB, a few minutes)
 venv-min: $(VENV_MIN)/.installed
 
-$(VENV_MIN)/.installed: requirements.txt constraints-min.txt
+$(VENV_MIN)/.installed: requirements.txt requirements-dev.txt constraints-min.txt
 	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
-	$(PY_MIN) -m pip install -q -r requirements.txt -c constraints-min.txt
+	$(PY_MIN) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints-min.txt
 	touch $@
 
 # the optional extras (ONNX export, TensorBoard); without them their tests skip with a reason

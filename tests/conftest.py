@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
+from testdata import make_imagefolder
 
 import main
-from tools.smoke import write_imagefolder
 
 
 @pytest.fixture(scope='module')
@@ -45,11 +45,6 @@ LAUNCH = [PY, '-W', 'ignore::FutureWarning', '-m', 'torch.distributed.launch', '
 BASE = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
         '--num_workers', '1', '--no-flops', '--print-freq', '1', '--unscale-lr', '--lr', '2e-3',
         '--warmup-epochs', '1', '--epochs', '2']
-
-
-def make_imagefolder(root, classes=3, n_train=8, n_val=5, size=32, seed=0):
-    """Colour-coded classes (class c brightens channel c % 3), PNG files in train/ and val/."""
-    return write_imagefolder(str(root), classes, n_train, n_val, size, seed)
 
 
 def free_port():

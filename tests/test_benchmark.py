@@ -143,3 +143,10 @@ def test_fp32_figures_use_main_py_tf32_setting_and_say_so(flags, enabled, monkey
 def test_no_tf32_note_off_cuda(capsys):
     assert benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'])['tf32'] is None
     assert 'tf32=' not in capsys.readouterr().out
+
+
+def test_published_top1_of_variants_and_listed_peers():
+    from tools.published import PUBLISHED_TOP1, published_top1
+    assert published_top1('NALAFORMER_T') == 82.6 and published_top1('nalaformer_xt') == 79.1
+    assert published_top1('convnext_tiny.fb_in1k') == 82.1 and published_top1('convnext_atto') is None
+    assert all(benchmark.timm.is_model(name) and 'arXiv:' in source for name, (_, source) in PUBLISHED_TOP1.items())

@@ -23,13 +23,13 @@ from conftest import (
     free_port,
     kill_group,
     load,
-    make_imagefolder,
     parse,
     run_main,
     signal_when,
     start_process,
 )
 from PIL import Image
+from testdata import make_imagefolder
 
 import checkpoint
 import engine

@@ -3,7 +3,7 @@
     python tools/benchmark.py --model NALAFORMER_T                      # fp32 train, batch 32, 224^2
     python tools/benchmark.py --model NALAFORMER_T --mode inference --dtype bf16
     python tools/benchmark.py --model NALAFORMER_XT --no-fast-path --compile --channels-last
-    python tools/benchmark.py --sweep --out docs/sweep     # NaLa vs softmax block, 224..1024
+    python tools/benchmark.py --sweep --out docs/results/sweep  # NaLa vs softmax block, 224..1024
     python tools/benchmark.py --model NALAFORMER_T --compare convnext_nano,pvt_v2_b1 -b 16
     python tools/benchmark.py --compare convnext_tiny,swin_tiny_patch4_window7_224 -b 2 --sizes 224 512 1024
     python tools/benchmark.py --preset paper
@@ -27,7 +27,8 @@ runs. Under ``system`` the first steps are slow until glibc's adaptive mmap thre
 4 warm-up steps by default on a CPU (figures in docs/performance.md).
 
 ``--compare MODEL,MODEL`` steps --model and the named timm models interleaved in one process, in
-inference and training, and prints GMACs, ms/step, img/s, efficiency and the ratio to the best of them;
+inference and training, and prints GMACs, ms/step, img/s, efficiency, the ratio to the best of them and each
+model's published ImageNet top-1 (``tools/published.py``, with sources);
 with ``--compile`` every model is compiled (warm-up steps compile). Models that timm builds for one input size
 (swin, vit) are built for the requested size. ``--sizes 224 512 1024`` repeats the comparison per square size
 and ends with a table of img/s and peak step memory per model, size and mode.
@@ -60,6 +61,7 @@ import engine
 import models  # noqa: F401  (registers the variants)
 import utils
 from models import VARIANTS
+from tools.published import published_top1
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
@@ -301,6 +303,7 @@ def compare(args: argparse.Namespace) -> List[Dict]:
                 tf32=args.tf32_applied,
                 device=str(device), threads=torch.get_num_threads(),
                 cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
+                published_top1=published_top1(name),
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
                 cpu_s_median=statistics.median(cpu_times[name]), cpu_s_all=cpu_times[name],
                 img_s=args.batch_size / step_s, peak_step_mib=peaks[name] / 2 ** 20,
@@ -335,17 +338,19 @@ def print_compare(results: List[Dict]) -> None:
           + (', every model torch.compiled' if first.get('compile') else '')
           + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
     print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'peak MiB':>9}"
-          f"{'effic.':>8}{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}")
+          f"{'effic.':>8}{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}{'top-1':>7}")
     for r in results:
         print(f"{r['mode']:<10}{r['model']:<24}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
               f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{r['peak_step_mib']:>9.0f}"
               f"{100 * r['efficiency']:>7.1f}%"
               f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}"
               f"{r.get('img_s_vs_best_peer', float('nan')):>11.2f}"
-              f"{r.get('efficiency_cpu_vs_best_peer', float('nan')):>13.2f}")
+              f"{r.get('efficiency_cpu_vs_best_peer', float('nan')):>13.2f}"
+              f"{r['published_top1'] if r['published_top1'] is not None else '-':>7}")
     if 'best_peer' in first:
         print('eff/best, img/s/best: against the best --compare model by efficiency (per mode); CPU eff/best: '
               'the same from CPU time per step (process user + system)')
+    print('top-1: published ImageNet-1k top-1 % at 224 px (sources in tools/published.py; - where none is listed)')
 
 
 def compare_sizes(args: argparse.Namespace) -> List[Dict]:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tools.synthetic import write_imagefolder
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -110,7 +112,7 @@ ROWS = [
     Row('accum-nan', 'accumulation with a NaN micro-batch on rank 1 of 2: both skip the window alike',
         ['--accum-steps', '2', '--batch-size', '2', '--mixup', '0', '--cutmix', '0'], torchrun=True, nproc=2,
         module='tools.nan_micro_batch', check=same_backward_passes,
-        not_quick='tests/test_faults.py runs it on gloo'),
+        not_quick='tests/integration/test_faults.py runs it on gloo'),
     Row('compile-ddp', '--compile under DDP, 2 processes (BatchNorm per process)', ['--compile'], torchrun=True,
         nproc=2, needs='cuda', expect=r'BatchNorm: per-process statistics under --compile'),
     Row('fast-plain-fp16', 'fast vs plain path of every variant under fp16 autocast', needs='cuda',
@@ -124,23 +126,6 @@ def base_flags(device: str, data: str, out: str) -> list[str]:
     return ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--epochs', '1',
             '--device', device, '--num_workers', '0', '--no-flops', '--print-freq', '100', '--unscale-lr',
             '--lr', '1e-3', '--warmup-epochs', '0', '--no-model-ema', '--data-path', data, '--output_dir', out]
-
-
-def write_imagefolder(root: str, classes: int = 3, n_train: int = 8, n_val: int = 4, size: int = 32,
-                      seed: int = 0) -> str:
-    """Random PNGs in train/ and val/ whose class c brightens colour channel c % 3 (less so for c >= 3)."""
-    import numpy as np
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    for split, n in (('train', n_train), ('val', n_val)):
-        for c in range(classes):
-            folder = os.path.join(root, split, f'c{c}')
-            os.makedirs(folder, exist_ok=True)
-            for i in range(n):
-                a = rng.integers(0, 80, (size, size, 3), dtype=np.uint8)
-                a[..., c % 3] += 150 - 40 * (c // 3)
-                Image.fromarray(a).save(os.path.join(folder, f'{i}.png'))
-    return str(root)
 
 
 def skip_reason(row: Row, device: str, quick: bool) -> str:

@@ -6,12 +6,14 @@ import json
 import os
 
 import pytest
-from conftest import BASE, make_imagefolder, run_main
+from conftest import BASE, run_main
+from testdata import make_imagefolder
 
 from tools import predict, release
 
+pytestmark = pytest.mark.slow  # trains in a real main.py process
 
-@pytest.mark.slow
+
 def test_train_log_release_predict(tmp_path, capsys):
     pytest.importorskip('tensorboard', reason='optional: pip install -r requirements-optional.txt')
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -21,9 +21,9 @@ from conftest import (
     assert_same_weights,
     env,
     load,
-    make_imagefolder,
     run_main,
 )
+from testdata import make_imagefolder
 
 pytestmark = pytest.mark.slow  # every test here runs main.py in real processes
 
@@ -241,7 +241,6 @@ def test_an_unexpected_error_with_loader_workers_exits_instead_of_hanging(data, 
     assert proc.returncode == 1 and 'RuntimeError: injected failure' in err
 
 
-@pytest.mark.slow
 def test_eval_needs_no_training_set(tmp_path):
     root = make_imagefolder(tmp_path / 'data')
     shutil.rmtree(os.path.join(root, 'train'))
@@ -253,7 +252,6 @@ def test_eval_needs_no_training_set(tmp_path):
     assert 'Accuracy of the network on the 15 test images' in p.stdout
 
 
-@pytest.mark.slow
 def test_torchrun_with_gradient_accumulation_completes(tmp_path):
     root = make_imagefolder(tmp_path / 'data')
     out = str(tmp_path / 'out')

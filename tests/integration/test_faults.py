@@ -27,20 +27,21 @@ from conftest import (
     free_port,
     kill_group,
     load,
-    make_imagefolder,
     run_main,
     signal_when,
     start_process,
 )
+from testdata import make_imagefolder
 
 import checkpoint
 import run_dir
 import utils
 
+pytestmark = pytest.mark.slow  # main.py and data-loader workers in real processes, signals and kills
+
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
-@pytest.mark.slow
 def test_bad_checkpoint_ends_in_one_line_and_non_zero_exit(data, tmp_path):
     bad = tmp_path / 'bad.pth'
     bad.write_bytes(b'\x00garbage' * 10)
@@ -63,7 +64,6 @@ def _limit_file_size(nbytes):
     return pre
 
 
-@pytest.mark.slow
 def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, data, tmp_path):
     out = str(tmp_path / 'out')
     shutil.copytree(one_epoch, out)
@@ -78,7 +78,6 @@ def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, dat
     assert not [f for f in os.listdir(out) if f.startswith(checkpoint.TMP_PREFIX)]
 
 
-@pytest.mark.slow
 def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
     script = (
         'import sys, torch, checkpoint\n'
@@ -106,7 +105,6 @@ def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
 STOP = BASE[:-1] + ['1', '--batch-size', '2']  # one epoch of 12 steps: room for a stop in the middle
 
 
-@pytest.mark.slow
 def test_sigint_stops_at_a_step_and_resume_is_exact(data, tmp_path):
     ref = str(tmp_path / 'ref')
     run_main(STOP + ['--data-path', data, '--output_dir', ref])
@@ -124,7 +122,6 @@ def test_sigint_stops_at_a_step_and_resume_is_exact(data, tmp_path):
     assert_same_weights(load(os.path.join(ref, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth')))
 
 
-@pytest.mark.slow
 def test_sigterm_under_torchrun_stops_all_ranks_and_resume_is_exact(data, tmp_path):
     args = BASE[:-1] + ['1', '--batch-size', '2', '--num_workers', '0', '--data-path', data]
     ref = str(tmp_path / 'ref')
@@ -147,7 +144,6 @@ def test_sigterm_under_torchrun_stops_all_ranks_and_resume_is_exact(data, tmp_pa
 
 
 # ------------------------------------------------------------------------------------------ numerics
-@pytest.mark.slow
 def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_last_checkpoint(data, tmp_path):
     out = str(tmp_path / 'out')
     # epoch 0 at a harmless warmup LR, epoch 1 at an absurd LR under fp16: the loss blows up
@@ -164,7 +160,6 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_keeps_last_checkpoint(dat
 
 
 # ------------------------------------------------------------------------------------------ distributed
-@pytest.mark.slow
 def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
     port = free_port()
     args = [PY, 'main.py'] + BASE[:-1] + ['3', '--batch-size', '2', '--num_workers', '0', '--data-path', data,
@@ -197,7 +192,6 @@ def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(data, tmp_path):
     assert re.search(r'\[rank 0\] error: lost contact with the other processes', err), err[-3000:]
 
 
-@pytest.mark.slow
 def test_dist_eval_with_fewer_images_than_processes_is_exact(tmp_path):
     data = make_imagefolder(tmp_path / 'd', classes=2, n_train=1, n_val=1)  # 2 val images, 3 processes
     ck = tmp_path / 'm.pth'
@@ -212,7 +206,6 @@ def test_dist_eval_with_fewer_images_than_processes_is_exact(tmp_path):
 
 
 # ---------------------------------------------------------------- preemption with gradient accumulation
-@pytest.mark.slow
 def test_a_stop_with_accumulation_lands_on_a_window_boundary_and_resumes_exactly(tmp_path):
     root = make_imagefolder(tmp_path / 'data')
     args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '3', '--data-path', root]  # 12 steps, 4 windows
@@ -243,7 +236,6 @@ def trained(tmp_path_factory):
     return data, out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('mode, sig', [('eval', signal.SIGTERM), ('nothing-to-train', signal.SIGINT)])
 def test_signal_stops_evaluation_at_the_next_batch(trained, mode, sig, tmp_path):
     data, out = trained
@@ -264,7 +256,6 @@ def test_signal_stops_evaluation_at_the_next_batch(trained, mode, sig, tmp_path)
 
 
 # ---------------------------------------------------------------------------- killed between the writes
-@pytest.mark.slow
 def test_killed_between_the_writes_then_resumed(data, tmp_path):
     """The process dies right after checkpoint.pth of epoch 0 (always a new best) is renamed into place:
     best.pth and the log line of epoch 0 are missing. The same command repairs both."""
@@ -294,7 +285,6 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
 
 
 # --------------------------------------------------- a non-finite micro-batch on one rank under accumulation
-@pytest.mark.slow
 def test_a_non_finite_micro_batch_on_one_rank_is_skipped_by_all_ranks_in_step(data, tmp_path):
     """Every rank runs the same backward passes (SyncBatchNorm's backward is a collective even under
     no_sync()): rank 1's NaN on the first micro-batch of a window makes both ranks skip that backward and
@@ -331,7 +321,6 @@ if __name__ == "__main__":  # spawned workers import this file again
 '''
 
 
-@pytest.mark.slow
 def test_usr1_to_every_process_with_spawned_workers_saves_and_resumes(data, tmp_path):
     """SLURM's `scancel --signal=USR1` reaches every process of the job, data-loader workers included; workers
     started by spawn or forkserver (Python 3.14's default) inherit no handler, so they must ignore it
