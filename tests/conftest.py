@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from testdata import make_imagefolder
+from image_folders import make_imagefolder
 
 import main
 

@@ -28,8 +28,8 @@ from conftest import (
     signal_when,
     start_process,
 )
+from image_folders import make_imagefolder
 from PIL import Image
-from testdata import make_imagefolder
 
 import checkpoint
 import engine

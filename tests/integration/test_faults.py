@@ -31,7 +31,7 @@ from conftest import (
     signal_when,
     start_process,
 )
-from testdata import make_imagefolder
+from image_folders import make_imagefolder
 
 import checkpoint
 import run_dir

@@ -23,7 +23,7 @@ from conftest import (
     load,
     run_main,
 )
-from testdata import make_imagefolder
+from image_folders import make_imagefolder
 
 pytestmark = pytest.mark.slow  # every test here runs main.py in real processes
 
