@@ -232,19 +232,25 @@ def test_model_fast_equals_plain_outputs_and_every_gradient(name, size):
     assert rel_err(out_f, out_p) <= TOL
 
 
-def test_batch_slices_give_the_plain_numbers(monkeypatch):
-    """With a byte budget below one image, every stage runs its blocks image by image; outputs and
-    every gradient still equal the plain path's, and the stage calls its blocks once per image."""
+def record_slices(monkeypatch) -> list:
+    """Give batch slicing a 1-byte budget (one image per slice) and record the batch of every block run."""
     from models import nalaformer
-    torch.manual_seed(0)
-    model = timm.create_model('NALAFORMER_XT', num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2))
-    x = torch.randn(3, 3, 48, 40)
-    out_p, xg_p, grads_p = model_pass(model, x, False)
     monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
     calls = []
     run_blocks = nalaformer.NaLaStage._run_blocks
     monkeypatch.setattr(nalaformer.NaLaStage, '_run_blocks',
                         lambda self, part, sin, cos: calls.append(part.shape[0]) or run_blocks(self, part, sin, cos))
+    return calls
+
+
+def test_batch_slices_give_the_plain_numbers(monkeypatch):
+    """With a byte budget below one image, every stage runs its blocks image by image; outputs and
+    every gradient still equal the plain path's, and the stage calls its blocks once per image."""
+    torch.manual_seed(0)
+    model = timm.create_model('NALAFORMER_XT', num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2))
+    x = torch.randn(3, 3, 48, 40)
+    out_p, xg_p, grads_p = model_pass(model, x, False)
+    calls = record_slices(monkeypatch)
     out_f, xg_f, grads_f = model_pass(model, x, True)
     assert calls == [1] * 3 * len(model.layers)
     assert rel_err(out_f, out_p) <= TOL and rel_err(xg_f, xg_p) <= TOL
@@ -267,16 +273,11 @@ def test_batch_slices_follow_the_budget(monkeypatch):
 def test_batch_slicing_is_its_own_switch_and_changes_no_number(monkeypatch, fast_path):
     """Sliced and unsliced runs give the same outputs and gradients on either path; fast_path does not
     switch slicing, set_batch_slicing(False) does."""
-    from models import nalaformer
     torch.manual_seed(0)
     model = timm.create_model('NALAFORMER_XT', num_classes=7, layer_scale_init=(0.7, 0.5, 0.3, 0.2),
                               drop_path_rate=0.0)
     x = torch.randn(3, 3, 48, 40)
-    monkeypatch.setattr(nalaformer, 'BATCH_SLICE_BYTES', 1)
-    calls = []
-    run_blocks = nalaformer.NaLaStage._run_blocks
-    monkeypatch.setattr(nalaformer.NaLaStage, '_run_blocks',
-                        lambda self, part, sin, cos: calls.append(part.shape[0]) or run_blocks(self, part, sin, cos))
+    calls = record_slices(monkeypatch)
     out_s, xg_s, grads_s = model_pass(model, x, fast_path)
     assert calls == [1] * 3 * len(model.layers)
     calls.clear()

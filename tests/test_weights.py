@@ -7,26 +7,11 @@ import pytest
 import timm
 import torch
 from conftest import build_xt, load
+from test_checkpoint import _same, _Tiny, _xt
 
 import errors
 from models import weights
 from tools import analyze_attention as aa
-
-
-def _xt(seed, num_classes=3):
-    torch.manual_seed(seed)
-    return timm.create_model('NALAFORMER_XT', num_classes=num_classes)
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-class _Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 3)
-        self.norm = torch.nn.LayerNorm(3)
 
 
 # ------------------------------------------------------------------------------------------ one loader rule
