@@ -1,6 +1,7 @@
 """The checkpoint format of NaLaFormer training runs: what a checkpoint holds, how it is written and read.
 
-A training checkpoint is a dict in the reference layout, loadable with ``torch.load(weights_only=True)``:
+A training checkpoint is a dict with the reference checkpoints' entries (the weights in this model's key layout;
+loaders also take the reference layout), loadable with ``torch.load(weights_only=True)``:
 
     model, model_ema         state dicts without a ``module.`` prefix (model_ema only with an EMA)
     optimizer, lr_scheduler  their state dicts
