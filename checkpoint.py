@@ -456,6 +456,24 @@ def flag_changes(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     return out
 
 
+def data_path_change(saved: Dict[str, Any], args: argparse.Namespace) -> str:
+    """The checkpoint's --data-path when the command line names another directory, else ''. Paths are compared
+    absolute and normalised (a relative one from the current directory), and two names of one existing
+    directory (a link) are the same path."""
+    was, now = saved.get('data_path'), getattr(args, 'data_path', None)
+    if not was or not now:
+        return ''
+    a, b = (os.path.normpath(os.path.abspath(os.path.expanduser(str(p)))) for p in (was, now))
+    if a == b:
+        return ''
+    try:
+        if os.path.samefile(a, b):
+            return ''
+    except OSError:  # the old path is gone (the data set was moved)
+        pass
+    return str(was)
+
+
 def data_order_changes(ckpt: Dict[str, Any], args: argparse.Namespace, n_train_images: Optional[int]) -> List[str]:
     """What differs from the run that wrote a mid-epoch checkpoint among the things that decide which images
     each step of the epoch gets (processes, batch, accumulation, seed, sampler, training-set size)."""
@@ -603,6 +621,11 @@ class TrainingCheckpoints:
         self._load_optimizer(ckpt, path)
         saved, fresh = ckpt['lr_scheduler'], self.lr_scheduler.state_dict()
         changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
+        was = data_path_change(saved_args(ckpt), args)
+        if was:  # moving a data set is normal, but the best accuracy may now compare two validation sets
+            print(f'Note: --data-path changed since the checkpoint: {was} -> {args.data_path}; continuing on the '
+                  f'images there (the best accuracy so far, {float(ckpt.get("max_accuracy", 0.0)):.2f}%, was '
+                  f'measured on the validation set of {was})')
         flags = flag_changes(saved_args(ckpt), args)
         if flags:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
             print('Note: changed since the checkpoint: ' + '; '.join(flags) + '; following the command line')

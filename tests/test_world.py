@@ -161,6 +161,26 @@ def test_a_checkpoint_without_classes_still_resumes(tmp_path):
     assert _tiny_run(tmp_path, classes=['a', 'b', 'c']).resume(str(tmp_path / 'checkpoint.pth')).start_epoch == 2
 
 
+def test_a_changed_data_path_is_a_note_naming_both_paths(tmp_path, monkeypatch, capsys):
+    old, new = tmp_path / 'imagenet', tmp_path / 'imagenet-copy'
+    old.mkdir()
+    new.mkdir()
+    run = _tiny_run(tmp_path, ['--data-path', str(old)], classes=['a', 'b'], n_train_images=24)
+    run.record_accuracy(0, 12.5)
+    run.save(0, {}, ['checkpoint.pth'])
+    path = str(tmp_path / 'checkpoint.pth')
+    capsys.readouterr()
+    _tiny_run(tmp_path, ['--data-path', str(new)], classes=['a', 'b'], n_train_images=24).resume(path)
+    assert f'Note: --data-path changed since the checkpoint: {old} -> {new}; continuing on the images there (the ' \
+           f'best accuracy so far, 12.50%, was measured on the validation set of {old})' in capsys.readouterr().out
+    # the same directory spelt otherwise (relative, a trailing slash, a link) is no change
+    monkeypatch.chdir(tmp_path)
+    os.symlink(old, tmp_path / 'link')
+    for same in ('imagenet', './imagenet/', str(tmp_path / 'link')):
+        _tiny_run(tmp_path, ['--data-path', same], classes=['a', 'b'], n_train_images=24).resume(path)
+        assert '--data-path changed' not in capsys.readouterr().out, same
+
+
 @pytest.mark.slow
 def test_renamed_class_folder_stops_the_resume(tmp_path):
     root = make_imagefolder(tmp_path / 'data')
