@@ -494,11 +494,13 @@ def data_order_changes(ckpt: Dict[str, Any], args: argparse.Namespace, n_train_i
 
 @dataclass
 class Resume:
-    """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), and the
-    checkpoint it was read from (None when the run starts fresh)."""
+    """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), the
+    checkpoint it was read from (None when the run starts fresh), and the line that announces it (main.py
+    prints it once --output_dir is known to take the run's checkpoints)."""
     start_epoch: int = 0
     state: EpochState = field(default_factory=EpochState)
     ckpt: Any = None
+    message: str = ''
 
 
 class TrainingCheckpoints:
@@ -682,7 +684,7 @@ class TrainingCheckpoints:
             self._repair_files(path, ckpt)
             self._repair_log(ckpt.get('log'))
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
-        print(f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%')
+        r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%'
         return r
 
     def _check_data(self, ckpt: Dict[str, Any], path: str) -> None:
