@@ -811,11 +811,11 @@ class TrainingCheckpoints:
         with open(side, 'w') as f:
             f.writelines(later)
         _write_atomic(log, lambda f: f.write(''.join(keep).encode()))
-        first = done + 1
         what = (f'{path} stopped inside epoch {ckpt["epoch"]}' if ckpt.get('step')
                 else f'resumed from epoch {done} ({path})')
-        print(f'Note: {what}, older than log.txt\'s last epoch {max(epochs)}: moved the lines of epochs '
-              f'{first}..{max(epochs)} to {side}, so that log.txt ends where the run continues')
+        span = f'epoch {done + 1}' if max(epochs) == done + 1 else f'epochs {done + 1}..{max(epochs)}'
+        print(f'Note: {what}, older than log.txt\'s last epoch {max(epochs)}: moved the lines of {span} to '
+              f'{side}, so that log.txt ends where the run continues')
 
     def _repair_log(self, record: Any) -> None:
         """Add the resumed epoch's log line when log.txt lacks it (a crash or a full disk kept it out); a
