@@ -20,9 +20,9 @@ process), ``train_carry`` (the skipped-step counts), mid-epoch stops add ``step`
 part, verified on load).
 
 A state is serialised once, to its first file name; its other names (best.pth, checkpoint_NNNN.pth) are
-hard links to that file where the filesystem has them, else copies, as timm's ``CheckpointSaver`` does.
-Every name is replaced by a rename, never rewritten in place, so a later write to one name leaves the
-others as they were.
+independent files: reflinks of it where the filesystem has them (no data copied), else byte copies. Every name
+is replaced by a rename, never rewritten in place, so a later write to one name, ours or a user's (``cp x
+best.pth`` writes in place), leaves the others as they were.
 
 The one rule by which loaders take a single set of weights from a checkpoint, and the diagnosis of
 weights that do not fit a model, are in models/weights.py; the run directory's rules in run_dir.py; the
@@ -39,6 +39,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -52,6 +53,11 @@ from engine import SKIP_COUNTS_KEY, EpochState, set_rng_state
 from errors import CheckpointError, CheckpointWriteError, UserError, exception_chain, first_line
 from models.compat import safe_globals
 from models.weights import load_weights_into, select_weights
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 TMP_PREFIX = '.tmp-'
 NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
@@ -185,33 +191,70 @@ def save_atomic(obj: Any, path: str) -> None:
     _write_atomic(path, lambda f: torch.save(obj, f))
 
 
+#: ioctl FICLONE (linux/fs.h, _IOW(0x94, 9, int)): let a file share another's blocks copy-on-write (a reflink)
+FICLONE = 0x40049409
+
+
+def _copy_into(src: str, f) -> None:
+    """Write the contents of the file `src` to the open, empty file `f`: a reflink where the filesystem has them
+    (btrfs, XFS, bcachefs, ZFS 2.2: no data is written, and a later write to either file stays its own), else
+    an in-kernel copy (copy_file_range: about 3x faster than a copy through Python, docs/performance.md; a
+    server-side copy on NFS 4.2), else a copy through Python."""
+    with open(src, 'rb') as s:
+        if fcntl is not None:
+            try:
+                fcntl.ioctl(f.fileno(), FICLONE, s.fileno())
+                return
+            except OSError:  # EOPNOTSUPP (ext4, tmpfs), EXDEV, ENOTTY (not Linux), EINVAL: copy the bytes
+                pass
+        size, copied = os.fstat(s.fileno()).st_size, 0
+        if hasattr(os, 'copy_file_range'):
+            try:
+                while copied < size:
+                    n = os.copy_file_range(s.fileno(), f.fileno(), size - copied)
+                    if not n:
+                        break
+                    copied += n
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+                    raise  # a full disk, an I/O error
+            if copied == size:
+                return
+            s.seek(0)  # not supported here, or a short copy: start again through Python
+            f.seek(0)
+            f.truncate()
+        shutil.copyfileobj(s, f, 1 << 24)
+
+
 def copy_atomic(src: str, dst: str) -> None:
-    """Copy a checkpoint file atomically."""
-    def write(f):
-        with open(src, 'rb') as s:
-            shutil.copyfileobj(s, f, 1 << 24)
-    _write_atomic(dst, write)
+    """Make `dst` an independent copy of the file `src` (a reflink where the filesystem has them), written
+    atomically (see _write_atomic): `dst` is at every moment the previous file or a complete copy."""
+    _write_atomic(dst, lambda f: _copy_into(src, f))
 
 
-def link_atomic(src: str, dst: str) -> None:
-    """Give the file `src` the further name `dst` (a hard link, renamed into place: `dst` is at every moment
-    the previous file or `src`'s), or copy it atomically where the filesystem has no hard links."""
-    if os.path.exists(dst) and os.path.samefile(src, dst):
-        return
-    directory = os.path.dirname(os.path.abspath(dst))
-    tmp = os.path.join(directory, f'{TMP_PREFIX}{os.path.basename(dst)}.{os.getpid()}.link')
-    try:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        os.link(src, tmp)
-        os.replace(tmp, dst)
-        _fsync_dir(directory)
-    except OSError:  # no hard links here (EPERM, EXDEV, ENOTSUP on some network and FAT filesystems)
+def separate_hard_links(directory: str) -> None:
+    """Give every checkpoint name of a run directory that an older version hard-linked to another one
+    (checkpoint.pth, best.pth, checkpoint_NNNN.pth sharing one file) a file of its own, so that a write to one
+    name (``cp x best.pth`` writes in place) leaves the others as they were. Where that fails (a full disk)
+    the names stay linked, with a note: the run's own saves replace names, they never write through them."""
+    first: Dict[Tuple[int, int], str] = {}
+    for p in run_checkpoints(directory):
         try:
-            os.remove(tmp)
+            st = os.stat(p)
         except OSError:
-            pass
-        copy_atomic(src, dst)
+            continue
+        key = (st.st_dev, st.st_ino)
+        if st.st_nlink < 2 or key not in first:
+            first.setdefault(key, p)
+            continue
+        try:
+            copy_atomic(first[key], p)
+        except CheckpointWriteError as e:
+            print(f'Note: {p} and {first[key]} are one file (hard links of an older version); {e}: left linked, '
+                  f'so a write into one of them changes both')
+        else:
+            print(f'Note: {p} and {first[key]} were one file (hard links of an older version); {p} is now a '
+                  f'file of its own, so that writing to one name leaves the other as it was')
 
 
 def remove_stale_tmp(directory: str) -> None:
@@ -242,8 +285,8 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def other_checkpoints_hint(path: str) -> str:
-    """What to do instead of loading a damaged `path`: the other checkpoints next to it (not the names
-    linked to the same file, which share its damage)."""
+    """What to do instead of loading a damaged `path`: the other checkpoints next to it (not names that an
+    older version hard-linked to the same file, which share its damage)."""
     directory = os.path.dirname(os.path.abspath(path)) if path else '.'
     shown = os.path.dirname(path) or '.'
     others = [os.path.join(shown, os.path.basename(p)) for p in run_checkpoints(directory)
@@ -413,6 +456,24 @@ def flag_changes(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     return out
 
 
+def data_path_change(saved: Dict[str, Any], args: argparse.Namespace) -> str:
+    """The checkpoint's --data-path when the command line names another directory, else ''. Paths are compared
+    absolute and normalised (a relative one from the current directory), and two names of one existing
+    directory (a link) are the same path."""
+    was, now = saved.get('data_path'), getattr(args, 'data_path', None)
+    if not was or not now:
+        return ''
+    a, b = (os.path.normpath(os.path.abspath(os.path.expanduser(str(p)))) for p in (was, now))
+    if a == b:
+        return ''
+    try:
+        if os.path.samefile(a, b):
+            return ''
+    except OSError:  # the old path is gone (the data set was moved)
+        pass
+    return str(was)
+
+
 def data_order_changes(ckpt: Dict[str, Any], args: argparse.Namespace, n_train_images: Optional[int]) -> List[str]:
     """What differs from the run that wrote a mid-epoch checkpoint among the things that decide which images
     each step of the epoch gets (processes, batch, accumulation, seed, sampler, training-set size)."""
@@ -433,11 +494,13 @@ def data_order_changes(ckpt: Dict[str, Any], args: argparse.Namespace, n_train_i
 
 @dataclass
 class Resume:
-    """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), and the
-    checkpoint it was read from (None when the run starts fresh)."""
+    """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), the
+    checkpoint it was read from (None when the run starts fresh), and the line that announces it (main.py
+    prints it once --output_dir is known to take the run's checkpoints)."""
     start_epoch: int = 0
     state: EpochState = field(default_factory=EpochState)
     ckpt: Any = None
+    message: str = ''
 
 
 class TrainingCheckpoints:
@@ -445,7 +508,7 @@ class TrainingCheckpoints:
 
     Rank 0 writes; a failed write stops every rank. ``record_accuracy`` keeps the best accuracy and
     which weights gave it; ``save`` writes the state once, to the first of the given names (checkpoint.pth),
-    and links it to the others in order; ``append_log`` adds the epoch's line to log.txt. ``resume``
+    and copies it to the others in order; ``append_log`` adds the epoch's line to log.txt. ``resume``
     restores everything and repairs what a crash between those writes left behind."""
 
     def __init__(self, args: argparse.Namespace, model: torch.nn.Module, model_ema: Any, optimizer: Any,
@@ -502,7 +565,7 @@ class TrainingCheckpoints:
 
     def save(self, epoch: int, extra: Dict[str, Any], names: Sequence[str]) -> None:
         """Write the run's state after `epoch` to the first of `names` in --output_dir (nothing without one),
-        then link (or copy) that file to the others, in order."""
+        then copy that file (a reflink where the filesystem has them) to the others, in order."""
         err = None
         if distributed.is_main_process() and self.output_dir:
             state = self.state(epoch, names, extra)
@@ -510,7 +573,7 @@ class TrainingCheckpoints:
                 first = os.path.join(self.output_dir, names[0])
                 save_atomic(state, first)
                 for name in names[1:]:
-                    link_atomic(first, os.path.join(self.output_dir, name))
+                    copy_atomic(first, os.path.join(self.output_dir, name))
             except CheckpointWriteError as e:
                 err = e
         if distributed.is_dist_avail_and_initialized():
@@ -560,6 +623,11 @@ class TrainingCheckpoints:
         self._load_optimizer(ckpt, path)
         saved, fresh = ckpt['lr_scheduler'], self.lr_scheduler.state_dict()
         changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
+        was = data_path_change(saved_args(ckpt), args)
+        if was:  # moving a data set is normal, but the best accuracy may now compare two validation sets
+            print(f'Note: --data-path changed since the checkpoint: {was} -> {args.data_path}; continuing on the '
+                  f'images there (the best accuracy so far, {float(ckpt.get("max_accuracy", 0.0)):.2f}%, was '
+                  f'measured on the validation set of {was})')
         flags = flag_changes(saved_args(ckpt), args)
         if flags:  # e.g. a longer --epochs: follow the command line, not the old schedule (DeiT did not)
             print('Note: changed since the checkpoint: ' + '; '.join(flags) + '; following the command line')
@@ -616,7 +684,7 @@ class TrainingCheckpoints:
             self._repair_files(path, ckpt)
             self._repair_log(ckpt.get('log'))
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
-        print(f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%')
+        r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%'
         return r
 
     def _check_data(self, ckpt: Dict[str, Any], path: str) -> None:
@@ -676,31 +744,81 @@ class TrainingCheckpoints:
                   + '); following the command line')
 
     def _repair_files(self, path: str, ckpt: Dict[str, Any]) -> None:
-        """The other files this state was meant to be written to (best.pth, checkpoint_NNNN.pth) that a
-        crash left missing, unreadable or older: copy the resumed file there."""
+        """Bring the run directory in line with the resumed state: names that an older version hard-linked to
+        one file become independent files, log.txt's lines of later epochs are moved aside (a resume from an
+        older checkpoint), and the other names this state was saved under (best.pth, checkpoint_NNNN.pth) get a
+        copy of it when they are missing, unreadable, or hold an older state that a stop between the writes
+        left there. An older file written after the resumed one was put there by hand: it is left alone."""
+        separate_hard_links(self.output_dir)
+        self._trim_log(path, ckpt)
+        epoch = ckpt.get('epoch')
         for name in ckpt.get('files') or []:
             target = os.path.join(self.output_dir, name)
             if os.path.exists(target) and os.path.samefile(target, path):
                 continue
             reason = None
             if not os.path.exists(target):
-                reason = 'missing'
+                reason = 'missing (deleted, or the run stopped before writing it)'
             else:
                 try:
                     other = load_checkpoint_file(target, verify=False, mmap=True)
                 except CheckpointError:
-                    reason = 'unreadable'
+                    reason = 'unreadable (truncated or damaged after it was written)'
                 else:
+                    was = other.get('epoch', '?') if isinstance(other, dict) else '?'
                     if not isinstance(other, dict) or (other.get('checksum') != ckpt.get('checksum')
                                                        and _order(other) < _order(ckpt)):
-                        reason = f'older (epoch {other.get("epoch") if isinstance(other, dict) else "?"})'
+                        if os.path.getmtime(target) <= os.path.getmtime(path):
+                            reason = f'older (epoch {was}: the run stopped between writing {path} and it)'
+                        else:
+                            print(f'Note: {target} holds an older state (epoch {was}) than {path} (epoch {epoch}), '
+                                  f'which was also saved under that name, but was written after it (put there by '
+                                  f'hand?): left as it is')
             if reason:
                 copy_atomic(path, target)
-                print(f'Repaired {target}: it was {reason}, but the state of epoch {ckpt.get("epoch")} in {path} '
-                      f'was meant to be written there too (the run was stopped between the writes); copied it')
+                print(f'Repaired {target}: it was {reason}; copied the state of epoch {epoch} there from {path}, '
+                      f'which was saved under both names')
+
+    def _trim_log(self, path: str, ckpt: Dict[str, Any]) -> None:
+        """Move log.txt's lines of the epochs after the resumed state (a resume from an older checkpoint, e.g.
+        --resume best.pth) to a side file next to it, so that log.txt ends where the run continues and the
+        rerun epochs are not listed twice. Nothing is deleted."""
+        log = os.path.join(self.output_dir, 'log.txt')
+        if not isinstance(ckpt.get('epoch'), int) or not os.path.isfile(log):
+            return
+        done = ckpt['epoch'] - (1 if ckpt.get('step') else 0)  # the last finished epoch
+        with open(log) as f:
+            lines = f.readlines()
+        keep: List[str] = []
+        later: List[str] = []
+        epochs = []
+        for line in lines:
+            try:
+                e = json.loads(line).get('epoch')
+            except (ValueError, AttributeError):
+                e = None
+            if isinstance(e, int) and e > done:
+                epochs.append(e)
+                later.append(line)
+            else:  # an unreadable line after a later epoch's belongs to it
+                (later if e is None and later else keep).append(line)
+        if not epochs:
+            return
+        side = f'{log}.{time.strftime("%Y%m%d-%H%M%S")}.bak'
+        n = 1
+        while os.path.exists(side):
+            side, n = f'{log}.{time.strftime("%Y%m%d-%H%M%S")}-{n}.bak', n + 1
+        with open(side, 'w') as f:
+            f.writelines(later)
+        _write_atomic(log, lambda f: f.write(''.join(keep).encode()))
+        what = (f'{path} stopped inside epoch {ckpt["epoch"]}' if ckpt.get('step')
+                else f'resumed from epoch {done} ({path})')
+        span = f'epoch {done + 1}' if max(epochs) == done + 1 else f'epochs {done + 1}..{max(epochs)}'
+        print(f'Note: {what}, older than log.txt\'s last epoch {max(epochs)}: moved the lines of {span} to '
+              f'{side}, so that log.txt ends where the run continues')
 
     def _repair_log(self, record: Any) -> None:
-        """Add the resumed epoch's log line when a crash (or a full disk) kept it out of log.txt; a
+        """Add the resumed epoch's log line when log.txt lacks it (a crash or a full disk kept it out); a
         half-written last line is dropped first."""
         if not isinstance(record, dict) or 'epoch' not in record:
             return
@@ -723,5 +841,5 @@ class TrainingCheckpoints:
                 continue
         if record['epoch'] not in epochs:
             self.append_log(record)
-            print(f'Repaired {path}: added the line of epoch {record["epoch"]}, which the run saved in its '
-                  f'checkpoint but was stopped before logging')
+            print(f'Repaired {path}: added the line of epoch {record["epoch"]} from the checkpoint, which '
+                  f'log.txt lacked (the run stopped, or could not write, before logging it)')

@@ -708,6 +708,11 @@ def main(args, parser):
     resumed = checkpoints.resume(resume_path, eval_only=args.eval)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
     max_accuracy = checkpoints.max_accuracy
+    if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
+        run_dir.check_room(output_dir, checkpoints.estimate_bytes(resume_path), device,
+                           run_dir.checkpoints_at_peak(args, start_epoch))
+    if resumed.message:
+        print(resumed.message)
 
     # evaluation uses the bare module: a DDP forward may broadcast buffers, a collective that would hang
     # when ranks get different numbers of validation batches (exact dist-eval does not pad)
@@ -721,7 +726,6 @@ def main(args, parser):
     resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
 
     # ---------------- train ----------------
-    run_dir.check_room(output_dir, checkpoints.estimate_bytes(resume_path), device)
     save = checkpoints.save
     step = engine.OptimizerStep(optimizer, device, amp_dtype, loss_scaler, args.clip_grad, args.clip_mode,
                                 args.accum_steps)

@@ -1,10 +1,12 @@
 """The output directory of a training run (--output_dir): which checkpoint a run resumes from, one run per
-directory (a lock, and a refusal to start over another run's files without --overwrite), and room for the
-checkpoints before training starts. main.py calls these once, before and after building the model."""
+directory (a lock, and a refusal to start over another run's files without --overwrite), write access, and room
+for the checkpoints before training starts. main.py calls these once, before and after building the model."""
 import argparse
 import errno
 import fcntl
+import math
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -101,18 +103,93 @@ def lock_run_dir(directory: str) -> Optional[str]:
         except OSError:
             holder = ''
         os.close(fd)
-        return (f'--output_dir {directory} is in use by another run ({holder or "a process that holds its lock"}); '
-                f'wait for that run to end or stop it, or choose another --output_dir')
+        return _in_use(directory, holder)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f'PID {os.getpid()} on host {socket.gethostname()}\n'.encode(), 0)
     _held_locks[key] = fd
     return None
 
 
+def _in_use(directory: str, holder: str) -> str:
+    return (f'--output_dir {directory} is in use by another run ({holder or "a process that holds its lock"}); '
+            f'wait for that run to end or stop it, or choose another --output_dir')
+
+
+def _process_start_time(pid: int) -> Optional[float]:
+    """When process `pid` started (seconds since the epoch; Linux /proc), None where that cannot be read."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            ticks = int(f.read().rsplit(')', 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+        with open('/proc/stat') as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith('btime '))
+        return boot + ticks / os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _recorded_holder_alive(text: str, lock_path: str) -> bool:
+    """Whether the lock file's line ('PID N on host H') names a live process on this host that is still the
+    one that wrote it: a process that started after the line was written only reuses the number."""
+    m = re.fullmatch(r'PID (\d+) on host (\S+)', text)
+    if not m or m.group(2) != socket.gethostname() or int(m.group(1)) == os.getpid():
+        return False
+    pid = int(m.group(1))
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # alive, another user's
+        pass
+    except OSError:
+        return False
+    started = _process_start_time(pid)
+    try:
+        return started is None or started <= os.path.getmtime(lock_path) + 1  # btime has whole seconds
+    except OSError:
+        return False
+
+
+def live_holder(directory: str) -> Optional[str]:
+    """Who holds the lock of `directory`, seen without taking it (--no-lock): the holder's line when another
+    process holds the lock file's lock, or when the process that line names still runs on this host (for
+    filesystems whose locks do not work); None when no live holder is visible."""
+    if os.path.abspath(directory) in _held_locks:
+        return None  # this process: closing a descriptor of the file below would drop its lock
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # no run has locked this directory
+    try:
+        try:
+            text = os.read(fd, 256).decode(errors='replace').strip()
+        except OSError:
+            text = ''
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released when fd is closed
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                return text or 'a process that holds its lock'
+        return text if _recorded_holder_alive(text, path) else None
+    finally:
+        os.close(fd)
+
+
+def check_writable(directory: str) -> Optional[str]:
+    """An error line when no file can be created in `directory` (a read-only filesystem or directory)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + 'probe.', dir=directory)
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        return (f'cannot write to --output_dir {directory}: {write_failure_reason(e)}; '
+                f'make it writable or choose another --output_dir')
+    return None
+
+
 def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
-    """Create --output_dir, lock it (training, unless --no-lock: one run per directory) and remove temporaries
-    of killed writes. A training run that would start over in a directory holding another run stops with one
-    line, unless --overwrite (which deletes that run's checkpoints and log.txt, nothing is moved).
+    """Create --output_dir, check that files can be written there, lock it (training: one run per directory;
+    --no-lock takes no lock but still stops beside a live holder) and remove temporaries of killed writes. A
+    training run that would start over in a directory holding another run stops with one line, unless
+    --overwrite (which deletes that run's checkpoints and log.txt, nothing is moved).
     Evaluation only neither locks nor cleans: it writes nothing there and may read a running job's files."""
     if not args.output_dir:
         return
@@ -123,8 +200,14 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
         except OSError as e:
             err = f'cannot create --output_dir {args.output_dir}: {e.strerror}'
         else:
-            if not args.eval and args.lock:
-                err = lock_run_dir(args.output_dir)
+            if not args.eval:
+                err = check_writable(args.output_dir)
+            if err is None and not args.eval:
+                if args.lock:
+                    err = lock_run_dir(args.output_dir)
+                else:  # no lock of our own, but never beside a run that holds one
+                    holder = live_holder(args.output_dir)
+                    err = _in_use(args.output_dir, holder) if holder else None
             if err is None and not args.eval:
                 remove_stale_tmp(args.output_dir)
                 try:
@@ -134,22 +217,43 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
     raise_on_any_rank(err, device)
 
 
-def check_room(directory: str, nbytes: int, device: Any) -> None:
-    """Before training: `directory` is writable and has room for two checkpoints of about `nbytes`
-    (the new one is written next to the previous one, then renamed)."""
+def checkpoints_at_peak(args: argparse.Namespace, start_epoch: int) -> int:
+    """How many checkpoints --output_dir holds at the peak of the saves from `start_epoch` on: checkpoint.pth
+    and its replacement while that is written, best.pth holding an older state, and a numbered backup once a
+    --save-freq epoch is behind and another save follows (each further backup adds one more, for good)."""
+    freq = args.save_freq
+    backup = bool(freq) and any((e + 1) % freq == 0 for e in range(start_epoch, args.epochs - 1))
+    return 3 + int(backup)
+
+
+def _held_bytes(directory: str) -> int:
+    """Bytes of the checkpoints in `directory` that the saves to come replace (checkpoint.pth, best.pth),
+    each file once (names an older version hard-linked are one file)."""
+    seen = {}
+    for name in ('checkpoint.pth', 'best.pth'):
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue
+        seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def check_room(directory: str, nbytes: int, device: Any, copies: int = 3) -> None:
+    """Before training: room in `directory` for the peak of the saves to come, `copies` checkpoints of about
+    `nbytes` (checkpoints_at_peak), less what checkpoint.pth and best.pth hold already. Copies are counted in
+    full, also where the filesystem shares blocks between them (reflinks)."""
     err = None
     if directory and distributed.is_main_process():
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + 'probe.', dir=directory)
-            os.close(fd)
-            os.remove(tmp)
-        except OSError as e:
-            err = (f'cannot write to --output_dir {directory}: {write_failure_reason(e)}; '
-                   f'make it writable or choose another --output_dir')
-        else:
-            free = shutil.disk_usage(directory).free
-            if free < 2 * nbytes:
-                err = (f'--output_dir {directory} has {free / 2**20:.0f} MiB free, but a checkpoint takes about '
-                       f'{nbytes / 2**20:.0f} MiB and two must fit while one replaces the other; free some space '
-                       f'or choose another --output_dir')
+        held = _held_bytes(directory)
+        need = max(copies * nbytes - held, 0)
+        free = shutil.disk_usage(directory).free
+        if free < need:
+            mib = 2 ** 20
+            there = f', {held / mib:.0f} MiB of them are there already' if held else ''
+            err = (f'--output_dir {directory} has {free / mib:.0f} MiB free, but the saves to come need '
+                   f'{need / mib:.0f} MiB more (at their peak the directory holds {copies} checkpoints of about '
+                   f'{nbytes / mib:.0f} MiB: checkpoint.pth, its replacement while it is written, best.pth'
+                   f'{", a numbered backup" if copies > 3 else ""}{there}): {math.ceil((need - free) / mib)} MiB '
+                   f'are missing; free that much space or choose another --output_dir')
     raise_on_any_rank(err, device)

@@ -1,6 +1,7 @@
 """The checkpoint format (checkpoint.py): checksums, atomic writes and their error messages, one serialisation
-linked to every name, crash repair on resume, optimizer flags on resume, and the epoch state a resume continues
-from. Tiny models in-process; the killed-process runs are in test_faults.py."""
+copied to every name, crash repair on resume, log.txt after a resume from an older checkpoint, optimizer flags on
+resume, and the epoch state a resume continues from. Tiny models in-process; the killed-process runs are in
+test_faults.py."""
 import errno
 import io
 import json
@@ -96,15 +97,22 @@ def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
 
 
 
-def test_a_damaged_file_is_not_offered_again_under_a_linked_name(tmp_path):
+def test_damage_in_place_stays_in_its_file_and_names_an_older_version_linked_are_not_offered(tmp_path):
     run = _run(tmp_path, with_state=True)
     run.save(4, {}, ['checkpoint.pth', 'checkpoint_0004.pth'])
     run.save(5, {}, ['checkpoint.pth', 'best.pth'])
-    path = tmp_path / 'checkpoint.pth'
-    path.write_bytes(path.read_bytes()[:5000])  # in place: best.pth is the same file
+    path, best, backup = (tmp_path / n for n in ('checkpoint.pth', 'best.pth', 'checkpoint_0004.pth'))
+    path.write_bytes(path.read_bytes()[:5000])  # in place
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.load_checkpoint_file(str(path))
-    assert f'(--resume {tmp_path / "checkpoint_0004.pth"})' in str(e.value) and 'best.pth' not in str(e.value)
+    assert f'(--resume {best}, --resume {backup})' in str(e.value)
+    assert checkpoint.load_checkpoint_file(str(best))['epoch'] == 5  # its own file: undamaged
+    # a run saved by an older version, whose best.pth is a hard link to checkpoint.pth, shares the damage
+    os.remove(best)
+    os.link(path, best)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_checkpoint_file(str(path))
+    assert f'(--resume {backup})' in str(e.value) and 'best.pth' not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -199,7 +207,7 @@ def test_best_records_which_weights_and_both_accuracies(tmp_path):
     assert 'EMA' not in checkpoint.describe_best(state) and '60.00% at epoch 2' in checkpoint.describe_best(state)
 
 
-def test_a_state_is_written_once_and_linked_to_its_other_names(tmp_path, monkeypatch):
+def test_a_state_is_written_once_and_copied_to_its_other_names(tmp_path, monkeypatch):
     run = _run(tmp_path, with_state=True)
     written = []
     real = checkpoint.save_atomic
@@ -207,22 +215,98 @@ def test_a_state_is_written_once_and_linked_to_its_other_names(tmp_path, monkeyp
                                                                         real(state, path)))
     run.save(0, {}, ['checkpoint.pth', 'best.pth', 'checkpoint_0000.pth'])
     assert written == ['checkpoint.pth']
-    ck = tmp_path / 'checkpoint.pth'
-    assert os.path.samefile(ck, tmp_path / 'best.pth') and os.path.samefile(ck, tmp_path / 'checkpoint_0000.pth')
-    best = (tmp_path / 'best.pth').read_bytes()
-    # the next epoch replaces the name checkpoint.pth; the file that best.pth names stays as it was
+    ck, best = tmp_path / 'checkpoint.pth', tmp_path / 'best.pth'
+    for other in (best, tmp_path / 'checkpoint_0000.pth'):
+        assert not os.path.samefile(ck, other) and other.read_bytes() == ck.read_bytes()
+        assert checkpoint.load_checkpoint_file(str(other))['epoch'] == 0  # checksum verified
+    # the next epoch replaces the name checkpoint.pth; best.pth stays as it was
+    before = best.read_bytes()
     run.save(1, {}, ['checkpoint.pth'])
-    assert not os.path.samefile(ck, tmp_path / 'best.pth') and (tmp_path / 'best.pth').read_bytes() == best
-    assert checkpoint.load_checkpoint_file(str(tmp_path / 'best.pth'))['epoch'] == 0  # checksum verified
-    assert checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
-
-    def no_links(src, dst):
-        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
-    monkeypatch.setattr(checkpoint.os, 'link', no_links)  # a filesystem without hard links: copies
-    run.save(2, {}, ['checkpoint.pth', 'best.pth'])
-    assert not os.path.samefile(ck, tmp_path / 'best.pth') and (tmp_path / 'best.pth').read_bytes() == ck.read_bytes()
-    assert checkpoint.load_checkpoint_file(str(tmp_path / 'best.pth'))['epoch'] == 2
+    assert best.read_bytes() == before and checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
     assert not [f for f in os.listdir(tmp_path) if f.startswith(checkpoint.TMP_PREFIX)]
+
+
+def test_a_copy_is_a_reflink_where_the_filesystem_has_them_else_a_copy_of_the_bytes(tmp_path, monkeypatch):
+    src, dst = tmp_path / 'a.pth', tmp_path / 'b.pth'
+    src.write_bytes(os.urandom(3 << 20))
+    calls = []
+
+    def reflink(fd, request, src_fd):  # what FICLONE does: the destination gets the source's contents
+        calls.append(request)
+        os.write(fd, os.pread(src_fd, 1 << 30, 0))
+    monkeypatch.setattr(checkpoint.fcntl, 'ioctl', reflink)
+    monkeypatch.setattr(checkpoint.os, 'copy_file_range', lambda *a: pytest.fail('copied after a reflink'))
+    checkpoint.copy_atomic(str(src), str(dst))
+    assert calls == [checkpoint.FICLONE] and dst.read_bytes() == src.read_bytes()
+
+    def no_reflinks(fd, request, src_fd):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))  # ext4, tmpfs
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint.fcntl, 'ioctl', no_reflinks)
+    checkpoint.copy_atomic(str(src), str(tmp_path / 'c.pth'))  # copy_file_range
+    assert (tmp_path / 'c.pth').read_bytes() == src.read_bytes()
+
+    def half_then_unsupported(src_fd, dst_fd, count):  # e.g. a FUSE filesystem that gives up: start again
+        if os.fstat(dst_fd).st_size:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        return os.write(dst_fd, os.read(src_fd, 1 << 20))
+    monkeypatch.setattr(checkpoint.os, 'copy_file_range', half_then_unsupported)
+    checkpoint.copy_atomic(str(src), str(tmp_path / 'd.pth'))
+    assert (tmp_path / 'd.pth').read_bytes() == src.read_bytes()
+
+
+def _killed(*args):
+    raise SystemExit('killed')
+
+
+def _two_runs(tmp_path):
+    """Our run in tmp_path/out, its last epoch (1) a new best, and another run's checkpoint (epoch 0)."""
+    out, other = tmp_path / 'out', tmp_path / 'other'
+    for d in (out, other):
+        d.mkdir()
+    _run(other, with_state=True).save(0, {}, ['checkpoint.pth'])
+    run = _run(out, with_state=True)
+    for epoch, acc in ((0, 30.0), (1, 45.0)):
+        run.record_accuracy(epoch, acc)
+        log = {'epoch': epoch, 'test_acc1': acc}
+        run.save(epoch, {'log': log}, ['checkpoint.pth', 'best.pth'])
+        run.append_log(log)
+    return out, other
+
+
+def test_a_best_pth_restored_by_hand_leaves_checkpoint_pth_as_it_was(tmp_path, capsys):
+    out, other = _two_runs(tmp_path)
+    ours = (out / 'checkpoint.pth').read_bytes()
+    shutil.copyfile(other / 'checkpoint.pth', out / 'best.pth')  # what `cp` does: it writes into best.pth
+    assert (out / 'checkpoint.pth').read_bytes() == ours
+    ck = checkpoint.load_checkpoint_file(str(out / 'checkpoint.pth'))
+    assert ck['epoch'] == 1 and ck['args']['output_dir'] == str(out)
+    capsys.readouterr()
+    assert _run(out).resume(str(out / 'checkpoint.pth')).start_epoch == 2
+    said = capsys.readouterr().out
+    # best.pth holds an older state than the one saved there with checkpoint.pth, but it was put there later
+    assert f'Note: {out / "best.pth"} holds an older state (epoch 0) than {out / "checkpoint.pth"} (epoch 1)' in said
+    assert 'put there by hand?): left as it is' in said and 'Repaired' not in said
+    assert (out / 'best.pth').read_bytes() == (other / 'checkpoint.pth').read_bytes()
+    assert [json.loads(x)['epoch'] for x in open(out / 'log.txt')] == [0, 1]
+
+
+def test_names_an_older_version_hard_linked_become_files_of_their_own_on_resume(tmp_path, capsys):
+    out, other = _two_runs(tmp_path)
+    ck, best = out / 'checkpoint.pth', out / 'best.pth'
+    for name in ('best.pth', 'checkpoint_0001.pth'):  # as an older version saved them
+        if (out / name).exists():
+            os.remove(out / name)
+        os.link(ck, out / name)
+    capsys.readouterr()
+    assert _run(out).resume(str(ck)).start_epoch == 2
+    said = capsys.readouterr().out
+    assert f'Note: {best} and {ck} were one file (hard links of an older version)' in said
+    assert not os.path.samefile(ck, best) and not os.path.samefile(ck, out / 'checkpoint_0001.pth')
+    assert best.read_bytes() == ck.read_bytes() == (out / 'checkpoint_0001.pth').read_bytes()
+    ours = ck.read_bytes()
+    shutil.copyfile(other / 'checkpoint.pth', best)
+    assert ck.read_bytes() == ours == (out / 'checkpoint_0001.pth').read_bytes()
 
 
 # ------------------------------------------------------------------------------------------ crash repair
@@ -233,9 +317,7 @@ def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, mon
     run.save(0, {'log': log0}, ['checkpoint.pth', 'best.pth'])
     run.append_log(log0)
     run.record_accuracy(1, 45.0, None)
-    def dies_after_the_first_file(src, dst):  # the other names are links to the first file
-        raise SystemExit('killed')
-    monkeypatch.setattr(checkpoint, 'link_atomic', dies_after_the_first_file)
+    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)  # dies after the first file: the others are copies
     with pytest.raises(SystemExit):
         run.save(1, {'log': {'epoch': 1, 'test_acc1': 45.0}}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
@@ -246,12 +328,88 @@ def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, mon
     resumed = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
     out = capsys.readouterr().out
     assert resumed.start_epoch == 2
-    assert re.search(r'Repaired .*best\.pth: it was older \(epoch 0\)', out), out
+    assert re.search(r'Repaired .*best\.pth: it was older \(epoch 0: the run stopped between writing .*checkpoint\.pth '
+                     r'and it\); copied the state of epoch 1 there', out), out
     assert (tmp_path / 'best.pth').read_bytes() == (tmp_path / 'checkpoint.pth').read_bytes()
     assert [json.loads(x)['epoch'] for x in open(tmp_path / 'log.txt')] == [0, 1]
     # a second resume finds nothing to repair
     _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
     assert 'Repaired' not in capsys.readouterr().out
+
+
+def test_in_a_run_an_older_version_hard_linked_saves_and_repairs_replace_names_never_write_through(
+        tmp_path, monkeypatch):
+    out, _ = _two_runs(tmp_path)
+    ck, best, backup = out / 'checkpoint.pth', out / 'best.pth', out / 'checkpoint_0001.pth'
+    os.remove(best)
+    for name in (best, backup):
+        os.link(ck, name)
+    epoch1 = ck.read_bytes()
+    run = _run(out, with_state=True)
+    run.record_accuracy(2, 50.0)
+    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)
+    with pytest.raises(SystemExit):  # killed after checkpoint.pth, before best.pth
+        run.save(2, {}, ['checkpoint.pth', 'best.pth'])
+    monkeypatch.undo()
+    assert best.read_bytes() == backup.read_bytes() == epoch1 != ck.read_bytes()
+    monkeypatch.setattr(checkpoint, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
+    _run(out).resume(str(ck))  # repairs best.pth, linked to checkpoint_0001.pth: by a rename
+    assert checkpoint.load_checkpoint_file(str(best))['epoch'] == 2 and backup.read_bytes() == epoch1
+
+
+# ------------------------------------------------------------------------------------------ an older checkpoint
+def _run_of_four_epochs(tmp_path):
+    """Epochs 0..3 saved and logged; epoch 1 the best (best.pth), the others not."""
+    run = _run(tmp_path, with_state=True)
+    for epoch, acc in enumerate((30.0, 45.0, 40.0, 41.0)):
+        names = ['checkpoint.pth'] + (['best.pth'] if run.record_accuracy(epoch, acc) else [])
+        log = {'epoch': epoch, 'test_acc1': acc}
+        run.save(epoch, {'log': log}, names)
+        run.append_log(log)
+    return [json.loads(x) for x in open(tmp_path / 'log.txt')]
+
+
+def test_resuming_an_older_checkpoint_moves_the_later_log_lines_aside(tmp_path, capsys):
+    lines = _run_of_four_epochs(tmp_path)
+    ck, best, log = tmp_path / 'checkpoint.pth', tmp_path / 'best.pth', tmp_path / 'log.txt'
+    ck.write_bytes(ck.read_bytes()[:5000])  # truncated; the error names --resume best.pth
+    capsys.readouterr()
+    assert _run(tmp_path).resume(str(best)).start_epoch == 2
+    out = capsys.readouterr().out
+    side = [f for f in os.listdir(tmp_path) if f.startswith('log.txt.') and f.endswith('.bak')]
+    assert len(side) == 1
+    assert f"Note: resumed from epoch 1 ({best}), older than log.txt's last epoch 3: moved the lines of epochs " \
+           f"2..3 to {tmp_path / side[0]}" in out, out
+    assert [json.loads(x) for x in open(log)] == lines[:2]
+    assert [json.loads(x) for x in open(tmp_path / side[0])] == lines[2:]  # nothing lost
+    # checkpoint.pth was saved with epoch 1 too; it was damaged later, not left behind by a stop between writes
+    assert f'Repaired {ck}: it was unreadable (truncated or damaged after it was written); copied the state of ' \
+           f'epoch 1 there from {best}' in out, out
+    assert 'stopped' not in out
+    assert checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
+
+
+def test_a_mid_epoch_checkpoint_keeps_the_log_lines_of_the_epochs_it_finished(tmp_path, capsys):
+    lines = _run_of_four_epochs(tmp_path)
+    run = _run(tmp_path, with_state=True)
+    state = engine.EpochState(step=3, rng_state=engine.get_rng_state(), epoch_rng_state=engine.get_rng_state())
+    run.save(2, engine.epoch_state_entries(state), ['checkpoint.pth'])  # a stop inside epoch 2, kept aside
+    os.rename(tmp_path / 'checkpoint.pth', tmp_path / 'stopped.pth')
+    with open(tmp_path / 'log.txt', 'a') as f:
+        f.write('{"epoch": 4, "test_a')  # a half-written line after the later epochs goes with them
+    capsys.readouterr()
+    r = _run(tmp_path).resume(str(tmp_path / 'stopped.pth'))
+    assert (r.start_epoch, r.state.step) == (2, 3)
+    out = capsys.readouterr().out
+    assert f"Note: {tmp_path / 'stopped.pth'} stopped inside epoch 2, older than log.txt's last epoch 3: moved the " \
+           f"lines of epochs 2..3 to " in out, out
+    assert [json.loads(x) for x in open(tmp_path / 'log.txt')] == lines[:2]
+    side, = (f for f in os.listdir(tmp_path) if f.endswith('.bak'))
+    assert open(tmp_path / side).read().splitlines()[-1] == '{"epoch": 4, "test_a'
+    # the newest state resumes with log.txt as it is
+    capsys.readouterr()
+    _run(tmp_path).resume(str(tmp_path / 'best.pth'))
+    assert 'moved' not in capsys.readouterr().out and len(open(tmp_path / 'log.txt').readlines()) == 2
 
 
 # ------------------------------------------------------------------------------------------ optimizer on resume

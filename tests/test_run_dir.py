@@ -1,11 +1,15 @@
 """The output directory of a run (run_dir.py): one run per directory unless --overwrite, and room and
-write access for the checkpoints before training."""
+write access for the checkpoints before training (and before a resume is announced)."""
 import errno
 import os
+import re
 import shutil
+import tempfile
 
 import pytest
+from conftest import build_xt
 
+import checkpoint
 import errors
 import main
 import run_dir
@@ -34,14 +38,95 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
     assert run_dir.find_resume_path(_args(tmp_path, '--overwrite')) == ''
 
 
-def test_an_unwritable_or_full_output_dir_is_found_before_training(tmp_path, monkeypatch):
-    def read_only(*a, **k):
-        raise OSError(errno.EROFS, 'Read-only file system')
-    with monkeypatch.context() as m:
-        m.setattr(run_dir.tempfile, 'mkstemp', read_only)
-        with pytest.raises(errors.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
-            run_dir.check_room(str(tmp_path), 100, 'cpu')
-    monkeypatch.setattr(run_dir.shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(10 << 30, 0, 150 << 20))
-    run_dir.check_room(str(tmp_path), 70 << 20, 'cpu')
-    with pytest.raises(errors.UserError, match=r'has 150 MiB free, but a checkpoint takes about 80 MiB'):
-        run_dir.check_room(str(tmp_path), 80 << 20, 'cpu')
+def _read_only(monkeypatch, directory):
+    """Creating a file in `directory` fails as on a read-only filesystem (root ignores chmod)."""
+    real = tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, **k):
+        if dir is not None and os.path.abspath(dir).startswith(os.path.abspath(directory)):
+            raise OSError(errno.EROFS, 'Read-only file system')
+        return real(*a, dir=dir, **k)
+    monkeypatch.setattr(tempfile, 'mkstemp', mkstemp)
+
+
+def test_an_unwritable_output_dir_is_found_before_anything_else(tmp_path, monkeypatch):
+    _read_only(monkeypatch, tmp_path)
+    with pytest.raises(errors.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
+        run_dir.prepare_output_dir(_args(tmp_path), 'cpu')
+    assert not os.path.exists(tmp_path / run_dir.LOCK_NAME)
+    run_dir.prepare_output_dir(_args(tmp_path, '--eval'), 'cpu')  # evaluation writes nothing there
+
+
+def _disk(monkeypatch, free_mib):
+    monkeypatch.setattr(run_dir.shutil, 'disk_usage',
+                        lambda p: shutil._ntuple_diskusage(200 << 20, (200 - free_mib) << 20, free_mib << 20))
+
+
+def test_the_space_check_counts_the_peak_of_the_saves(tmp_path, monkeypatch):
+    ckpt = 79 << 20
+    # a 200 MiB disk holds two checkpoints of 79 MiB, but not the third one the saves need at their peak
+    _disk(monkeypatch, 200)
+    with pytest.raises(errors.UserError) as e:
+        run_dir.check_room(str(tmp_path), ckpt, 'cpu')
+    assert str(e.value) == (f'--output_dir {tmp_path} has 200 MiB free, but the saves to come need 237 MiB more (at '
+                            f'their peak the directory holds 3 checkpoints of about 79 MiB: checkpoint.pth, its '
+                            f'replacement while it is written, best.pth): 37 MiB are missing; free that much space '
+                            f'or choose another --output_dir')
+    run_dir.check_room(str(tmp_path), ckpt, 'cpu', 2)
+    # the relaunch of a run whose checkpoint.pth and best.pth are there: the amount actually missing
+    for name in ('checkpoint.pth', 'best.pth'):
+        with open(tmp_path / name, 'wb') as f:
+            f.truncate(ckpt)
+    _disk(monkeypatch, 42)
+    with pytest.raises(errors.UserError, match=r'has 42 MiB free, but the saves to come need 79 MiB more \(.*, 158 '
+                                               r'MiB of them are there already\): 37 MiB are missing'):
+        run_dir.check_room(str(tmp_path), ckpt, 'cpu', 3)
+    with pytest.raises(errors.UserError, match=r'need 158 MiB more \(.*4 checkpoints .*best\.pth, a numbered backup, '
+                                               r'158 MiB of them are there already\): 116 MiB are missing'):
+        run_dir.check_room(str(tmp_path), ckpt, 'cpu', 4)
+    _disk(monkeypatch, 79)
+    run_dir.check_room(str(tmp_path), ckpt, 'cpu', 3)
+    # names an older version hard-linked are one file on the disk
+    os.remove(tmp_path / 'best.pth')
+    os.link(tmp_path / 'checkpoint.pth', tmp_path / 'best.pth')
+    with pytest.raises(errors.UserError, match=r'need 158 MiB more .*, 79 MiB of them are there already'):
+        run_dir.check_room(str(tmp_path), ckpt, 'cpu', 3)
+
+    def peak(*argv, start=0):
+        return run_dir.checkpoints_at_peak(_args(tmp_path, *argv), start)
+    # checkpoint.pth, its replacement, best.pth; and a numbered backup when a save follows a --save-freq epoch
+    assert peak('--epochs', '300') == 4 and peak('--epochs', '300', start=250) == 3  # the last backup ends the run
+    assert peak('--epochs', '300', '--save-freq', '0') == 3 and peak('--epochs', '40') == 3
+
+
+# ------------------------------------------------------------------------------------------ a resumed run
+RUN = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--num_workers', '0',
+       '--no-flops', '--no-model-ema', '--unscale-lr', '--epochs', '2', '--cpu-malloc', 'system']
+
+
+def test_a_resume_is_announced_only_once_the_output_dir_can_take_the_run(data, tmp_path, monkeypatch, capsys):
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'):
+        monkeypatch.delenv(k, raising=False)  # main.py as a plain process, in this one
+    out = tmp_path / 'out'
+    out.mkdir()
+    argv = RUN + ['--data-path', data, '--output_dir', str(out)]
+    args = main.get_args_parser().parse_args(argv)
+    model = build_xt(3)
+    opt = main.build_optimizer(args, model)
+    run = checkpoint.TrainingCheckpoints(args, model, None, opt, main.build_lr_scheduler(args, opt), None, 0, 'cpu')
+    run.save(0, {}, ['checkpoint.pth'])  # epoch 0 of a run that the same command resumes at epoch 1
+    before = (out / 'checkpoint.pth').read_bytes()
+    for problem, error in (('read-only', r'cannot write to --output_dir .*: Read-only file system'),
+                           ('full', r'has 1 MiB free, but the saves to come need \d+ MiB more')):
+        with monkeypatch.context() as m:
+            if problem == 'read-only':
+                _read_only(m, out)
+            else:
+                m.setattr(run_dir.shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(1 << 30, 0, 1 << 20))
+            assert main.run(argv) == 1
+        said = capsys.readouterr()
+        assert re.search(error, said.err) and 'Resumed from' not in said.out, said
+        assert (out / 'checkpoint.pth').read_bytes() == before
+    assert main.run(argv + ['--epochs', '1']) == 0  # nothing left to train: announced, then evaluated
+    said = capsys.readouterr().out
+    assert said.index(f'Resumed from {out / "checkpoint.pth"}: continuing at epoch 1') < said.index('Nothing to train')

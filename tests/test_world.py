@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import warnings
@@ -74,30 +75,60 @@ LOCK_HOLDER = ('import sys, run_dir\n'
                'sys.stdin.read()\n')
 
 
-def test_a_held_output_dir_is_refused_naming_the_holder(tmp_path):
+def _no_locks(fd, op):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+
+def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_path, monkeypatch):
+    """--no-lock takes no lock, but a job holding one (its lock seen held, or its recorded process alive on this
+    host where locks do not work) is refused with the same line."""
     holder = subprocess.Popen([PY, '-c', LOCK_HOLDER, str(tmp_path)], cwd=REPO, env=env(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
+    no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
     try:
         assert holder.stdout.readline().strip() == 'held'
         err = run_dir.lock_run_dir(str(tmp_path))
-        assert err and f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host ' in err
+        line = f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host '
+        assert err and line in err
         # the holder's checkpoint being written: a refused job must not clean it away
         saving = tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.x1')
         saving.write_bytes(b'half a checkpoint')
         with pytest.raises(errors.UserError, match='is in use by another run'):
             run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
+        with pytest.raises(errors.UserError, match=re.escape(line)):
+            run_dir.prepare_output_dir(no_lock, 'cpu')
+        with monkeypatch.context() as m:  # a filesystem whose locks fail: the recorded process still runs
+            m.setattr(run_dir.fcntl, 'lockf', _no_locks)
+            with pytest.raises(errors.UserError, match=re.escape(line)):
+                run_dir.prepare_output_dir(no_lock, 'cpu')
         assert saving.exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    # its process ended, so did its lock: nothing stale is left behind
+    run_dir.prepare_output_dir(no_lock, 'cpu')  # its process ended, so did its lock
+    assert str(tmp_path) not in run_dir._held_locks  # --no-lock took none
+    # nothing stale is left behind
     assert run_dir.lock_run_dir(str(tmp_path)) is None
 
 
+def test_no_lock_ignores_a_recorded_process_number_that_a_later_process_reuses(tmp_path):
+    lock = tmp_path / run_dir.LOCK_NAME
+    no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
+    other = subprocess.Popen(['sleep', '30'])
+    try:
+        lock.write_text(f'PID {other.pid} on host {socket.gethostname()}\n')
+        os.utime(lock, (time.time() - 60, time.time() - 60))  # written before that process started
+        run_dir.prepare_output_dir(no_lock, 'cpu')
+        os.utime(lock)  # written after it started: the process that wrote it
+        with pytest.raises(errors.UserError, match=f'is in use by another run \\(PID {other.pid} on host'):
+            run_dir.prepare_output_dir(no_lock, 'cpu')
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    def no_locks(fd, op):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-    monkeypatch.setattr(run_dir.fcntl, 'lockf', no_locks)
+    monkeypatch.setattr(run_dir.fcntl, 'lockf', _no_locks)
     assert run_dir.lock_run_dir(str(tmp_path)) is None
     out = capsys.readouterr().out
     assert 'does not support file locks' in out and 'running without a lock' in out
@@ -159,6 +190,26 @@ def test_a_checkpoint_without_classes_still_resumes(tmp_path):
     _tiny_run(tmp_path).save(1, {}, ['checkpoint.pth'])  # as written before classes were recorded
     assert 'classes' not in load(tmp_path / 'checkpoint.pth')
     assert _tiny_run(tmp_path, classes=['a', 'b', 'c']).resume(str(tmp_path / 'checkpoint.pth')).start_epoch == 2
+
+
+def test_a_changed_data_path_is_a_note_naming_both_paths(tmp_path, monkeypatch, capsys):
+    old, new = tmp_path / 'imagenet', tmp_path / 'imagenet-copy'
+    old.mkdir()
+    new.mkdir()
+    run = _tiny_run(tmp_path, ['--data-path', str(old)], classes=['a', 'b'], n_train_images=24)
+    run.record_accuracy(0, 12.5)
+    run.save(0, {}, ['checkpoint.pth'])
+    path = str(tmp_path / 'checkpoint.pth')
+    capsys.readouterr()
+    _tiny_run(tmp_path, ['--data-path', str(new)], classes=['a', 'b'], n_train_images=24).resume(path)
+    assert f'Note: --data-path changed since the checkpoint: {old} -> {new}; continuing on the images there (the ' \
+           f'best accuracy so far, 12.50%, was measured on the validation set of {old})' in capsys.readouterr().out
+    # the same directory spelt otherwise (relative, a trailing slash, a link) is no change
+    monkeypatch.chdir(tmp_path)
+    os.symlink(old, tmp_path / 'link')
+    for same in ('imagenet', './imagenet/', str(tmp_path / 'link')):
+        _tiny_run(tmp_path, ['--data-path', same], classes=['a', 'b'], n_train_images=24).resume(path)
+        assert '--data-path changed' not in capsys.readouterr().out, same
 
 
 @pytest.mark.slow
