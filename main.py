@@ -844,6 +844,23 @@ def _dead_loader_worker(e: BaseException) -> str:
     return ''
 
 
+def _dead_loader_worker_after(e: BaseException) -> str:
+    """_dead_loader_worker for the error `e` that ended a run, also when a worker's death showed first as
+    another error (a connection reset while a batch was received from it). A DataLoader's SIGCHLD handler
+    raises its RuntimeError at whatever line runs when a worker dies, even while this error is reported:
+    it is switched off here, and torch's own check of the workers asked directly."""
+    try:
+        if hasattr(signal, 'SIGCHLD'):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        found = _dead_loader_worker(e)
+        if not found:
+            from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
+            _error_if_any_worker_fails()
+    except RuntimeError as late:  # the handler fired first, or the check found a dead worker
+        return _dead_loader_worker(late)
+    return found
+
+
 def run(argv=None):
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
@@ -867,7 +884,7 @@ def run(argv=None):
         eprint('interrupted')
         code = 130
     except Exception as e:
-        worker = _dead_loader_worker(e)
+        worker = _dead_loader_worker_after(e)
         if worker:  # the out-of-memory killer's usual victim; its traceback says nothing useful
             eprint(f'[rank {distributed.get_rank()}] error: {worker}, most likely for lack of memory (the '
                    f'out-of-memory killer): use fewer --num_workers (now {args.num_workers}) or a smaller '

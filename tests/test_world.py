@@ -339,6 +339,27 @@ def test_dead_loader_worker_messages_of_torch_are_recognised():
     assert main._dead_loader_worker(RuntimeError('something else')) == ''
 
 
+def test_a_dead_worker_that_first_shows_as_a_reset_connection_is_still_named(monkeypatch):
+    """A worker killed while its batch is received ends the run with a ConnectionResetError, and the
+    DataLoader's SIGCHLD handler would raise its own error in the middle of the report: the report asks
+    torch's worker check itself, with that handler switched off."""
+    import torch.utils.data._utils.signal_handling as handling
+
+    def dead():
+        raise RuntimeError('DataLoader worker (pid 812) is killed by signal: Killed. ')
+
+    monkeypatch.setattr(handling, '_error_if_any_worker_fails', dead)
+    previous = signal.signal(signal.SIGCHLD, lambda *a: dead())
+    try:
+        assert main._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
+            == 'a data-loader worker (pid 812) was killed by signal Killed'
+        assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    monkeypatch.setattr(handling, '_error_if_any_worker_fails', lambda: None)
+    assert main._dead_loader_worker_after(ValueError('a bug')) == ''
+
+
 # ------------------------------------------------------------------------------ notes in flag terms
 def test_resume_notes_name_the_flags_and_what_they_change():
     saved = checkpoint.args_to_dict(parse('--batch-size', '4', '--accum-steps', '2', '--epochs', '2'))
