@@ -840,6 +840,19 @@ def _dead_loader_worker(e: BaseException) -> str:
     return ''
 
 
+def main_or_clean_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """main(); when it fails (an error, or a non-zero exit status) before writing anything into an --output_dir
+    it created, that folder is removed again: a run that never started leaves nothing behind."""
+    try:
+        code = main(args, parser)
+    except BaseException:
+        run_dir.remove_unused_output_dir(args.output_dir)
+        raise
+    if code:
+        run_dir.remove_unused_output_dir(args.output_dir)
+    return code
+
+
 def run(argv=None):
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
@@ -848,7 +861,7 @@ def run(argv=None):
     from image_folder import BadSampleError
     code = 0
     try:
-        code = main(args, parser)
+        code = main_or_clean_up(args, parser)
     except UserError as e:
         prefix = f'[rank {distributed.get_rank()}] ' if distributed.get_world_size() > 1 else ''
         eprint(f'{prefix}error: {e}')
