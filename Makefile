@@ -50,7 +50,8 @@ clean-venv:
 	rm -rf $(VENV) $(VENV_MIN)
 
 # `make demo`: NALAFORMER_XT on the scikit-learn digits (DIGITS, 64 px) on the CPU, trained afresh into
-# output/demo. Short-run settings: a few epochs at a higher LR, light augmentation, no mixup/EMA.
+# output/demo: --overwrite deletes an earlier demo's checkpoints and log.txt there and says so; other files
+# (a curves.png you drew) stay. Short-run settings: a few epochs at a higher LR, light augmentation, no mixup/EMA.
 # OMP_WAIT_POLICY=PASSIVE stops PyTorch's CPU threads from busy-waiting, which makes a run many times
 # slower when other processes share the cores.
 DEMO_FLAGS = --model NALAFORMER_XT --data-set DIGITS --input-size 64 --device cpu --epochs 6 \
@@ -58,13 +59,11 @@ DEMO_FLAGS = --model NALAFORMER_XT --data-set DIGITS --input-size 64 --device cp
 	--no-repeated-aug --no-model-ema --num_workers 1 --print-freq 20
 
 demo: venv
-	rm -rf output/demo
-	OMP_WAIT_POLICY=PASSIVE $(PY) main.py $(DEMO_FLAGS) --output_dir output/demo
+	OMP_WAIT_POLICY=PASSIVE $(PY) main.py $(DEMO_FLAGS) --output_dir output/demo --overwrite
 
 # the same demo on the oldest supported releases, into output/demo-min
 demo-min: venv-min
-	rm -rf output/demo-min
-	OMP_WAIT_POLICY=PASSIVE $(PY_MIN) main.py $(DEMO_FLAGS) --output_dir output/demo-min
+	OMP_WAIT_POLICY=PASSIVE $(PY_MIN) main.py $(DEMO_FLAGS) --output_dir output/demo-min --overwrite
 
 # `make smoke`: every training path (DDP, fp16/bf16, compile, channels-last, SyncBN, EMA, resume) once on this machine
 smoke: venv

@@ -344,6 +344,12 @@ def saved_args(ckpt: Any) -> Dict[str, Any]:
     return dict(args) if isinstance(args, dict) else {}
 
 
+def recorded_args(path: str) -> Dict[str, Any]:
+    """The command line the checkpoint file `path` records (saved_args), read before the run builds anything:
+    memory-mapped, so its tensors are not read (the full load, checksum verified, comes later)."""
+    return saved_args(load_checkpoint_file(path, verify=False, mmap=True))
+
+
 def in_directory(path: str, directory: str) -> bool:
     """Whether the file `path` is in `directory` (the same directory, however each is spelt)."""
     try:
@@ -613,14 +619,18 @@ class TrainingCheckpoints:
         if not path:
             return r
         ckpt = load_checkpoint_file(path)
+        training = not eval_only and isinstance(ckpt, dict) and all(
+            k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch'))
+        if training or eval_only:  # before the weights: other classes are the likelier cause of a head mismatch
+            self._check_data(ckpt, path, eval_only)
         _, sd = select_weights(ckpt, path, 'model')
         load_weights_into(self.model, sd, args.model, path)
         r.ckpt = ckpt
-        print(f'Loaded weights from {path}')
-        if eval_only or not (isinstance(ckpt, dict) and all(k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch'))):
+        if not training:
+            print(f'Loaded weights from {path}')
             return r
-        self._check_data(ckpt, path)
         self._load_optimizer(ckpt, path)
+        print(f'Loaded weights from {path}')  # after the checks that may refuse the resume
         saved, fresh = ckpt['lr_scheduler'], self.lr_scheduler.state_dict()
         changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
         was = data_path_change(saved_args(ckpt), args)
@@ -687,10 +697,18 @@ class TrainingCheckpoints:
         r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%'
         return r
 
-    def _check_data(self, ckpt: Dict[str, Any], path: str) -> None:
-        """Refuse to continue a run on other classes (labels would silently mean other things); note a
-        changed number of training images."""
-        saved = ckpt.get('classes')
+    def _check_data(self, ckpt: Any, path: str, eval_only: bool = False) -> None:
+        """Refuse to continue a run, or (`eval_only`) to evaluate a checkpoint, on other classes than it was
+        trained on (labels would silently mean other things); note a changed number of training images. An
+        evaluation that cannot compare (no classes recorded, or labels without names) says so."""
+        saved = ckpt.get('classes') if isinstance(ckpt, dict) else None
+        if eval_only and self.classes is None:
+            print(f'Note: the validation labels are class indices, so they are not checked against the classes '
+                  f'{path} was trained on')
+        elif eval_only and not isinstance(saved, (list, tuple)):
+            print(f'Note: {path} does not record the classes it was trained on (e.g. a reference checkpoint), so '
+                  f'they are not checked: the accuracy assumes they are these {len(self.classes)} classes, in '
+                  f'this order')
         if isinstance(saved, (list, tuple)) and self.classes is not None and list(saved) != self.classes:
             i = next((i for i, (a, b) in enumerate(zip(saved, self.classes)) if a != b), None)
             if i is not None:
@@ -701,10 +719,13 @@ class TrainingCheckpoints:
                 i = min(len(saved), len(self.classes))
                 what = (f'the checkpoint has {len(saved)} classes, the data {len(self.classes)} '
                         f'(class {i} {longer[i]!r} only in {name})')
+            fix = ('evaluate it on the data of that run (here its labels would count as other classes), or '
+                   f'fine-tune it on these classes with --finetune {path}' if eval_only else
+                   f'resume with the data of that run, or start a new run from its weights with --finetune {path} '
+                   f'in another --output_dir')
             raise CheckpointError(f'{path} was trained on other classes than --data-path '
-                                  f'{self.args.data_path} holds: {what}; resume with the data of that run, or '
-                                  f'start a new run from its weights with --finetune {path} in another --output_dir')
-        n = ckpt.get('n_train_images')
+                                  f'{self.args.data_path} holds: {what}; {fix}')
+        n = ckpt.get('n_train_images') if isinstance(ckpt, dict) else None
         if isinstance(n, int) and self.n_train_images is not None and n != self.n_train_images:
             print(f'Note: the training set has {self.n_train_images} images, {n} when the checkpoint was written '
                   f'(same classes); continuing on the images there are now')

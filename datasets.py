@@ -30,6 +30,7 @@ from image_folder import (
     list_classes,
     load_image,
 )
+from models.weights import small_input_eval
 
 __all__ = [
     "INatDataset", "build_dataset", "build_transform", "data_config", "eval_transform", "default_data_path",
@@ -331,9 +332,17 @@ def data_config(model: Any = None, input_size: Optional[int] = None,
     if model is None:
         pretrained_cfg = (pretrained_cfg or timm.models.PretrainedCfg()).to_dict()
     cfg = timm.data.resolve_data_config(overrides, pretrained_cfg=pretrained_cfg, model=model)
-    if cfg["input_size"][-1] <= 32:
-        cfg.update(crop_pct=1.0, crop_mode="squash")
+    cfg.update(small_input_eval(cfg["input_size"][-1]))
     return cfg
+
+
+def override_note(flag: str, given: Any, recorded: Any, source: str) -> str:
+    """The note every entry point prints when a flag of the evaluation transform given on the command line
+    differs from the value the checkpoint ``source`` records (the command line wins); '' when they agree or
+    one of them is missing."""
+    if given is None or recorded is None or given == recorded:
+        return ''
+    return f'Note: {flag} {given} on the command line, {recorded} in {source}; using {given}'
 
 
 def eval_transform(cfg: dict[str, Any]) -> Callable:

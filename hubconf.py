@@ -7,8 +7,9 @@
 No weights are published, so nothing is ever downloaded: ``pretrained=True`` needs ``file=`` (a release
 ``.safetensors`` file or a training checkpoint; a relative path is read from the working directory). The
 model gets the file's number of classes; ``num_classes=N`` with another count re-initialises the
-classifier (for fine-tuning). Other keyword arguments go to ``timm.create_model`` (``drop_path_rate``,
-``features_only``, ...).
+classifier (for fine-tuning). The file's recorded input size and crop ratio go into the model's
+``pretrained_cfg``, so ``timm.data.resolve_data_config(model=model)`` gives the transform the weights were
+evaluated with. Other keyword arguments go to ``timm.create_model`` (``drop_path_rate``, ``features_only``, ...).
 """
 from typing import Any, Optional
 

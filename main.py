@@ -88,17 +88,33 @@ SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 
 
 
 class LauncherArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line once under a launcher. Every process of a torchrun or
-    srun job parses the same command line; rank 0 prints a short usage line and the error, the other
-    ranks exit silently, all with status 2 (a plain process prints argparse's full usage as usual)."""
+    """argparse whose bad command line ends in two lines instead of the page-long usage: a pointer to --help
+    and the error, with the closest flag for a mistyped one (exit status 2, as argparse). Every process of a
+    torchrun or srun job parses the same command line: rank 0 prints the two lines, the others exit silently."""
 
     def error(self, message: str):
         rank, world, _, _ = distributed.launch_env()
-        if world > 1:
-            if rank == 0:
-                self.exit(2, f'usage: {self.prog} [options]  (--help lists them)\n{self.prog}: error: {message}\n')
+        if world > 1 and rank != 0:
             self.exit(2)
-        super().error(message)
+        self.exit(2, f'usage: {self.prog} [options]  (--help lists them)\n'
+                     f'{self.prog}: error: {message}{self.did_you_mean(message)}\n')
+
+    def did_you_mean(self, message: str) -> str:
+        """' (did you mean --output_dir?)' when argparse's 'unrecognized arguments' names a flag close to a known
+        one (several: 'did you mean --a for --x, --b for --y?'), else ''."""
+        import difflib
+        if not message.startswith('unrecognized arguments: '):
+            return ''
+        known = [s for a in self._actions for s in a.option_strings if s.startswith('--')]
+        pairs = []
+        for word in message.split(': ', 1)[1].split():
+            flag = word.split('=', 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith('--') else []
+            if close:
+                pairs.append((close[0], flag))
+        if len(pairs) == 1:
+            return f' (did you mean {pairs[0][0]}?)'
+        return f" (did you mean {', '.join(f'{a} for {b}' for a, b in pairs)}?)" if pairs else ''
 
 
 #: data-loader workers per process when --num_workers is not given: enough for a GPU's input pipeline
@@ -121,7 +137,7 @@ def default_num_workers() -> int:
 
 
 def get_args_parser():
-    p = LauncherArgumentParser('NaLaFormer training and evaluation script', add_help=True)
+    p = LauncherArgumentParser(prog='main.py', description='NaLaFormer training and evaluation (DeiT command line)')
     p.add_argument('--batch-size', default=128, type=POSITIVE_INT, help='batch size per process (recipe: 128 x 8)')
     p.add_argument('--epochs', default=300, type=int)
     p.add_argument('--bce-loss', action='store_true',
@@ -135,7 +151,10 @@ def get_args_parser():
 
     # Model
     p.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
-    p.add_argument('--input-size', default=224, type=ranged(int, 8), help='image size')
+    # None: not given; main() sets it (resolve_eval_transform): a checkpoint's recorded size, else the model's
+    p.add_argument('--input-size', default=None, type=ranged(int, 8),
+                   help="image size (default: 224, the model's; evaluating or resuming a checkpoint: the size "
+                        "it records)")
     p.add_argument('--drop', type=RATE, default=0.0, metavar='PCT', help='dropout rate')
     p.add_argument('--drop-path', type=RATE, default=None, metavar='PCT',
                    help="drop path (stochastic depth) rate; default: the variant's own rate "
@@ -208,7 +227,8 @@ def get_args_parser():
     p.add_argument('--inat-category', default='name', choices=datasets.INAT_CATEGORIES)
     p.add_argument('--eval-crop-ratio', default=None, type=ranged(float, 0, 1, lo_open=True),
                    help="evaluation: resize to input-size / ratio, then center-crop input-size "
-                        "(default: the model's crop_pct, 0.875)")
+                        "(default: the model's crop_pct, 0.875; evaluating or resuming a checkpoint: the "
+                        "ratio it records)")
     p.add_argument('--strict-data', action='store_true', help='an undecodable image stops the run')
     p.add_argument('--follow-links', action='store_true',
                    help='follow directory links inside class folders (never loops)')
@@ -271,7 +291,31 @@ def get_args_parser():
     p.add_argument('--no-lock', dest='lock', action='store_false',
                    help='do not lock --output_dir (by default a second training job in the same directory is '
                         'refused while the first runs; for filesystems whose locks misbehave)')
+
+    compat = p.add_argument_group('compatibility', 'flags of the reference and DeiT command lines, accepted so '
+                                                   'that those run; each changes nothing here (a note says why)')
+    for flag, (dest, kwargs, why) in COMPATIBILITY_FLAGS.items():
+        compat.add_argument(flag, dest=dest, help=why, **kwargs)
     return p
+
+
+#: accepted flags that change nothing here: flag -> (dest, argparse settings, why it changes nothing)
+COMPATIBILITY_FLAGS = {
+    '--resplit': ('resplit', dict(action='store_true'),
+                  "random erasing's clean split of timm's --aug-splits, which neither the reference nor DeiT "
+                  'implements, so nothing read it there either'),
+    '--patience-epochs': ('patience_epochs', dict(type=int, default=None, metavar='N'),
+                          "only timm's plateau schedule reads it, and --sched plateau is refused here"),
+    '--distributed': ('compat_distributed', dict(action='store_true'),
+                      "DeiT's flag, which its init_distributed_mode overwrote too; the launcher (torchrun, "
+                      'srun or none) decides'),
+}
+
+
+def compatibility_notes(args: argparse.Namespace) -> list:
+    """One note for each flag of COMPATIBILITY_FLAGS the command line gave."""
+    return [f'Note: {flag} is accepted but changes nothing here: {why}'
+            for flag, (dest, _, why) in COMPATIBILITY_FLAGS.items() if getattr(args, dest) not in (None, False)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,6 +436,48 @@ def check_auto_augment(aa, parser):
         detail = first_line(e) if str(e).strip() else 'not a valid policy string'
         parser.error(f"--aa {aa}: {detail}; use a timm policy such as rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
                      f"original, v0, 3a, or none")
+
+
+#: the flags that decide the evaluation transform; a checkpoint records them in its args
+EVAL_TRANSFORM_FLAGS = ('input_size', 'eval_crop_ratio')
+
+
+def resolve_eval_transform(args: argparse.Namespace, path: str) -> None:
+    """--input-size and --eval-crop-ratio (None when not given): the command line's when given, else those the
+    checkpoint `path` records (the one --eval measures or a run resumes: evaluated as it was trained), else the
+    model's. A given value that differs from the recorded one is printed with both. The checkpoint's args are
+    read without loading its weights."""
+    recorded = checkpoint.recorded_args(path) if path else {}
+    taken, notes = [], []
+    for key in EVAL_TRANSFORM_FLAGS:
+        if key not in recorded:
+            continue
+        flag, given, saved = '--' + key.replace('_', '-'), getattr(args, key), recorded[key]
+        try:
+            saved = None if saved is None else (int if key == 'input_size' else float)(saved)
+        except (TypeError, ValueError):
+            continue
+        if given is None:
+            setattr(args, key, saved)
+            if saved is not None:
+                taken.append(f'{flag} {saved}')
+        else:
+            notes.append(datasets.override_note(flag, given, "none (the model's crop_pct)" if saved is None
+                                                else saved, path))
+    if args.input_size is None:
+        args.input_size = datasets.data_config(args.model)['input_size'][-1]
+    if taken:
+        print(f"{' and '.join(taken)}: as recorded in {path} (pass the flag to choose another)")
+    for note in filter(None, notes):
+        print(note)
+
+
+def data_classes(dataset: Any) -> Optional[list]:
+    """The class names of `dataset` in label order; None where its labels carry no names (a flat val/ labelled
+    by class index) or it has none."""
+    if getattr(dataset, 'numeric_labels', False):
+        return None
+    return getattr(dataset, 'classes', None)
 
 
 def build_model(args, nb_classes):
@@ -598,6 +684,10 @@ def main(args, parser):
         args.num_workers = default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process (the default {DEFAULT_NUM_WORKERS}, '
               f'at most the {available_cpus()} CPUs available to this process; --num_workers N sets it)')
+    for note in compatibility_notes(args):
+        print(note)
+    # before the data: the validation transform is the checkpoint's own unless the command line names one
+    resolve_eval_transform(args, run_dir.find_resume_path(args))
     print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
 
     from timm.data import Mixup
@@ -649,9 +739,9 @@ def main(args, parser):
     # ---------------- model ----------------
     print(f'Creating model: {args.model}')
     model = build_model(args, nb_classes)
-    print(f'Drop path rate: {drop_path_rate(model):.3g} '
-          + ('(--drop-path)' if args.drop_path is not None else f"({args.model}'s default)"))
-    if not args.eval:
+    if not args.eval:  # drop path, EMA, schedule: training only
+        print(f'Drop path rate: {drop_path_rate(model):.3g} '
+              + ('(--drop-path)' if args.drop_path is not None else f"({args.model}'s default)"))
         print(f'Train mode: {train_mode}')
     if args.finetune:
         finetune_from(model, args.finetune, args.model)
@@ -671,7 +761,7 @@ def main(args, parser):
 
     global_batch = args.batch_size * world * args.accum_steps  # images per optimizer step
     model_ema = None
-    if args.model_ema:
+    if args.model_ema and not args.eval:  # --eval measures the EMA weights the checkpoint holds
         decay = args.model_ema_decay ** (global_batch / 512.0)
         model_ema = ModelEmaV3(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
         print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
@@ -687,8 +777,10 @@ def main(args, parser):
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     accum = f' = {args.batch_size} x {world} x {args.accum_steps} accumulated' if args.accum_steps > 1 else ''
     tf32 = '+TF32' if args.tf32 and device.type == 'cuda' else ''
-    print(f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup {args.warmup_epochs} '
-          f'epochs from {args.warmup_lr}, min {args.min_lr}; precision {args.amp or "fp32"}{tf32}')
+    precision = f'precision {args.amp or "fp32"}{tf32}'
+    print(f'Evaluation: {precision}' if args.eval else
+          f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup '
+          f'{args.warmup_epochs} epochs from {args.warmup_lr}, min {args.min_lr}; {precision}')
 
     criterion = build_criterion(args, mixup_active)
     teacher_model = None
@@ -702,7 +794,8 @@ def main(args, parser):
     # ---------------- resume ----------------
     checkpoints = checkpoint.TrainingCheckpoints(
         args, model_without_ddp, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
-        classes=getattr(dataset_train, 'classes', None),
+        # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
+        classes=data_classes(dataset_val if args.eval else dataset_train),
         n_train_images=len(dataset_train) if dataset_train is not None else None)
     resume_path = run_dir.find_resume_path(args)
     resumed = checkpoints.resume(resume_path, eval_only=args.eval)
@@ -861,6 +954,19 @@ def _dead_loader_worker_after(e: BaseException) -> str:
     return found
 
 
+def main_or_clean_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """main(); when it fails (an error, or a non-zero exit status) before writing anything into an --output_dir
+    it created, that folder is removed again: a run that never started leaves nothing behind."""
+    try:
+        code = main(args, parser)
+    except BaseException:
+        run_dir.remove_unused_output_dir(args.output_dir)
+        raise
+    if code:
+        run_dir.remove_unused_output_dir(args.output_dir)
+    return code
+
+
 def run(argv=None):
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
@@ -869,7 +975,7 @@ def run(argv=None):
     from image_folder import BadSampleError
     code = 0
     try:
-        code = main(args, parser)
+        code = main_or_clean_up(args, parser)
     except UserError as e:
         prefix = f'[rank {distributed.get_rank()}] ' if distributed.get_world_size() > 1 else ''
         eprint(f'{prefix}error: {e}')

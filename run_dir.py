@@ -196,7 +196,7 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
     err = None
     if distributed.is_main_process():
         try:
-            os.makedirs(args.output_dir, exist_ok=True)
+            make_output_dir(args.output_dir)
         except OSError as e:
             err = f'cannot create --output_dir {args.output_dir}: {e.strerror}'
         else:
@@ -215,6 +215,38 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
                 except OSError as e:
                     err = f'cannot clear --output_dir {args.output_dir}: {e.strerror} ({e.filename})'
     raise_on_any_rank(err, device)
+
+
+# per --output_dir made by make_output_dir in this process, the folders on its path it created, deepest first:
+# a run that fails before writing anything into them removes them again (remove_unused_output_dir)
+_created_dirs: Dict[str, List[str]] = {}
+
+
+def make_output_dir(directory: str) -> None:
+    """os.makedirs(directory, exist_ok=True), remembering which of the folders on its path it created."""
+    missing, d = [], os.path.abspath(directory)
+    while not os.path.lexists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(directory, exist_ok=True)
+    if missing:
+        _created_dirs[os.path.abspath(directory)] = missing
+
+
+def remove_unused_output_dir(directory: str) -> None:
+    """After a failed start, leave nothing behind: remove the folders make_output_dir created for `directory` that
+    hold nothing but this process's lock file (given up first), deepest first. A folder that existed before, or
+    that holds anything else, is left as it is (os.rmdir removes only empty folders)."""
+    for folder in _created_dirs.pop(os.path.abspath(directory), []) if directory else []:
+        try:
+            fd = _held_locks.get(folder)
+            if fd is not None and os.listdir(folder) == [LOCK_NAME]:
+                os.remove(os.path.join(folder, LOCK_NAME))
+                del _held_locks[folder]
+                os.close(fd)
+            os.rmdir(folder)
+        except OSError:  # not empty, or gone: keep it and the folders above it
+            return
 
 
 def checkpoints_at_peak(args: argparse.Namespace, start_epoch: int) -> int:

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from .compat import is_fx_symbolic_tracing
 from .nala import NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
-from .weights import file_num_classes, weights_key
+from .weights import file_eval_config, file_num_classes, weights_key
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn', 'from_reference_layout', 'to_reference_layout',
            'is_reference_layout', 'set_fast_path', 'batch_slices', 'BATCH_SLICE_BYTES']
@@ -561,12 +561,16 @@ def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) ->
         if not os.path.isfile(file):  # timm's own loader raises a FileNotFoundError without a message
             raise FileNotFoundError(f'{variant}: pretrained file {file} does not exist (a relative path is read '
                                     f'from the working directory, {os.getcwd()})')
+        recorded = file_eval_config(file)
         if 'num_classes' not in overlay:
             # the file's class count: the default num_classes, and a different num_classes given by the
             # caller re-initialises the classifier (timm drops a pretrained head of another size)
             num_classes = file_num_classes(file)
             if num_classes is not None:
-                kwargs['pretrained_cfg_overlay'] = {**overlay, 'num_classes': num_classes}
+                recorded['num_classes'] = num_classes
+        # and the input size and crop the weights were evaluated at, so that timm.data.resolve_data_config
+        # gives their evaluation transform; the caller's own overlay entries win
+        kwargs['pretrained_cfg_overlay'] = {**recorded, **overlay}
     return build_model_with_cfg(
         NaLaFormer, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,

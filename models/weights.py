@@ -10,13 +10,17 @@ training code.
 A mismatch names its cause: another number of classes (use ``--finetune``), another variant (its name, from
 the shapes of the file's keys against ``VARIANTS``), or the first missing, unexpected or misshapen key.
 """
+import argparse
 import re
+import zipfile
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from timm.models import clean_state_dict
 
 from errors import CheckpointError
+
+from .compat import safe_globals
 
 DEFAULT_WEIGHTS_ORDER: Tuple[str, ...] = ('state_dict_ema', 'model_ema', 'state_dict', 'model')
 WEIGHTS_ORDER: Dict[str, Tuple[str, ...]] = {
@@ -64,6 +68,48 @@ def file_num_classes(path: str, classifier: str = 'head') -> Optional[int]:
     sd = ckpt if key == '' else ckpt.get(key) if key else None
     weight = next((v for k, v in (sd or {}).items() if k.split('module.')[-1] == f'{classifier}.weight'), None)
     return int(weight.shape[0]) if weight is not None and weight.dim() >= 1 else None
+
+
+#: inputs of at most this many pixels a side are evaluated as DeiT does: resized to the input size, nothing cropped
+SMALL_INPUT = 32
+
+
+def small_input_eval(input_size: int) -> Dict[str, Any]:
+    """The data-config entries of DeiT's small-image evaluation at `input_size` (a resize to the input size,
+    no crop); {} above SMALL_INPUT px."""
+    return {'crop_pct': 1.0, 'crop_mode': 'squash'} if input_size <= SMALL_INPUT else {}
+
+
+def file_eval_config(path: str) -> Dict[str, Any]:
+    """The evaluation settings the weights file `path` records, as pretrained_cfg entries (``input_size``,
+    ``crop_pct``, ``crop_mode``): a release's metadata, or the --input-size and --eval-crop-ratio of a training
+    checkpoint's args (read memory-mapped: its tensors are not loaded). Empty when it records no input size or
+    cannot be read (the loader that follows reports an unreadable file)."""
+    try:
+        if path.endswith('.safetensors'):
+            from safetensors import safe_open
+            with safe_open(path, framework='pt') as f:
+                recorded = f.metadata() or {}
+            size, crop, mode = recorded.get('input_size'), recorded.get('crop_pct'), recorded.get('crop_mode')
+        else:
+            with safe_globals([argparse.Namespace]):  # reference checkpoints store their args as a Namespace
+                ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
+            args = ckpt.get('args') if isinstance(ckpt, dict) else None
+            args = vars(args) if isinstance(args, argparse.Namespace) else args if isinstance(args, dict) else {}
+            size, crop, mode = args.get('input_size'), args.get('eval_crop_ratio'), None
+        size = int(size) if size else None
+        crop = float(crop) if crop else None
+    except Exception:  # unreadable or odd values: the file's loader has the word on the file itself
+        return {}
+    if not size:
+        return {}
+    cfg: Dict[str, Any] = {'input_size': (3, size, size)}
+    if crop:
+        cfg['crop_pct'] = crop
+    if mode:
+        cfg['crop_mode'] = str(mode)
+    cfg.update(small_input_eval(size))
+    return cfg
 
 
 def select_weights(ckpt: Any, path: str = 'the checkpoint',

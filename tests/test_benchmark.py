@@ -150,3 +150,29 @@ def test_published_top1_of_variants_and_listed_peers():
     assert published_top1('NALAFORMER_T') == 82.6 and published_top1('nalaformer_xt') == 79.1
     assert published_top1('convnext_tiny.fb_in1k') == 82.1 and published_top1('convnext_atto') is None
     assert all(benchmark.timm.is_model(name) and 'arXiv:' in source for name, (_, source) in PUBLISHED_TOP1.items())
+
+
+def test_compare_reports_each_phase_as_it_goes_without_library_noise_and_aligns_long_names(capfd):
+    """--compare prints a line per model and phase before its table, keeps the profiler's log lines out of the
+    output (on a CUDA build of torch without a GPU: gpuGetDeviceCount errors, profiler start/stop lines, a
+    CPUAllocator warning) and keeps the table aligned for a model name longer than the name column."""
+    long_name = 'tf_mobilenetv3_small_minimal_100'
+    benchmark.main(['--model', 'NALAFORMER_XT', '--compare', long_name, '--input-size', '32', '--batch-size', '2',
+                    '--steps', '2', '--warmup', '0', '--gemm-size', '128', '--device', 'cpu'])
+    out, err = capfd.readouterr()
+    for noise in ('gpuGetDeviceCount', 'profiler_start', 'CPUAllocator', 'USDT'):
+        assert noise not in out + err, (out + err)[-2000:]
+    lines = out.splitlines()
+    table_start = next(i for i, line in enumerate(lines) if line.startswith('mode '))
+    progress = [line.split('] ', 1)[1] for line in lines[:table_start] if line.startswith('  [32x32, ')]
+    for name in ('NALAFORMER_XT', long_name):
+        assert any(p.startswith(name) and 'fvcore count' in p for p in progress), progress
+        for mode in ('inference', 'train'):
+            assert any(p.startswith(name) and f'{mode}: built' in p for p in progress), progress
+            assert any(p.startswith(name) and f'{mode}: peak memory' in p for p in progress), progress
+    for mode in ('inference', 'train'):
+        assert [p for p in progress if p.startswith(f'{mode}: timed round')] == [
+            f'{mode}: timed round {i} of 2 (one step of each model)' for i in (1, 2)]
+    table = lines[table_start:table_start + 5]
+    assert [row.split()[1] for row in table[1:]] == ['NALAFORMER_XT', long_name] * 2
+    assert len({len(row) for row in table}) == 1, table  # every column where the header puts it

@@ -426,11 +426,25 @@ def test_resume_follows_the_optimizer_flags_of_the_command_line(tmp_path, capsys
            '(0.9, 0.95)); following the command line' in out
 
 
-def test_resume_with_another_optimizer_is_refused(tmp_path):
+def test_resume_with_another_optimizer_is_refused(tmp_path, capsys):
     _write_state(tmp_path)
     with pytest.raises(errors.CheckpointError) as e:
         _run(tmp_path, ['--opt', 'sgd']).resume(str(tmp_path / 'checkpoint.pth'))
     assert 'is from --opt adamw, this run has --opt sgd: relaunch with --opt adamw' in str(e.value)
+    assert 'Loaded weights' not in capsys.readouterr().out  # a refused resume loaded nothing it keeps
+
+
+def test_resume_on_other_classes_is_refused_before_anything_is_loaded(tmp_path, capsys):
+    _write_state(tmp_path, classes=['a', 'b', 'c'])
+    run = _run(tmp_path)
+    run.classes = ['a', 'b', 'd']
+    with pytest.raises(errors.CheckpointError, match="class 2 is 'c' in the checkpoint but 'd' in the data; "
+                                                     'resume with the data of that run'):
+        run.resume(str(tmp_path / 'checkpoint.pth'))
+    assert 'Loaded weights' not in capsys.readouterr().out
+    run.classes = ['a', 'b', 'c']
+    run.resume(str(tmp_path / 'checkpoint.pth'))
+    assert f"Loaded weights from {tmp_path / 'checkpoint.pth'}" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------ where training stands

@@ -161,7 +161,6 @@ def test_layer_decay_out_of_range_is_an_argument_error(capsys):
     (['--cosub'], r'--cosub \(DeiT III\) is not supported'),
     (['--ThreeAugment'], r'--ThreeAugment \(DeiT III\) is not supported'),
     (['--src'], r'--src \(DeiT III\) is not supported'),
-    (['--patience-epochs', '5'], r'unrecognized arguments: --patience-epochs'),
 ])
 def test_refused_recipe_flags_fail_like_argparse(argv, message, capsys):
     parser = main.get_args_parser()
@@ -228,11 +227,50 @@ def test_argument_errors_under_a_launcher_are_printed_by_rank_0_only(env, plain_
             assert err == []
 
 
-def test_argument_errors_of_a_plain_process_show_the_full_usage(plain_process, capsys):
+@pytest.mark.parametrize('argv, error', [
+    (['--eval'], 'main.py: error: --eval needs a checkpoint: pass --resume PATH (or an --output_dir holding '
+                 'checkpoint.pth)'),
+    (['--lr', '-1'], 'main.py: error: argument --lr: expected a number > 0, got -1'),
+    (['--ouput_dir', 'out'], 'main.py: error: unrecognized arguments: --ouput_dir out (did you mean --output_dir?)'),
+    (['--ouput_dir=out', '--epoch-s', '3'],
+     'main.py: error: unrecognized arguments: --ouput_dir=out --epoch-s 3 (did you mean --output_dir for '
+     '--ouput_dir, --epochs for --epoch-s?)'),
+    (['--xyz'], 'main.py: error: unrecognized arguments: --xyz'),
+])
+def test_argument_errors_of_a_plain_process_are_one_error_line_and_a_pointer_to_help(argv, error, plain_process,
+                                                                                   capsys):
+    """Not the page-long usage: the error (with the closest flag for a typo) under one line pointing to --help."""
     with pytest.raises(SystemExit) as ei:
-        main.run(['--eval', '--data-path', '/nonexistent'])
-    err = capsys.readouterr().err
-    assert ei.value.code == 2 and '--num_workers' in err.split('error:')[0] and '--eval needs a checkpoint' in err
+        main.run(argv + ['--data-path', '/nonexistent'])
+    err = capsys.readouterr().err.splitlines()
+    assert ei.value.code == 2
+    assert err == ['usage: main.py [options]  (--help lists them)', error]
+
+
+def test_help_shows_the_defaults_and_the_compatibility_flags(capsys):
+    with pytest.raises(SystemExit):
+        main.run(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())
+    assert text.startswith('usage: main.py ')
+    assert "image size (default: 224, the model's; evaluating or resuming a checkpoint: the size it records)" in text
+    compat = text.split('compatibility:', 1)[1]
+    assert all(flag in compat for flag in ('--resplit', '--patience-epochs', '--distributed'))
+
+
+def test_pasted_reference_flags_are_accepted_and_change_nothing(data, tmp_path, plain_process, capsys):
+    """A command line copied from the reference's or DeiT's scripts (--resplit, --patience-epochs, --distributed)
+    runs: here an evaluation, with one note per flag saying why it changes nothing."""
+    argv = _eval_argv(data, tmp_path) + ['--num_workers', '0']
+    assert main.run(argv + ['--resplit', '--patience-epochs', '10', '--distributed']) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if 'changes nothing here' in line]
+    assert [n.split()[1] for n in notes] == ['--resplit', '--patience-epochs', '--distributed'], out[-2000:]
+    assert 'plateau' in notes[1] and 'launcher' in notes[2]
+    plain = parse(*argv)
+    for flags in (['--resplit'], ['--patience-epochs', '10'], ['--distributed']):
+        changed = {k for k, v in vars(parse(*argv, *flags)).items() if v != getattr(plain, k)}
+        assert changed <= {'resplit', 'patience_epochs', 'compat_distributed'}, changed
+    assert not main.compatibility_notes(plain)
 
 
 @pytest.mark.parametrize('cpus, expected', [(1, 1), (2, 2), (64, 10)])

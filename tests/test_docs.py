@@ -62,3 +62,60 @@ def test_finetune_takes_the_weights_the_docs_name(tmp_path, capsys):
         text = ' '.join(_read(doc).replace('#', ' ').split())
         assert not re.search(r"--finetune` loads the checkpoint's `model` weights|its model weights are loaded",
                              text), doc
+
+
+def _section(doc, heading):
+    return _read(doc).split(heading, 1)[1].split('\n## ', 1)[0]
+
+
+def test_the_smoke_section_lists_the_paths_and_counts_of_tools_smoke():
+    """docs/usage.md names every path of tools/smoke.py and says what --quick runs on a CPU, counted from
+    tools/smoke.py itself."""
+    from tools import smoke
+    text = ' '.join(_section('docs/usage.md', '## Smoke test on a new machine').split())
+    assert all(f'`{row.name}`' in text for row in smoke.ROWS), [r.name for r in smoke.ROWS if f'`{r.name}`' not in text]
+    quick = [row for row in smoke.ROWS if not smoke.skip_reason(row, 'cpu', True) and row.in_process is None]
+    runs = sum(2 if row.then is not None else 1 for row in quick)
+    listed = ', '.join(f'`{row.name}`' for row in quick[:-1]) + f' and `{quick[-1].name}`'
+    assert f'`--quick` runs {len(quick)} paths: {listed}, {runs} runs of `main.py`' in text, text
+    torchrun = [f'`{row.name}`' for row in quick if row.torchrun]
+    assert f"{', '.join(torchrun[:-1])} and {torchrun[-1]} under torchrun" in text
+    full = [f'`{row.name}`' for row in smoke.ROWS if smoke.skip_reason(row, 'cpu', True)
+            and not smoke.skip_reason(row, 'cpu', False)]
+    added = re.search(r'the full set on a CPU adds (.*?), which on a CPU', text).group(1)
+    assert sorted(re.findall(r'`[\w-]+`', added)) == sorted(full), added
+
+
+def test_the_analysis_commands_use_the_image_count_of_the_measurements():
+    text = _read('docs/analysis.md')
+    measured = re.search(r'analysed on all (\d+) validation digits', text).group(1)
+    commands = re.findall(r'python tools/analyze_attention\.py[^`\n]*(?:\\\n[^`\n]*)*', text)
+    digits = [c for c in commands if '--data-set DIGITS' in c]
+    assert digits and all(f'--num-images {measured}' in c for c in digits), digits
+
+
+def test_the_python_snippet_says_where_it_runs():
+    """README's Python lines import this repository's `models`: the line before them says to run them from
+    the repository root (or with it on PYTHONPATH), and usage.md explains the choice."""
+    readme = _read('README.md')
+    before = readme.split('```python\nimport torch, timm, models', 1)[0].rstrip().rsplit('\n\n', 1)[-1]
+    assert 'From the repository root' in before and 'PYTHONPATH' in before, before
+    where = _section('docs/usage.md', '## Where to run the code: the repository root')
+    assert "ModuleNotFoundError: No module named 'models'" in where and 'torch.hub.load' in where
+
+
+def test_make_test_duration_is_in_usage_not_in_the_readme():
+    assert re.search(r'`make test` runs the whole suite, about \d+ minutes on a 2-core machine',
+                     ' '.join(_read('docs/usage.md').split()))
+    assert not re.search(r'make test[^\n]*minutes', _read('README.md'))
+
+
+def test_make_demo_keeps_other_files_in_its_output_dir():
+    """`make demo` replaces an earlier demo's run files through main.py --overwrite (which keeps other files,
+    tests/test_run_dir.py) instead of deleting the folder."""
+    p = subprocess.run(['make', '-n', 'demo', 'VENV=/nonexistent-venv'], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    recipe = [line for line in p.stdout.splitlines() if 'output/demo' in line]
+    assert len(recipe) == 1 and 'main.py' in recipe[0] and recipe[0].endswith('--output_dir output/demo --overwrite')
+    assert not re.search(r'\brm\b', p.stdout)

@@ -89,3 +89,28 @@ def test_hub_load_from_another_directory(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ['NaLaFormer', '3']
+
+
+@pytest.mark.parametrize('kind', ['release', 'checkpoint'])
+@pytest.mark.parametrize('size, crop, expected', [(48, 0.9, ((3, 48, 48), 0.9, 'center')),
+                                                  (32, None, ((3, 32, 32), 1.0, 'squash'))])
+def test_hub_pretrained_takes_the_input_size_the_file_records(tmp_path, kind, size, crop, expected):
+    """timm.data.resolve_data_config of a hub model loaded from a release (its metadata) or a training
+    checkpoint (its args) gives that run's evaluation transform, as main.py --eval builds it; an overlay of the
+    caller's own wins."""
+    import datasets
+    ckpt = tmp_path / 'ck.pth'
+    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=4).state_dict(),
+                'args': {'model': 'NALAFORMER_XT', 'input_size': size, 'eval_crop_ratio': crop}}, ckpt)
+    path = str(ckpt)
+    if kind == 'release':
+        from tools.release import release
+        path = release(path, str(tmp_path / 'rel'), flops=False)['file']
+    model = torch.hub.load(REPO, 'nalaformer_xt', source='local', pretrained=True, file=path)
+    cfg = timm.data.resolve_data_config(model=model)
+    assert (cfg['input_size'], cfg['crop_pct'], cfg['crop_mode']) == expected
+    main_eval = datasets.data_config('NALAFORMER_XT', size, crop)
+    assert {k: main_eval[k] for k in cfg} == cfg
+    mine = torch.hub.load(REPO, 'nalaformer_xt', source='local', pretrained=True, file=path,
+                          pretrained_cfg_overlay=dict(input_size=(3, 64, 64)))
+    assert timm.data.resolve_data_config(model=mine)['input_size'] == (3, 64, 64)

@@ -219,3 +219,67 @@ def test_compile_keeps_batchnorm_per_process_and_covers_evaluation(compile_, syn
     else:
         assert isinstance(train_model, FakeDDP) and eval_model is bare and not compiled
         assert ('SyncBatchNorm across the processes' in out) == sync_bn
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def _saved(tmp_path, num_classes=4, **entries):
+    path = tmp_path / 'ck.pth'
+    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=num_classes).state_dict(), **entries}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize('argv, recorded, expected, printed', [
+    ([], {'input_size': 48, 'eval_crop_ratio': 0.9}, (48, 0.9), '--input-size 48 and --eval-crop-ratio 0.9: as '
+                                                                'recorded in CK (pass the flag to choose another)'),
+    ([], {'input_size': 384, 'eval_crop_ratio': None}, (384, None), '--input-size 384: as recorded in CK'),
+    (['--input-size', '64'], {'input_size': 48, 'eval_crop_ratio': 0.9}, (64, 0.9),
+     'Note: --input-size 64 on the command line, 48 in CK; using 64'),
+    (['--eval-crop-ratio', '1'], {'input_size': 48, 'eval_crop_ratio': None}, (48, 1.0),
+     "Note: --eval-crop-ratio 1.0 on the command line, none (the model's crop_pct) in CK; using 1.0"),
+    ([], None, (224, None), ''),           # no checkpoint: the model's size
+    ([], {}, (224, None), ''),             # a checkpoint without args (a bare state dict)
+    (['--input-size', '96'], None, (96, None), ''),
+])
+def test_the_eval_transform_is_the_checkpoints_unless_the_command_line_names_one(tmp_path, capsys, argv, recorded,
+                                                                                  expected, printed):
+    path = _saved(tmp_path, args={'model': 'NALAFORMER_XT', **recorded}) if recorded else \
+        _saved(tmp_path) if recorded == {} else ''
+    args = parse('--model', 'NALAFORMER_XT', *argv)
+    main.resolve_eval_transform(args, path)
+    assert (args.input_size, args.eval_crop_ratio) == expected
+    out = capsys.readouterr().out
+    assert printed.replace('CK', path) in out if printed else out == ''
+
+
+def _eval(tmp_path, classes, saved_classes, capsys):
+    """main.run --eval on a val/ folder of `classes` of a 4-class checkpoint recording `saved_classes` (None:
+    none recorded); (exit status, stdout, stderr)."""
+    from image_folders import make_folder
+    root = make_folder(tmp_path / 'data', classes=classes, n=1, splits=('val',))
+    ck = _saved(tmp_path, **({'classes': saved_classes} if saved_classes else {}))
+    code = main.run(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
+                     '--num_workers', '0', '--no-flops', '--eval', '--resume', ck, '--data-path', root])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_eval_refuses_a_checkpoint_of_other_classes(tmp_path, capsys, one_thread):
+    code, out, err = _eval(tmp_path, ('a', 'b', 'c', 'e'), ['a', 'b', 'c', 'd'], capsys)
+    assert code == 1 and 'Accuracy' not in out and 'Loaded weights' not in out
+    assert err.splitlines() == [f"error: {tmp_path / 'ck.pth'} was trained on other classes than --data-path "
+                                f"{tmp_path / 'data'} holds: class 3 is 'd' in the checkpoint but 'e' in the data; "
+                                f"evaluate it on the data of that run (here its labels would count as other "
+                                f"classes), or fine-tune it on these classes with --finetune {tmp_path / 'ck.pth'}"]
+
+
+def test_eval_of_a_checkpoint_without_classes_says_so_and_prints_no_training_settings(tmp_path, capsys, one_thread):
+    code, out, _ = _eval(tmp_path, ('a', 'b', 'c', 'e'), None, capsys)
+    assert code == 0 and 'Accuracy of the network on the 4 test images' in out
+    assert (f"Note: {tmp_path / 'ck.pth'} does not record the classes it was trained on (e.g. a reference "
+            f"checkpoint), so they are not checked: the accuracy assumes they are these 4 classes, in this order"
+            in out)
+    for training_only in ('Model EMA', 'LR ', 'schedule', 'Drop path rate', 'Train mode'):
+        assert training_only not in out, training_only
+    assert 'Evaluation: precision fp32' in out
+    code, out, _ = _eval(tmp_path / 'same', ('a', 'b', 'c', 'd'), ['a', 'b', 'c', 'd'], capsys)
+    assert code == 0 and 'Accuracy of the network' in out and 'does not record' not in out

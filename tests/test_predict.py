@@ -117,3 +117,24 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expect in err[0]
     assert not (tmp_path / 'out.csv').exists()
+
+
+def test_an_image_named_twice_is_predicted_once(tmp_path, one_thread, capsys):
+    """A file and the folder holding it (and a link to the file) name one image: one prediction, in the order
+    of its first mention."""
+    path, _ = _checkpoint(tmp_path, input_size=32)
+    paths = _images(tmp_path / 'imgs', n=2)
+    link = tmp_path / 'link.png'
+    link.symlink_to(paths[1])
+    assert predict.main([paths[1], str(tmp_path / 'imgs'), str(link), '--checkpoint', str(path), '--topk', '1']) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r['image'] for r in rows] == [paths[1], paths[0]]
+    assert predict.list_images([paths[0], paths[0]]) == [paths[0]]
+
+
+def test_another_input_size_than_the_recorded_one_is_noted(tmp_path, one_thread, capsys):
+    path, _ = _checkpoint(tmp_path, input_size=48)
+    img = _images(tmp_path / 'imgs', n=1)[0]
+    assert predict.main([img, '--checkpoint', str(path), '--input-size', '32']) == 0
+    err = capsys.readouterr().err
+    assert f'Note: --input-size 32 on the command line, 48 in {path}; using 32' in err and 'at 32 px' in err

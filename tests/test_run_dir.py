@@ -130,3 +130,37 @@ def test_a_resume_is_announced_only_once_the_output_dir_can_take_the_run(data, t
     assert main.run(argv + ['--epochs', '1']) == 0  # nothing left to train: announced, then evaluated
     said = capsys.readouterr().out
     assert said.index(f'Resumed from {out / "checkpoint.pth"}: continuing at epoch 1') < said.index('Nothing to train')
+
+
+# ------------------------------------------------------------------------------------------ a failed start
+@pytest.mark.parametrize('existed', [False, True])
+def test_a_failed_start_leaves_no_output_dir_it_created(tmp_path, existed, capsys, monkeypatch):
+    """README's ImageNet command without ImageNet: the run stops at the data, after locking --output_dir. A folder
+    it created (and the parents it created) goes again, lock and all; one that existed stays."""
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS'):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / 'output' / 't'
+    if existed:
+        out.mkdir(parents=True)
+    code = main.run(['--model', 'NALAFORMER_XT', '--device', 'cpu', '--data-path', str(tmp_path / 'imagenet'),
+                     '--output_dir', str(out)])
+    assert code == 1 and 'data path does not exist' in capsys.readouterr().err
+    assert os.listdir(tmp_path) == (['output'] if existed else [])
+    if existed:
+        assert os.listdir(out) == [run_dir.LOCK_NAME]  # the lock file of a folder it did not create stays
+
+
+def test_only_an_unused_folder_is_removed(tmp_path):
+    out = tmp_path / 'a' / 'b'
+    run_dir.make_output_dir(str(out))
+    assert run_dir.lock_run_dir(str(out)) is None
+    (out / 'notes.md').write_text('mine')  # something else arrived: nothing is removed
+    run_dir.remove_unused_output_dir(str(out))
+    assert sorted(os.listdir(out)) == sorted([run_dir.LOCK_NAME, 'notes.md'])
+    run_dir.make_output_dir(str(tmp_path / 'a' / 'c'))
+    (tmp_path / 'a' / 'c' / 'x').mkdir()
+    run_dir.remove_unused_output_dir(str(tmp_path / 'a' / 'c'))
+    assert os.path.isdir(tmp_path / 'a' / 'c' / 'x')
+    run_dir.make_output_dir(str(tmp_path / 'new'))
+    run_dir.remove_unused_output_dir(str(tmp_path / 'new'))  # nothing in it, not even a lock
+    assert not os.path.exists(tmp_path / 'new')

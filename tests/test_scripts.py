@@ -44,6 +44,25 @@ def test_eval_sh_prints_and_runs_an_exact_evaluation():
     assert '--nproc_per_node=2' in ran and '--eval --resume /c.pth' in ran and '--dist-eval' in ran
 
 
+@pytest.mark.parametrize('size', [None, '288'])
+def test_eval_sh_passes_an_input_size_only_when_size_is_set(size):
+    """Without SIZE main.py evaluates at the size the checkpoint records; SIZE=N asks for another."""
+    e = {'PYTHON': 'echo', 'CKPT': '/c.pth', 'DATA': '/d', **({'SIZE': size} if size else {})}
+    e = {**{k: v for k, v in os.environ.items() if k not in ('SIZE', 'DRY_RUN')}, **e}
+    p = subprocess.run(['bash', os.path.join(REPO, 'eval.sh')], env=e, capture_output=True, text=True, timeout=60,
+                       check=True)
+    argv = p.stdout.splitlines()[1].split()  # what echo printed: main.py and its flags
+    assert argv[0] == 'main.py'
+    args = main.get_args_parser().parse_args(argv[1:])
+    assert args.input_size == (int(size) if size else None) and args.eval and args.resume == '/c.pth'
+
+
+def test_eval_sh_dry_run_prints_and_runs_nothing():
+    # a PYTHON that fails when started: the dry run must not start it
+    cmd = _dry_run('eval.sh', {'PYTHON': 'false', 'CKPT': '/c.pth', 'DATA': '/d'})
+    assert cmd[:2] == ['false', 'main.py'] and '--eval' in cmd
+
+
 def test_eval_sh_documents_only_the_variables_it_reads():
     with open(os.path.join(REPO, 'eval.sh')) as f:
         text = f.read()

@@ -574,6 +574,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
     except checkpoint.CheckpointError as e:
         raise SystemExit(f'analyze_attention: error: {e}') from None
+    note = datasets.override_note('--input-size', args.input_size, meta.get('input_size'), args.checkpoint)
+    if note:
+        print(note)
     cfg = datasets.data_config(model, args.input_size or meta.get('input_size') or (64 if args.data_set else None),
                                meta.get('crop_pct'))
     input_size = cfg['input_size'][-1]

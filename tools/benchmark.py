@@ -114,6 +114,10 @@ def tensor_bytes(tensors) -> int:
 def cpu_peak_bytes(fn: Callable[[], None]) -> int:
     """Peak tensor memory allocated on the CPU while ``fn`` runs, above the level before it."""
     from torch.profiler import ProfilerActivity, profile
+    # the profiler's tracing library (kineto) logs every start and stop to stderr, and on a CPU machine with a
+    # CUDA build of torch an ERROR line about the missing GPU; it reads this level when first used (6: silent).
+    # A level the user set stays.
+    os.environ.setdefault('KINETO_LOG_LEVEL', '6')
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     deltas = []
@@ -267,19 +271,25 @@ def compare(args: argparse.Namespace) -> List[Dict]:
     dtype = DTYPES[args.dtype]
     height, width = (list(args.input_size) * 2)[:2]
     names = [args.model] + [n for n in args.compare if n != args.model]
-    macs = {name: model_macs_any(name, (height, width), args.fast_path) for name in names}
+    width_of_names = max(map(len, names))
+    progress = Progress(f'{height}x{width}')
+    macs = {}
+    for name in names:
+        macs[name] = model_macs_any(name, (height, width), args.fast_path)
+        progress(f'{name:<{width_of_names}}  fvcore count: {macs[name] / 1e9:.3f} GMACs')
     torch.manual_seed(0)
     x = torch.randn(args.batch_size, 3, height, width, device=device)
     target = torch.randint(0, 1000, (args.batch_size,), device=device)
     results = []
     for mode in args.modes:
-        steps = {}
+        steps, optimizers = {}, {}
         for name in names:
             torch.manual_seed(0)
             model = create_any(name, device, args.fast_path, (height, width))
-            steps[name] = make_step(model, x, target, mode, dtype, device, args.compile)[0]
+            steps[name], optimizers[name] = make_step(model, x, target, mode, dtype, device, args.compile)
             for _ in range(args.warmup):
                 steps[name]()
+            progress(f'{name:<{width_of_names}}  {mode}: built, {args.warmup} warm-up steps')
         times: Dict[str, List[float]] = {name: [] for name in names}
         cpu_times: Dict[str, List[float]] = {name: [] for name in names}
         gemms: List[float] = []
@@ -290,7 +300,15 @@ def compare(args: argparse.Namespace) -> List[Dict]:
                 cpu_start = time.process_time()
                 times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
                 cpu_times[name].append(time.process_time() - cpu_start)
-        peaks = {name: peak_bytes(steps[name], device) for name in names}
+            progress(f'{mode}: timed round {i + 1} of {args.steps} (one step of each model)')
+        peaks = {}
+        for name in names:
+            if optimizers[name] is not None:
+                # free the last step's gradients first: the measured step allocates its own, and blocks
+                # allocated before profiling and freed during it only draw a warning from the profiler
+                optimizers[name].zero_grad(set_to_none=True)
+            peaks[name] = peak_bytes(steps[name], device)
+            progress(f'{name:<{width_of_names}}  {mode}: peak memory of a step {peaks[name] / 2 ** 20:.0f} MiB')
         # one GEMM rate for all models of this mode (the median over all rounds), so that their
         # efficiencies compare as MACs x img/s do
         gemm = statistics.median(gemms)
@@ -324,6 +342,16 @@ def compare(args: argparse.Namespace) -> List[Dict]:
     return results
 
 
+class Progress:
+    """Prints one line per finished phase of a comparison, with the seconds since the comparison started."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.start = what, time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        print(f'  [{self.what}, {time.perf_counter() - self.start:6.1f} s] {line}', flush=True)
+
+
 def model_macs_any(name: str, input_size: Sequence[int], fast_path: bool = True) -> int:
     """fvcore multiply-adds of one image (eval mode, batch 1) through any timm model."""
     from tools.flops import count_flops
@@ -337,10 +365,11 @@ def print_compare(results: List[Dict]) -> None:
           + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
           + (', every model torch.compiled' if first.get('compile') else '')
           + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
-    print(f"{'mode':<10}{'model':<24}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'peak MiB':>9}"
+    name_width = max(24, 2 + max(len(r['model']) for r in results))
+    print(f"{'mode':<10}{'model':<{name_width}}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'peak MiB':>9}"
           f"{'effic.':>8}{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}{'top-1':>7}")
     for r in results:
-        print(f"{r['mode']:<10}{r['model']:<24}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
+        print(f"{r['mode']:<10}{r['model']:<{name_width}}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
               f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{r['peak_step_mib']:>9.0f}"
               f"{100 * r['efficiency']:>7.1f}%"
               f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}"
@@ -374,11 +403,12 @@ def print_size_table(results: List[Dict]) -> None:
         if r['model'] != ours:
             key = (r['input_size'][0], r['mode'])
             best[key] = max(best.get(key, 0.0), r['img_s'])
-    print(f"{'size':>6}  {'mode':<10}{'model':<32}{'img/s':>9}{'peak MiB':>10}  img/s / best peer")
+    name_width = max(32, 2 + max(len(r['model']) for r in results))
+    print(f"{'size':>6}  {'mode':<10}{'model':<{name_width}}{'img/s':>9}{'peak MiB':>10}  img/s / best peer")
     for r in results:
         key = (r['input_size'][0], r['mode'])
         ratio = f"{r['img_s'] / best[key]:.2f}" if r['model'] == ours and key in best else ''
-        print(f"{r['input_size'][0]:>6}  {r['mode']:<10}{r['model']:<32}{r['img_s']:>9.2f}"
+        print(f"{r['input_size'][0]:>6}  {r['mode']:<10}{r['model']:<{name_width}}{r['img_s']:>9.2f}"
               f"{r['peak_step_mib']:>10.0f}  {ratio}")
 
 

@@ -8,9 +8,10 @@ The checkpoint is a training checkpoint (``.pth``; its EMA weights when it has t
 it, or ``--weights``) or a released ``.safetensors`` file (``tools/release.py``). Images are read with
 the evaluation transform of ``main.py --eval`` (``datasets.data_config``): the model's pretrained_cfg
 (bicubic resize, centre crop, mean/std) at the checkpoint's recorded ``--input-size`` and
-``--eval-crop-ratio`` (``--input-size`` here overrides). Folders are searched recursively for image
-files, in sorted order. ``--class-names`` is a text file with one name per line (line i is class i) or
-a JSON list; without it classes are printed as their index. Output: CSV
+``--eval-crop-ratio`` (``--input-size`` here overrides, with a note naming both). Folders are searched
+recursively for image files, in sorted order; an image named twice (a file and its folder) is predicted
+once. ``--class-names`` is a text file with one name per line (line i is class i) or a JSON list; without
+it classes are printed as their index. Output: CSV
 (``image,rank,class_index,class_name,probability``) or JSON, to stdout or ``--output``.
 """
 import argparse
@@ -36,7 +37,8 @@ from tools.release import WEIGHT_CHOICES, select_weights
 
 
 def list_images(paths: Sequence[str]) -> List[str]:
-    """Image files among ``paths``; folders are searched recursively (sorted), files are taken as given."""
+    """Image files among ``paths``; folders are searched recursively (sorted), files are taken as given. An image
+    named twice (a file and the folder holding it, a link to it) is kept once, where it first appears."""
     out: List[str] = []
     for path in paths:
         if os.path.isdir(path):
@@ -49,7 +51,13 @@ def list_images(paths: Sequence[str]) -> List[str]:
             out.append(path)
         else:
             raise UserError(f'{path}: no such file or folder')
-    return out
+    unique, seen = [], set()
+    for p in out:
+        real = os.path.realpath(p)
+        if real not in seen:
+            seen.add(real)
+            unique.append(p)
+    return unique
 
 
 def _run_info(values: Dict[str, Any], crop_key: str) -> Dict[str, Any]:
@@ -175,6 +183,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UserError(f'{args.checkpoint} does not record its model; pass --model NAME')
         model = build_model(model_name, sd, args.checkpoint).to(args.device)
         class_names = read_class_names(args.class_names, model.num_classes) if args.class_names else None
+        note = datasets.override_note('--input-size', args.input_size, recorded.get('input_size'), args.checkpoint)
+        if note:
+            print(note, file=sys.stderr)
         cfg = datasets.data_config(model, args.input_size or recorded.get('input_size'), recorded.get('crop_pct'))
         results = predict(model, datasets.eval_transform(cfg), images, args.topk, args.batch_size, args.device)
         text = format_results(images, results, class_names, args.format)

@@ -187,7 +187,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     tensors = {k: v.detach().to('cpu').contiguous().clone()
                for k, v in (to_reference_layout(sd) if reference_layout else sd).items()}
     meta = {'format': 'pt', 'model': model_name, 'num_classes': str(num_classes), 'input_size': str(input_size),
-            'crop_pct': str(crop_pct), 'source_weights': taken, 'layout': layout}
+            'crop_pct': str(crop_pct), 'crop_mode': cfg['crop_mode'], 'source_weights': taken, 'layout': layout}
     save_file(tensors, tmp, metadata=meta)
     digest = sha256_file(tmp)
     final = os.path.join(output_dir, f'{name}-{digest[:8]}.safetensors')

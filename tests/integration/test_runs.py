@@ -64,21 +64,44 @@ def test_one_epoch_training_run(one_epoch):
     assert os.path.exists(os.path.join(out, 'best.pth'))
 
 
-def test_eval_of_a_saved_checkpoint(one_epoch, data):
-    out, _ = one_epoch
-    log = json.loads(open(os.path.join(out, 'log.txt')).readline())
-    p = run_main(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',
-                  '--num_workers', '0', '--no-flops', '--eval', '--resume', os.path.join(out, 'checkpoint.pth'),
-                  '--data-path', data])
-    assert accuracy_line(p.stdout) == [  # the checkpoint holds an EMA: both are measured
+def _evaluated_as_trained(stdout, log):
+    """The evaluation's accuracy lines and losses are those the training run logged for the same weights
+    (the checkpoint holds an EMA: both are measured)."""
+    assert accuracy_line(stdout) == [
         f"Accuracy of the network (model) on the 15 test images: {log['test_acc1']:.2f}%",
         f"Accuracy of the network (EMA) on the 15 test images: {log['test_ema_acc1']:.2f}%"]
+    losses = re.findall(r'^\* Acc@1 .* loss (\d+\.\d+)', stdout, re.M)
+    assert losses == [f"{log['test_loss']:.3f}", f"{log['test_ema_loss']:.3f}"], stdout[-2000:]
+
+
+def test_eval_of_a_saved_checkpoint(one_epoch, data):
+    """main.py --eval without --input-size evaluates at the 32 px the checkpoint was trained at (not 224)."""
+    out, _ = one_epoch
+    log = json.loads(open(os.path.join(out, 'log.txt')).readline())
+    ckpt = os.path.join(out, 'checkpoint.pth')
+    p = run_main(['--model', 'NALAFORMER_XT', '--batch-size', '4', '--device', 'cpu',
+                  '--num_workers', '0', '--no-flops', '--eval', '--resume', ckpt, '--data-path', data])
+    assert f'--input-size 32: as recorded in {ckpt}' in p.stdout
+    _evaluated_as_trained(p.stdout, log)
     # and it records which of them gave its best accuracy
     ck = load(os.path.join(out, 'checkpoint.pth'))
     best = 'model_ema' if log['test_ema_acc1'] >= log['test_acc1'] else 'model'
     assert ck['best_weights'] == best and ck['best_epoch'] == 0 and ck['log'] == log
     assert ck['acc1'] == ck['best_acc1'] == {'model': log['test_acc1'], 'model_ema': log['test_ema_acc1']}
     assert f"from the {'EMA' if best == 'model_ema' else 'model'} weights" in p.stdout
+
+
+def test_eval_sh_evaluates_at_the_size_the_checkpoint_was_trained_at(one_epoch, data):
+    """README's eval.sh line on a checkpoint trained at 32 px: the accuracy the run logged, not a 224 px one."""
+    out, _ = one_epoch
+    log = json.loads(open(os.path.join(out, 'log.txt')).readline())
+    e = {k: v for k, v in env().items() if k not in ('SIZE', 'DRY_RUN', 'NPROC', 'NNODES')}
+    e.update(PYTHON=PY, MODEL='NALAFORMER_XT', CKPT=os.path.join(out, 'checkpoint.pth'), DATA=data, BATCH='4')
+    p = subprocess.run(['bash', os.path.join(REPO, 'eval.sh'), '--device', 'cpu', '--num_workers', '0', '--no-flops'],
+                       env=e, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert '--input-size' not in p.stdout.splitlines()[0]  # the command eval.sh printed
+    _evaluated_as_trained(p.stdout, log)
 
 
 def test_resume_gives_the_same_weights_as_a_straight_run(one_epoch, straight, data, tmp_path):
