@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, SelectAdaptivePool2d, is_scriptable, trunc_normal_
+from timm.layers import DropPath, SelectAdaptivePool2d, calculate_drop_path_rates, is_scriptable, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
@@ -295,13 +295,13 @@ class NaLaFormer(nn.Module):
         self.fast_path = True  # set with every submodule's by set_fast_path below
 
         self.patch_embed = PatchEmbed(in_chans, embed_dims[0])
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        # stochastic depth rising linearly over all blocks, in block order, split by stage
+        dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
         stages, self.feature_info = [], []
         for i, depth in enumerate(depths):
-            start = sum(depths[:i])
             stages.append(NaLaStage(
                 embed_dims[max(i - 1, 0)], embed_dims[i], depth, num_heads[i], mlp_ratio,
-                linear=i < num_linear_stages, drop_path=dpr[start:start + depth],
+                linear=i < num_linear_stages, drop_path=dpr[i],
                 layer_scale_init=layer_scale_init[i], downsample=i > 0))
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=4 * 2 ** i, module=f'layers.{i}'))
         # Sequential: timm's 'dict'/'hook' extractors run its stages one by one
