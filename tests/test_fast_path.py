@@ -136,7 +136,7 @@ def test_fused_conv_residual_keeps_the_input_dtype_under_autocast():
 def test_amp_fast_path_keeps_the_residual_stream_fp32(variant):
     """Under CPU bf16 autocast, one block per stage with the variant's own layer scale: the residual
     stream is fp32 on both paths, and fast differs from plain by no more than plain from fp32."""
-    from models.amp_parity import AMP_TOLERANCE, amp_path_parity
+    from tools.amp_parity import AMP_TOLERANCE, amp_path_parity
     for row in amp_path_parity(variant):
         assert row['stream_dtypes'] == ['float32'] * 4, row
         assert row['fast_vs_plain'] <= AMP_TOLERANCE * row['plain_vs_fp32'], row

@@ -66,13 +66,13 @@ def same_backward_passes(output: str) -> str:
 
 def fast_vs_plain_row(dtype_name: str) -> Callable[[str], tuple[str, str]]:
     """Fast against plain path under `dtype_name` autocast: one block per stage of every variant, by the
-    models' own rule (models.amp_parity): the residual stream stays fp32 and the fast path is no further
+    models' own rule (tools/amp_parity.py): the residual stream stays fp32 and the fast path is no further
     from the plain path than the plain path is from fp32 (times AMP_TOLERANCE)."""
     def run(device: str) -> tuple[str, str]:
         import torch
 
         from models import VARIANTS
-        from models.amp_parity import AMP_TOLERANCE, amp_path_parity
+        from tools.amp_parity import AMP_TOLERANCE, amp_path_parity
         dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}[dtype_name]
         failed, notes = [], []
         for variant in VARIANTS:

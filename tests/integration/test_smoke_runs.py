@@ -47,7 +47,7 @@ def test_a_failing_row_is_reported_and_exits_non_zero():
 
 
 def test_fast_vs_plain_row_applies_the_models_amp_rule_to_every_variant(monkeypatch):
-    from models import amp_parity
+    from tools import amp_parity
     status, detail = smoke.fast_vs_plain_row('bf16')('cpu')
     assert status == 'passed', detail
     assert all(f'{v} ' in detail for v in ('XT', 'T', 'S', 'B', 'L'))

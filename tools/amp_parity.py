@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from .nala import RoPE
-from .nalaformer import VARIANTS, NaLaBlock, NaLaFormer, set_fast_path
+from models.nala import RoPE
+from models.nalaformer import VARIANTS, NaLaBlock, NaLaFormer, set_fast_path
 
 __all__ = ['amp_path_parity', 'AMP_TOLERANCE']
 
