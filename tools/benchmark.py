@@ -52,7 +52,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import timm
 from timm.models import get_pretrained_cfg

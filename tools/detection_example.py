@@ -9,6 +9,7 @@ own training loop: swap in your data and load backbone weights with ``backbone_c
 """
 import argparse
 import os
+import sys
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence
 
@@ -18,6 +19,8 @@ import torch.nn as nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import models  # registers the variants
 

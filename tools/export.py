@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 from timm.models import load_state_dict
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
+
 from models import VARIANTS  # importing models registers the variants
 from models.compat import dynamo_onnx_export_error, export_dim, export_program_error
 

@@ -7,6 +7,8 @@ accumulation window. Every rank reports its backward passes on exit, which must 
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
+
 import engine
 import main
 

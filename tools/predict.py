@@ -26,6 +26,8 @@ import timm
 import torch
 from PIL import Image, UnidentifiedImageError
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
+
 import checkpoint
 import datasets
 import image_folder

@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402

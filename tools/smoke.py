@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
+
 from tools.synthetic import write_imagefolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

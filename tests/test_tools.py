@@ -1,0 +1,52 @@
+"""Every tool runs both usual ways: `python tools/X.py` (the tools folder first on sys.path, the repository
+root absent) and `python -m tools.X` from the repository root."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, 'tools'))
+               if f.endswith('.py') and "if __name__ == '__main__':" in open(os.path.join(REPO, 'tools', f)).read())
+
+# One process tries every tool both ways, as the interpreter would start it: sys.path as `python FILE` or
+# `python -m` sets it, the repository's modules forgotten before each try (torch and timm stay imported).
+PROBE = r'''
+import contextlib, io, json, os, runpy, sys
+repo, tools = sys.argv[1], sys.argv[2:]
+site = [p for p in sys.path if p and os.path.abspath(p) not in (repo, os.getcwd())]
+results = {}
+for tool in tools:
+    for way in ('path', 'module'):
+        for name, mod in list(sys.modules.items()):
+            file = getattr(mod, '__file__', None) or ''
+            if file.startswith(repo + os.sep) and 'site-packages' not in file:
+                del sys.modules[name]
+        path = os.path.join(repo, 'tools', tool + '.py')
+        sys.path[:] = ([os.path.dirname(path)] if way == 'path' else [repo]) + site
+        sys.argv = [path, '--help']
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                if way == 'path':
+                    runpy.run_path(path, run_name='__main__')
+                else:
+                    runpy.run_module('tools.' + tool, run_name='__main__', alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+        except Exception as e:
+            code = f'{type(e).__name__}: {e}'
+        results[f'{tool} ({way})'] = code
+print(json.dumps(results))
+'''
+
+
+def test_every_tool_runs_as_a_file_and_as_a_module(tmp_path):
+    assert {'benchmark', 'export', 'predict', 'release', 'smoke'} <= set(TOOLS)
+    p = subprocess.run([sys.executable, '-c', PROBE, REPO, *TOOLS], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * len(TOOLS)
+    assert {k: v for k, v in results.items() if v != 0} == {}
