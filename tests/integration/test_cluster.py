@@ -58,7 +58,7 @@ def test_slurm_warning_saves_mid_epoch_requeues_and_the_job_ends_with_the_uninte
     options = ['--cpus-per-task=2']  # the loader default below must not depend on this machine's CPU count
     proc = slurm.sbatch(SBATCH, *SMALL, options=options, log=logs[0], **job)
     try:
-        wait_for(r'Epoch: \[0\] \[ ?1/6\]', logs[:1], procs=[proc])
+        wait_for(r'Epoch: \[0\] \[ ?0/6\]', logs[:1], procs=[proc])  # early: the stop must land inside the epoch
         slurm.warn(proc, SBATCH)  # the time limit is near
         assert finish([proc]) == [0], logs[0].read_text()[-3000:]
     finally:
