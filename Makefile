@@ -1,6 +1,7 @@
 # `make test` and `make demo` build the virtual environment from requirements.txt and requirements-dev.txt
 # (tests, lint) on first use, with the newest tested releases (constraints.txt); `make test-min` builds
-# .venv-min with the oldest supported ones (constraints-min.txt) and runs the fast suite in it.
+# .venv-min with the oldest supported ones (constraints-min.txt) and runs the fast suite in it, with the
+# few real-process tests marked min_stack (SLURM's requeue signal, whose handling depends on torchrun).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -38,9 +39,9 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -q -m 'not slow' tests
 
-# the fast suite on the oldest supported releases
+# the fast suite on the oldest supported releases, and the few real-process tests marked min_stack
 test-min: venv-min
-	$(PY_MIN) -m pytest -q -m 'not slow' tests
+	$(PY_MIN) -m pytest -q -m 'not slow or min_stack' tests
 
 # style and simple bugs (rules in pyproject.toml); `ruff check --fix .` repairs the import order
 lint: venv

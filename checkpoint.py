@@ -336,6 +336,27 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     return ckpt
 
 
+def checkpoint_identity(ckpt: Any, path: str) -> Tuple[Any, Any, str]:
+    """(epoch, step, digest) of a loaded checkpoint: what ranks compare to know they read the same state. The
+    digest covers the checksum the file carries (verified when it was loaded), else the file's bytes."""
+    h = hashlib.sha256()
+    if isinstance(ckpt, dict) and isinstance(ckpt.get('checksum'), dict):
+        _hash_into(h, ckpt['checksum'])
+    else:
+        with open(path, 'rb') as f:
+            for block in iter(lambda: f.read(1 << 24), b''):
+                h.update(block)
+    epoch, step = (ckpt.get('epoch'), ckpt.get('step')) if isinstance(ckpt, dict) else (None, None)
+    return epoch, step, h.hexdigest()[:16]
+
+
+def describe_identity(identity: Tuple[Any, Any, str]) -> str:
+    """'epoch 1 step 3, sha256 0123abcd...' for a checkpoint_identity."""
+    epoch, step, digest = identity
+    where = f'epoch {epoch}' + (f' step {step}' if step else '') + ', ' if epoch is not None else ''
+    return f'{where}sha256 {digest}'
+
+
 def saved_args(ckpt: Any) -> Dict[str, Any]:
     """The command line stored in a checkpoint as a dict (ours store a dict, the reference's a Namespace)."""
     args = ckpt.get('args') if isinstance(ckpt, dict) else None
@@ -571,29 +592,33 @@ class TrainingCheckpoints:
 
     def save(self, epoch: int, extra: Dict[str, Any], names: Sequence[str]) -> None:
         """Write the run's state after `epoch` to the first of `names` in --output_dir (nothing without one),
-        then copy that file (a reflink where the filesystem has them) to the others, in order."""
-        err = None
-        if distributed.is_main_process() and self.output_dir:
-            state = self.state(epoch, names, extra)
+        then copy that file (a reflink where the filesystem has them) to the others, in order. Rank 0 writes;
+        whatever stops it (a full disk, an object that cannot be pickled) stops every rank with one line."""
+        if not self.output_dir:
+            return
+        first = os.path.join(self.output_dir, names[0])
+
+        def write() -> None:
             try:
-                first = os.path.join(self.output_dir, names[0])
-                save_atomic(state, first)
+                save_atomic(self.state(epoch, names, extra), first)
                 for name in names[1:]:
                     copy_atomic(first, os.path.join(self.output_dir, name))
-            except CheckpointWriteError as e:
-                err = e
-        if distributed.is_dist_avail_and_initialized():
-            failed, = distributed.all_reduce_max([1.0 if err else 0.0], self.device)
-            if failed and err is None:
-                raise CheckpointWriteError('rank 0 could not write a checkpoint (see its error); stopped')
-        if err is not None:
-            raise err
+            except UserError:
+                raise
+            except Exception as e:  # save_atomic names OSErrors; anything else (a pickling error) by its type
+                raise CheckpointWriteError(f'could not write checkpoint {first}: {type(e).__name__}: '
+                                           f'{first_line(e)}; the previous {names[0]} (if any) is kept') from e
+
+        distributed.on_rank0(write, self.device, f'could not write checkpoint {first}')
 
     def append_log(self, record: Dict[str, Any]) -> None:
-        """Append the epoch's record to log.txt (rank 0). The record is also in the checkpoint, so a line
-        lost to a crash or a full disk is written at the next resume."""
-        if not (self.output_dir and distributed.is_main_process()):
-            return
+        """Append the epoch's record to log.txt (rank 0; a failure stops every rank with one line). The record
+        is also in the checkpoint, so a line lost to a crash or a full disk is written at the next resume."""
+        if self.output_dir:
+            distributed.on_rank0(lambda: self._write_log(record), self.device,
+                                 f'could not append to {os.path.join(self.output_dir, "log.txt")}')
+
+    def _write_log(self, record: Dict[str, Any]) -> None:
         path = os.path.join(self.output_dir, 'log.txt')
         try:
             metrics.write_json_line(path, record)
@@ -618,7 +643,7 @@ class TrainingCheckpoints:
         r = Resume(args.start_epoch)
         if not path:
             return r
-        ckpt = load_checkpoint_file(path)
+        ckpt = self._load_on_every_rank(path)
         training = not eval_only and isinstance(ckpt, dict) and all(
             k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch'))
         if training or eval_only:  # before the weights: other classes are the likelier cause of a head mismatch
@@ -690,12 +715,45 @@ class TrainingCheckpoints:
             writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
             print(f'Note: the checkpoint was written by {writers} '
                   f'process(es), this run has {world}: random-number state not restored')
-        if distributed.is_main_process() and self.output_dir and in_directory(path, self.output_dir):
-            self._repair_files(path, ckpt)
-            self._repair_log(ckpt.get('log'))
+        if self.output_dir:
+            distributed.on_rank0(lambda: self._repair(path, ckpt), self.device,
+                                 f'could not repair the files of {self.output_dir} from {path}')
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
         r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%'
         return r
+
+    def _load_on_every_rank(self, path: str) -> Any:
+        """Every rank loads `path` (rank 0's decision, run_dir.agree_on_resume_path) and checks that it read the
+        checkpoint rank 0 read (epoch, step, checksum): a rank that cannot read it, or reads another file under
+        that name (node-local directories, NFS lag), stops every rank with one line instead of training on from
+        another state."""
+        ckpt, err = None, None
+        try:
+            ckpt = load_checkpoint_file(path)
+        except UserError as e:
+            err = e
+        except Exception as e:  # e.g. no permission to read it on this node
+            err = CheckpointError(f'cannot read checkpoint {path}: {type(e).__name__}: {first_line(e)}')
+        if not distributed.is_dist_avail_and_initialized():
+            distributed.agree_on_errors(err, self.device)
+            return ckpt
+        mine = checkpoint_identity(ckpt, path) if err is None else None
+        theirs = distributed.broadcast_object(mine)
+        fix = 'every node must see the same --output_dir (a shared filesystem) and --resume file'
+        if err is not None and theirs is not None:  # rank 0 read it, this rank cannot
+            err = CheckpointError(f'{distributed.where()} cannot read {path}, which rank 0 resumes from '
+                                  f'({first_line(err)}): {fix}')
+        elif err is None and theirs is not None and mine != theirs:
+            err = CheckpointError(f'{distributed.where()} reads another {path} than rank 0 ({describe_identity(mine)}'
+                                  f' here, {describe_identity(theirs)} on rank 0): {fix}')
+        distributed.agree_on_errors(err, self.device)
+        return ckpt
+
+    def _repair(self, path: str, ckpt: Dict[str, Any]) -> None:
+        """Rank 0, when `path` is in --output_dir: the files a crash between the writes left behind."""
+        if in_directory(path, self.output_dir):
+            self._repair_files(path, ckpt)
+            self._repair_log(ckpt.get('log'))
 
     def _check_data(self, ckpt: Any, path: str, eval_only: bool = False) -> None:
         """Refuse to continue a run, or (`eval_only`) to evaluate a checkpoint, on other classes than it was
@@ -861,6 +919,6 @@ class TrainingCheckpoints:
             except (ValueError, AttributeError):
                 continue
         if record['epoch'] not in epochs:
-            self.append_log(record)
+            self._write_log(record)
             print(f'Repaired {path}: added the line of epoch {record["epoch"]} from the checkpoint, which '
                   f'log.txt lacked (the run stopped, or could not write, before logging it)')

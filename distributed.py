@@ -5,8 +5,9 @@ import contextlib
 import datetime
 import hashlib
 import os
+import socket
 import subprocess
-from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,7 @@ def init_distributed_mode(args: argparse.Namespace) -> None:
         kwargs['device_id'] = torch.device('cuda', gpu)
     try:
         restart = os.environ.get('TORCHELASTIC_RESTART_COUNT')
-        if restart is not None and args.dist_url == 'env://':
+        if restart is not None and args.dist_url == 'env://' and agent_store_shared():
             # a worker group restarted by torchrun (--max-restarts) joins through the agent's store, which outlives
             # the failed attempt and still holds its rank addresses: a prefix per attempt keeps those stale keys
             # out of reach (torch's env:// rendezvous, then the default group's own prefix under it)
@@ -120,6 +121,16 @@ def init_distributed_mode(args: argparse.Namespace) -> None:
                             f'{args.dist_url}, backend {args.dist_backend}): {first_line(e)}') from e
     barrier()
     setup_for_distributed(rank == 0)
+
+
+def agent_store_shared() -> bool:
+    """Whether the workers join through torchrun's own store (TORCHELASTIC_USE_AGENT_STORE), which outlives a
+    restart. The attempt number that keeps a restart's keys apart is the agent's own restart count, the same on
+    every node only where every agent restarts for the same reason: one node (static rendezvous) always. Under the
+    c10d rendezvous a healthy node restarts for a membership change without counting it, so pretrain.sh and
+    finetune.sh turn the shared store off there (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): every attempt then
+    bootstraps a fresh store on its rank 0, as torch 2.4's c10d rendezvous always does."""
+    return os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == str(True)
 
 
 def check_gpus_per_node(n_gpus: int) -> None:
@@ -205,6 +216,96 @@ def all_reduce_max(values: Sequence[float], device: Any) -> List[float]:
     if is_dist_avail_and_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` (any picklable value) on every rank; `obj` itself without a process group."""
+    if not is_dist_avail_and_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> List[Any]:
+    """Every rank's `obj`, in rank order, on every rank; [obj] without a process group."""
+    if not is_dist_avail_and_initialized():
+        return [obj]
+    out: List[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def where() -> str:
+    """'rank R on host H' of this process (for errors that differ between nodes)."""
+    return f'rank {get_rank()} on host {socket.gethostname()}'
+
+
+def agree_on_errors(err: Union[BaseException, str, None], device: Any) -> None:
+    """Every rank calls this at the same point with its own error (None: none); when any rank has one, every
+    rank raises a one-line UserError: its own error, or the first failing rank's message. Costs one small
+    all-reduce, and one gather of the messages only when something failed: a rank that raised alone would
+    leave the others waiting in their next collective until the process group's timeout (30 min on NCCL)."""
+    if isinstance(err, str):
+        err = UserError(err)
+    failed = err is not None
+    messages: List[Any] = []
+    if is_dist_avail_and_initialized():
+        failed = all_reduce_max([1.0 if failed else 0.0], device)[0] > 0
+        if failed:
+            messages = gather_objects(None if err is None else str(err) or type(err).__name__)
+    if not failed:
+        return
+    if isinstance(err, UserError):
+        raise err
+    if err is not None:
+        raise UserError(first_line(err)) from err
+    rank, message = next((r, m) for r, m in enumerate(messages) if m)
+    raise UserError(f'stopped because rank {rank} failed: {message}')
+
+
+T = TypeVar('T')
+
+
+def _agreed_call(action: Callable[[], T], device: Any, what: str, here: bool) -> Optional[T]:
+    result, err = None, None
+    if here:
+        try:
+            result = action()
+        except UserError as e:
+            err = e
+        except Exception as e:  # any failure: the other ranks must hear of it, not wait for it
+            err = UserError(f'{what}: {type(e).__name__}: {first_line(e)}')
+            err.__cause__ = e
+    agree_on_errors(err, device)
+    return result
+
+
+def on_rank0(action: Callable[[], T], device: Any, what: str) -> Optional[T]:
+    """Run `action` on rank 0 alone (writing log.txt, a checkpoint, the lock file, TensorBoard events), then
+    agree: when it raised anything, every rank raises one line within a collective's time (`what` names the
+    action for exceptions other than UserError). Every rank must call this at the same point. Returns the
+    action's result on rank 0, None elsewhere."""
+    return _agreed_call(action, device, what, is_main_process())
+
+
+def on_every_rank(action: Callable[[], T], device: Any, what: str) -> Optional[T]:
+    """Run `action` on every rank (each reading its own files), then agree as `on_rank0` does."""
+    return _agreed_call(action, device, what, True)
+
+
+def check_same_everywhere(facts: Dict[str, Any], device: Any, fix: str) -> None:
+    """Every rank compares its `facts` (name -> value) with rank 0's; a rank that sees other values stops every
+    rank with one line naming the first difference and `fix`. Things each node reads from its own filesystem
+    (the data set, a checkpoint) must be the same everywhere, or the ranks train different things together."""
+    if not is_dist_avail_and_initialized():
+        return
+    theirs = broadcast_object(facts)
+    diff = next((k for k in facts if facts[k] != theirs.get(k)), None)
+    err = None
+    if diff is not None:
+        err = f'{where()} sees {diff} {facts[diff]}, rank 0 sees {theirs.get(diff)}: {fix}'
+    agree_on_errors(err, device)
 
 
 def state_digest(state_dict: Dict[str, torch.Tensor]) -> str:

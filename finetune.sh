@@ -22,8 +22,9 @@
 # Environment: MODEL (NALAFORMER_XT|T|S|B|L, default T), CKPT (required: the 224 checkpoint; its EMA
 # weights when it has them, else its model weights), DATA, OUTPUT (default output/<MODEL>_384), SIZE (384), EPOCHS (30), LR (5e-5),
 # LAYER_DECAY (per variant), BATCH (per process, 64), NPROC (8), NNODES (1), NODE_RANK (0),
-# MASTER_ADDR (127.0.0.1), MASTER_PORT (29500), MAX_RESTARTS (torchrun restarts after a failure, 0),
-# AMP (fp16|bf16|none, fp16), PYTHON, DRY_RUN (1: print the command only).
+# MASTER_ADDR (127.0.0.1 on one node; required with NNODES>1), MASTER_PORT (29500), MAX_RESTARTS (torchrun
+# restarts after a failure, 0), AMP (fp16|bf16|none, fp16), PYTHON, DRY_RUN (1: print the command only).
+# Several nodes, SIGUSR1 and restarts work as in pretrain.sh (c10d rendezvous at MASTER_ADDR:MASTER_PORT).
 # The checkpoint records --input-size and --eval-crop-ratio, so tools/predict.py and tools/release.py
 # use 384 and crop 1.0 for it. Relaunching the same command resumes from $OUTPUT/checkpoint.pth.
 set -euo pipefail
@@ -40,7 +41,6 @@ BATCH=${BATCH:-64}
 NPROC=${NPROC:-8}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 AMP=${AMP:-fp16}
@@ -60,9 +60,9 @@ LAYER_DECAY=${LAYER_DECAY:-$DEFAULT_LD}
 AMP_FLAGS=()
 if [ "$AMP" != "none" ]; then AMP_FLAGS=(--amp "$AMP"); fi
 
+source tools/rendezvous.sh  # RDZV: torchrun's rendezvous flags for NNODES nodes
 cmd=("$PYTHON" -m torch.distributed.run
-     --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS"
-     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT"
+     --nnodes="$NNODES" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" "${RDZV[@]}"
      main.py --model "$MODEL" --finetune "$CKPT" --input-size "$SIZE" --eval-crop-ratio 1.0
      --drop-path "$DROP_PATH" --train-mode --batch-size "$BATCH" --epochs "$EPOCHS"
      --lr "$LR" --layer-decay "$LAYER_DECAY" --weight-decay 0.05 --warmup-epochs 0 --min-lr 1e-6
@@ -76,4 +76,5 @@ if [ "$DATA" = /path/to/imagenet ]; then
 elif [ ! -d "$DATA" ]; then
     echo "finetune.sh: DATA=$DATA is not a folder; set DATA to the ImageNet folder (holding train/ and val/)" >&2; exit 2
 fi
+trap '' USR1  # SLURM's requeue warning: the training processes save and stop, torchrun ignores it (pretrain.sh)
 exec "${cmd[@]}"

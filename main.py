@@ -118,7 +118,7 @@ class LauncherArgumentParser(argparse.ArgumentParser):
 
 
 #: data-loader workers per process when --num_workers is not given: enough for a GPU's input pipeline
-#: (docs/performance.md), capped by the CPUs this process may run on
+#: (docs/performance.md), capped by this process's share of the node's CPUs
 DEFAULT_NUM_WORKERS = 10
 
 
@@ -130,10 +130,42 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def default_num_workers() -> int:
-    """--num_workers when not given: DEFAULT_NUM_WORKERS, at most the CPUs available to this process
-    (more workers than CPUs only compete for them, and PyTorch warns about it)."""
-    return min(DEFAULT_NUM_WORKERS, available_cpus())
+def _leading_int(text: str) -> int:
+    m = re.match(r'\d+', text or '')
+    return int(m.group()) if m else 0
+
+
+def cpus_per_process() -> Tuple[int, str]:
+    """(CPUs this process may count on, how that share was found). The training processes of a node share its
+    CPUs: torchrun starts LOCAL_WORLD_SIZE processes that all inherit its CPU set; SLURM gives each srun task
+    SLURM_CPUS_PER_TASK CPUs (binding them or not), else the tasks on the node share the step's CPUs."""
+    cpus = available_cpus()
+    _, _, _, launcher = distributed.launch_env()
+    env = os.environ
+    if launcher == 'torchrun':
+        n = max(1, _leading_int(env.get('LOCAL_WORLD_SIZE', '')) or 1)
+        if n > 1:
+            return cpus // n, f'the {cpus} CPUs of this process shared by the {n} processes on this node'
+    elif launcher == 'slurm':
+        per_task = _leading_int(env.get('SLURM_CPUS_PER_TASK', ''))
+        if per_task:
+            return min(cpus, per_task), f'SLURM_CPUS_PER_TASK={per_task}, {cpus} CPUs available to this process'
+        n = max(1, _leading_int(env.get('SLURM_NTASKS_PER_NODE') or env.get('SLURM_STEP_TASKS_PER_NODE')
+                                or env.get('SLURM_TASKS_PER_NODE', '')))
+        if n > 1:
+            return cpus // n, f'the {cpus} CPUs of this process shared by the {n} SLURM tasks on this node'
+    return cpus, f'the {cpus} CPUs available to this process'
+
+
+def default_num_workers() -> Tuple[int, str]:
+    """(--num_workers when not given, why): this process's share of the node's CPUs less one for the training
+    process itself, at most DEFAULT_NUM_WORKERS and at least 1 (loading then overlaps the step even with a
+    single CPU per process; --num_workers 0 loads in the training process). More workers than CPUs only
+    compete for them (and PyTorch warns about it)."""
+    share, how = cpus_per_process()
+    n = max(1, min(DEFAULT_NUM_WORKERS, share - 1))
+    return n, (f'{share} CPU(s) per process ({how}), one of them left to the training process; at most '
+               f'{DEFAULT_NUM_WORKERS}, at least 1')
 
 
 def get_args_parser():
@@ -255,8 +287,8 @@ def get_args_parser():
                                         'once); default on with several processes, --no-dist-eval: every process '
                                         'evaluates the whole set')
     p.add_argument('--num_workers', '--num-workers', dest='num_workers', default=None, type=NON_NEGATIVE_INT,
-                   help=f'data-loader workers per process (default {DEFAULT_NUM_WORKERS}, at most the CPUs '
-                        'available to the process)')
+                   help=f'data-loader workers per process (default: the CPUs of each process, the node\'s '
+                        f'divided by the processes on it, less one, at most {DEFAULT_NUM_WORKERS}, at least 1)')
     add_bool_flag(p, 'pin-mem', True, 'pin CPU memory in the data loader (GPU runs)', dest='pin_mem')
     p.add_argument('--print-freq', default=10, type=POSITIVE_INT)
     p.add_argument('--log-dir', default='', help='also write TensorBoard events here (rank 0; needs tensorboard)')
@@ -345,8 +377,11 @@ def validate_args(args, parser):
                      f'per-process batch (or --mixup 0 --cutmix 0)')
     if args.epochs < 1 and not args.eval:
         parser.error('--epochs must be at least 1')
+    # files: rank 0 checks them here (all ranks would print the same line); a file that another node does not
+    # see stops every rank with one line once they load it (run_dir.agree_on_resume_path, distributed.on_every_rank)
+    rank0 = distributed.launch_env()[0] == 0
     for flag, path in (('--resume', args.resume), ('--finetune', args.finetune), ('--teacher-path', args.teacher_path)):
-        if path and not os.path.isfile(path):
+        if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: ' + ('checkpoints must be local files: downloading is disabled'
                                                if checkpoint.is_url(path) else 'no such file'))
     if args.real_labels is not None and args.data_set != 'IMNET':
@@ -615,6 +650,37 @@ def build_loaders(args, dataset_train, dataset_val):
     return sampler_train, loader_train, loader_val
 
 
+def data_facts(dataset_train: Any, dataset_val: Any, loader_train: Any) -> dict:
+    """What every rank must see alike of the data (distributed.check_same_everywhere): the classes, the number of
+    training and validation images and of training batches per epoch."""
+    import hashlib
+    classes = getattr(dataset_train if dataset_train is not None else dataset_val, 'classes', None) or []
+    digest = hashlib.sha256('\n'.join(map(str, classes)).encode()).hexdigest()[:8]
+    facts = {'classes': f'{len(classes)} (sha256 {digest})', 'validation images': len(dataset_val)}
+    if dataset_train is not None:
+        facts.update({'training images': len(dataset_train), 'training batches per epoch': len(loader_train)})
+    return facts
+
+
+def tensorboard_logger(args: argparse.Namespace, device: Any) -> Any:
+    """Rank 0's TensorBoard writer with --log-dir (None on the other ranks and without it). Every rank calls
+    this: a writer that cannot start stops them all with one line instead of leaving them waiting for rank 0."""
+    if not args.log_dir:
+        return None
+    import tb_logger
+    return distributed.on_rank0(lambda: tb_logger.TensorBoardLogger(args.log_dir), device,
+                                f'--log-dir {args.log_dir}: cannot write TensorBoard events there')
+
+
+def stopped_exit_status(args: argparse.Namespace, stop_flag: Any) -> int:
+    """Exit status of a training run that a stop signal ended after saving its checkpoint: 128 + the signal for
+    a plain process (a scheduler sees it was stopped, not finished); 0 under a launcher (torchrun, srun), where
+    every rank stopped together and saved: a non-zero status would make torchrun --max-restarts start the
+    group again (inside an allocation that is ending, or against a user's SIGTERM) and srun
+    --kill-on-bad-exit tear down the step. The `Stopped by ...` line says what happened."""
+    return 0 if args.launcher != 'none' else 128 + int(stop_flag.signum or signal.SIGTERM)
+
+
 def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') -> str:
     """The accuracy line of one evaluation of the validation set of `n_images` images."""
     line = f"Accuracy of the {tag}network{label} on the {stats['n']} test images: {stats['acc1']:.2f}%"
@@ -681,13 +747,13 @@ def main(args, parser):
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), backend {args.dist_backend or "none"}, device {device}')
     if args.num_workers is None:
-        args.num_workers = default_num_workers()
-        print(f'Data loader: {args.num_workers} workers per process (the default {DEFAULT_NUM_WORKERS}, '
-              f'at most the {available_cpus()} CPUs available to this process; --num_workers N sets it)')
+        args.num_workers, why = default_num_workers()
+        print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
     for note in compatibility_notes(args):
         print(note)
     # before the data: the validation transform is the checkpoint's own unless the command line names one
-    resolve_eval_transform(args, run_dir.find_resume_path(args))
+    resume_path = run_dir.agree_on_resume_path(args, device)  # rank 0 decides, every rank checks its own view
+    resolve_eval_transform(args, resume_path)
     print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
 
     from timm.data import Mixup
@@ -728,6 +794,9 @@ def main(args, parser):
                         f'per process on {world} process(es); lower --batch-size')
     n_train = f'{len(dataset_train)} train / ' if dataset_train is not None else ''
     print(f'Data: {args.data_set}, {n_train}{len(dataset_val)} val images, {nb_classes} classes')
+    distributed.check_same_everywhere(data_facts(dataset_train, dataset_val, loader_train), device,
+                                      f'every node must see the same --data-path {args.data_path} (a shared '
+                                      f'filesystem or identical copies)')
 
     mixup_fn = None
     mixup_active = mixup_is_active(args)
@@ -743,8 +812,9 @@ def main(args, parser):
         print(f'Drop path rate: {drop_path_rate(model):.3g} '
               + ('(--drop-path)' if args.drop_path is not None else f"({args.model}'s default)"))
         print(f'Train mode: {train_mode}')
-    if args.finetune:
-        finetune_from(model, args.finetune, args.model)
+    if args.finetune:  # every rank reads the file: one that a node cannot read stops all with one line
+        distributed.on_every_rank(lambda: finetune_from(model, args.finetune, args.model), device,
+                                  f'--finetune {args.finetune}')
     if args.attn_only:
         clf = classifier_keys(model)
         for name, p in model.named_parameters():
@@ -786,7 +856,8 @@ def main(args, parser):
     teacher_model = None
     if args.distillation_type != 'none':
         teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)
-        load_model_weights(teacher_model, args.teacher_path, args.teacher_model)
+        distributed.on_every_rank(lambda: load_model_weights(teacher_model, args.teacher_path, args.teacher_model),
+                                  device, f'--teacher-path {args.teacher_path}')
         teacher_model.to(device).eval()
     criterion = DistillationLoss(criterion, teacher_model, args.distillation_type, args.distillation_alpha,
                                  args.distillation_tau)
@@ -797,7 +868,6 @@ def main(args, parser):
         # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
         classes=data_classes(dataset_val if args.eval else dataset_train),
         n_train_images=len(dataset_train) if dataset_train is not None else None)
-    resume_path = run_dir.find_resume_path(args)
     resumed = checkpoints.resume(resume_path, eval_only=args.eval)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
     max_accuracy = checkpoints.max_accuracy
@@ -825,10 +895,7 @@ def main(args, parser):
     settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
                                     max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
 
-    tb = None
-    if args.log_dir and distributed.is_main_process():
-        import tb_logger
-        tb = tb_logger.TensorBoardLogger(args.log_dir)
+    tb = tensorboard_logger(args, device)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):
@@ -842,7 +909,7 @@ def main(args, parser):
             where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
                   f'{state.step}; checkpoint {where}; run the same command again to resume')
-            return 128 + int(stop_flag.signum or signal.SIGTERM)
+            return stopped_exit_status(args, stop_flag)
         if args.distributed:
             # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
             # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
@@ -894,12 +961,13 @@ def main(args, parser):
         # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
         save(epoch, {**engine.epoch_state_entries(state), 'log': log_stats}, names)
         checkpoints.append_log(log_stats)
-        if tb is not None:
-            tb.log_epoch(log_stats, epoch)
+        if args.log_dir:
+            distributed.on_rank0(lambda s=log_stats, e=epoch: tb.log_epoch(s, e), device,
+                                 f'--log-dir {args.log_dir}: cannot write TensorBoard events')
         if stop_now:
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
                   f'checkpoint saved; run the same command again to resume')
-            return 128 + int(stop_flag.signum or signal.SIGTERM)
+            return stopped_exit_status(args, stop_flag)
 
     if args.distributed:  # every rank reports a digest of its weights: DDP keeps them identical
         digest = distributed.state_digest(model_without_ddp.state_dict())

@@ -19,23 +19,33 @@ from errors import UserError
 LOCK_NAME = '.run.lock'  # in --output_dir: held by the run writing there
 
 
-def raise_on_any_rank(err: Optional[str], device: Any) -> None:
-    """Raise UserError(err) on every rank when any rank (in practice rank 0) found a problem."""
-    failed = bool(err)
-    if distributed.is_dist_avail_and_initialized():
-        failed = distributed.all_reduce_max([1.0 if err else 0.0], device)[0] > 0
-    if failed:
-        raise UserError(err or 'rank 0 could not prepare --output_dir (see its error); stopped')
-
-
 def find_resume_path(args: argparse.Namespace) -> str:
-    """--resume, else (auto-resume, no --overwrite) output_dir/checkpoint.pth when it exists, else ''."""
+    """--resume, else (auto-resume, no --overwrite) output_dir/checkpoint.pth when it exists, else '' (this
+    process's view of the filesystem: in a process group, `agree_on_resume_path` decides)."""
     if args.resume:
         return args.resume
     auto = os.path.join(args.output_dir, 'checkpoint.pth') if args.output_dir else ''
     if auto and args.auto_resume and not args.overwrite and os.path.isfile(auto):
         return auto
     return ''
+
+
+def agree_on_resume_path(args: argparse.Namespace, device: Any) -> str:
+    """The checkpoint the run resumes from, decided by rank 0 (`find_resume_path` on its filesystem) for every
+    rank. A rank whose own view differs (a node-local --output_dir, a file not yet visible over NFS after a quick
+    restart) stops every rank with one line: ranks that resumed from different states would train on together
+    with different weights, epochs and learning rates. That every rank reads the same file is checked when they
+    load it (TrainingCheckpoints.resume)."""
+    mine = find_resume_path(args)
+    decided = distributed.broadcast_object(mine)
+    err = None
+    fix = ('every node must see the same --output_dir (a shared filesystem), or pass --resume with a path every '
+           'node sees')
+    if mine != decided:
+        err = (f'{distributed.where()} does not see {decided}, which rank 0 resumes from: {fix}' if decided else
+               f'{distributed.where()} sees {mine}, but rank 0 does not and would start afresh: {fix}')
+    distributed.agree_on_errors(err, device)
+    return decided
 
 
 def previous_run_files(directory: str) -> List[str]:
@@ -104,8 +114,13 @@ def lock_run_dir(directory: str) -> Optional[str]:
             holder = ''
         os.close(fd)
         return _in_use(directory, holder)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f'PID {os.getpid()} on host {socket.gethostname()}\n'.encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f'PID {os.getpid()} on host {socket.gethostname()}\n'.encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        return (f'cannot write the lock file {path}: {write_failure_reason(e)}; make --output_dir writable or '
+                f'choose another')
     _held_locks[key] = fd
     return None
 
@@ -193,8 +208,9 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
     Evaluation only neither locks nor cleans: it writes nothing there and may read a running job's files."""
     if not args.output_dir:
         return
-    err = None
-    if distributed.is_main_process():
+
+    def prepare() -> None:  # rank 0; anything it raises stops every rank (distributed.on_rank0)
+        err = None
         try:
             make_output_dir(args.output_dir)
         except OSError as e:
@@ -214,7 +230,10 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
                     err = _check_previous_run(args)
                 except OSError as e:
                     err = f'cannot clear --output_dir {args.output_dir}: {e.strerror} ({e.filename})'
-    raise_on_any_rank(err, device)
+        if err:
+            raise UserError(err)
+
+    distributed.on_rank0(prepare, device, f'cannot prepare --output_dir {args.output_dir}')
 
 
 # per --output_dir made by make_output_dir in this process, the folders on its path it created, deepest first:
@@ -274,18 +293,22 @@ def _held_bytes(directory: str) -> int:
 def check_room(directory: str, nbytes: int, device: Any, copies: int = 3) -> None:
     """Before training: room in `directory` for the peak of the saves to come, `copies` checkpoints of about
     `nbytes` (checkpoints_at_peak), less what checkpoint.pth and best.pth hold already. Copies are counted in
-    full, also where the filesystem shares blocks between them (reflinks)."""
-    err = None
-    if directory and distributed.is_main_process():
+    full, also where the filesystem shares blocks between them (reflinks). Rank 0 checks, every rank stops."""
+    if not directory:
+        return
+
+    def check() -> None:
         held = _held_bytes(directory)
         need = max(copies * nbytes - held, 0)
         free = shutil.disk_usage(directory).free
         if free < need:
             mib = 2 ** 20
             there = f', {held / mib:.0f} MiB of them are there already' if held else ''
-            err = (f'--output_dir {directory} has {free / mib:.0f} MiB free, but the saves to come need '
-                   f'{need / mib:.0f} MiB more (at their peak the directory holds {copies} checkpoints of about '
-                   f'{nbytes / mib:.0f} MiB: checkpoint.pth, its replacement while it is written, best.pth'
-                   f'{", a numbered backup" if copies > 3 else ""}{there}): {math.ceil((need - free) / mib)} MiB '
-                   f'are missing; free that much space or choose another --output_dir')
-    raise_on_any_rank(err, device)
+            raise UserError(f'--output_dir {directory} has {free / mib:.0f} MiB free, but the saves to come need '
+                            f'{need / mib:.0f} MiB more (at their peak the directory holds {copies} checkpoints of '
+                            f'about {nbytes / mib:.0f} MiB: checkpoint.pth, its replacement while it is written, '
+                            f'best.pth{", a numbered backup" if copies > 3 else ""}{there}): '
+                            f'{math.ceil((need - free) / mib)} MiB are missing; free that much space or choose '
+                            f'another --output_dir')
+
+    distributed.on_rank0(check, device, f'cannot check the room in --output_dir {directory}')

@@ -273,10 +273,26 @@ def test_pasted_reference_flags_are_accepted_and_change_nothing(data, tmp_path, 
     assert not main.compatibility_notes(plain)
 
 
-@pytest.mark.parametrize('cpus, expected', [(1, 1), (2, 2), (64, 10)])
-def test_default_num_workers_is_10_capped_by_the_cpus_of_the_process(cpus, expected, monkeypatch):
+LAUNCHERS = {'plain': {}, 'torchrun x8': {'RANK': '3', 'WORLD_SIZE': '16', 'LOCAL_WORLD_SIZE': '8'},
+             'srun 8 tasks, 8 CPUs each': {'SLURM_PROCID': '3', 'SLURM_NTASKS': '16', 'SLURM_NTASKS_PER_NODE': '8',
+                                           'SLURM_CPUS_PER_TASK': '8'},
+             'srun 8 tasks': {'SLURM_PROCID': '3', 'SLURM_NTASKS': '16', 'SLURM_STEP_TASKS_PER_NODE': '8(x2)'}}
+
+
+@pytest.mark.parametrize('launcher, cpus, expected', [
+    ('plain', 1, 1), ('plain', 2, 1), ('plain', 3, 2), ('plain', 64, 10),
+    ('torchrun x8', 64, 7), ('torchrun x8', 8, 1), ('torchrun x8', 128, 10),
+    ('srun 8 tasks, 8 CPUs each', 8, 7), ('srun 8 tasks, 8 CPUs each', 64, 7),  # bound to its CPUs, or not
+    ('srun 8 tasks', 64, 7)])
+def test_default_num_workers_is_the_cpus_per_process_less_one(launcher, cpus, expected, monkeypatch):
+    """A 64-CPU node with 8 processes: each gets 8 CPUs, one of them for the training process itself."""
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_NTASKS_PER_NODE',
+              'SLURM_CPUS_PER_TASK', 'SLURM_STEP_TASKS_PER_NODE', 'SLURM_TASKS_PER_NODE'):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in LAUNCHERS[launcher].items():
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr(main.os, 'sched_getaffinity', lambda pid: set(range(cpus)), raising=False)
-    assert main.default_num_workers() == expected
+    assert main.default_num_workers()[0] == expected
     assert parse().num_workers is None and parse('--num-workers', '12').num_workers == 12  # given: taken as is
 
 
@@ -294,10 +310,11 @@ def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_pa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         assert main.run(_eval_argv(data, tmp_path)) == 0
-    n = main.default_num_workers()
+    n, cpus = main.default_num_workers()[0], main.available_cpus()
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Data loader:')]
-    assert line == [f'Data loader: {n} workers per process (the default 10, at most the {main.available_cpus()} CPUs '
-                    f'available to this process; --num_workers N sets it)']
+    assert line == [f'Data loader: {n} workers per process (the default: {cpus} CPU(s) per process (the {cpus} CPUs '
+                    f'available to this process), one of them left to the training process; at most 10, at least 1; '
+                    f'--num_workers N sets it)']
     assert not [w for w in caught if 'worker' in str(w.message)], [str(w.message) for w in caught]
 
 

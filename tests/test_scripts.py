@@ -17,16 +17,17 @@ def test_pretrain_sh_holds_each_variant_recipe(variant, tmp_path):
     import subprocess
     e = dict(os.environ, MODEL=variant, PYTHON='echo', DATA=str(tmp_path), OUTPUT='/o', NPROC='4', NNODES='2',
              NODE_RANK='1', MASTER_ADDR='10.0.0.1', MASTER_PORT='1234')
-    e.pop('AMP', None)
-    e.pop('DRY_RUN', None)
+    for name in ('AMP', 'DRY_RUN', 'SLURM_JOB_ID'):
+        e.pop(name, None)
     p = subprocess.run(['bash', os.path.join(main.__file__.rsplit('/', 1)[0], 'pretrain.sh'), '--epochs', '7'],
                        env=e, capture_output=True, text=True, check=True)
     printed, ran = p.stdout.splitlines()
     assert printed.startswith('+ echo -m torch.distributed.run')
-    for piece in ('--nnodes=2', '--node_rank=1', '--nproc_per_node=4', '--master_addr=10.0.0.1',
-                  '--master_port=1234', f'--model {variant}', '--batch-size 128',
+    for piece in ('--nnodes=2', '--nproc_per_node=4', '--rdzv-backend=c10d', '--rdzv-endpoint=10.0.0.1:1234',
+                  '--rdzv-id=nalaformer', f'--model {variant}', '--batch-size 128',
                   f'--data-path {tmp_path}', '--output_dir /o'):
         assert piece in ran, piece
+    assert '--node_rank' not in ran and '--master_addr' not in ran  # the rendezvous numbers the nodes
     # the variant's drop path is main.py's default; the reference trained in fp32 (+TF32), no --amp
     assert '--drop-path' not in ran and '--amp' not in ran
     assert ran.endswith('--epochs 7')  # extra flags come last and override
@@ -137,3 +138,27 @@ def test_launch_scripts_refuse_a_data_folder_that_does_not_exist(tmp_path, scrip
     assert 'set DATA to the ImageNet folder' in out.stderr
     if data == 'missing':
         assert str(tmp_path / 'imagenet') in out.stderr
+
+
+# ------------------------------------------------------------------------------------------ several nodes
+@pytest.mark.parametrize('script', ['pretrain.sh', 'finetune.sh'])
+def test_several_nodes_meet_in_a_c10d_rendezvous_and_one_node_keeps_the_static_one(script):
+    e = {'CKPT': '/c.pth', 'NNODES': '2', 'MASTER_ADDR': 'node0', 'MASTER_PORT': '4321', 'SLURM_JOB_ID': '77'}
+    cmd = _dry_run(script, e)
+    assert cmd[cmd.index('--nnodes=2') + 1:cmd.index('main.py')] == [
+        '--nproc_per_node=8', '--max-restarts=0', '--rdzv-backend=c10d', '--rdzv-endpoint=node0:4321',
+        '--rdzv-id=77']
+    one = _dry_run(script, {'CKPT': '/c.pth', 'NNODES': '1'})
+    assert '--master_addr=127.0.0.1' in one and '--node_rank=0' in one and not any('rdzv' in a for a in one)
+
+
+@pytest.mark.parametrize('script', ['pretrain.sh', 'finetune.sh'])
+def test_several_nodes_without_master_addr_are_refused_in_one_line(script):
+    e = {**os.environ, 'DRY_RUN': '1', 'CKPT': '/c.pth', 'NNODES': '2'}
+    e.pop('MASTER_ADDR', None)
+    out = subprocess.run(['bash', os.path.join(REPO, script)], env=e, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ''
+    assert out.stderr.count('\n') == 1 and out.stderr.startswith(f'{script}: NNODES=2 needs MASTER_ADDR'), out.stderr
+    # on purpose, several "nodes" on one machine
+    assert '--rdzv-endpoint=127.0.0.1:29500' in _dry_run(script, {'CKPT': '/c.pth', 'NNODES': '2',
+                                                                   'MASTER_ADDR': '127.0.0.1'})

@@ -1,12 +1,12 @@
-"""slurm/train.sbatch: the command it runs (DRY_RUN) and its requeue on USR1, with stand-ins for srun,
-scancel and scontrol (no SLURM here)."""
+"""slurm/train.sbatch: the command it runs (DRY_RUN) and its requeue on USR1 under the fake SLURM of
+tests/cluster.py, with a stand-in for pretrain.sh (the real one: tests/integration/test_cluster.py)."""
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from cluster import FakeSlurm
 from conftest import REPO
 
 SBATCH = os.path.join(REPO, 'slurm', 'train.sbatch')
@@ -36,55 +36,53 @@ def test_unknown_script_is_a_clear_error():
     assert out.returncode == 2 and 'SCRIPT=nope.sh is not in' in out.stderr
 
 
-def _fake_slurm(tmp_path, step_code):
-    """srun runs a Python step that records USR1; scancel signals it; scontrol logs its arguments."""
-    bin_dir = tmp_path / 'bin'
-    bin_dir.mkdir()
-    log = tmp_path / 'calls.log'
-    step = tmp_path / 'step.py'
-    step.write_text(
+def _step(tmp_path, code):
+    """A stand-in for pretrain.sh: on every node, a process that records USR1 and exits 0, else runs `code`."""
+    (tmp_path / 'step.py').write_text(
         'import os, signal, sys, time\n'
-        f'open({str(tmp_path / "step.pid")!r}, "w").write(str(os.getpid()))\n'
+        'node = os.environ["SLURM_NODEID"]\n'
         'def stop(signum, frame):\n'
-        f'    open({str(tmp_path / "step.usr1")!r}, "w").write("saved")\n'
-        '    sys.exit(128 + signum)\n'
+        f'    open(f"{tmp_path}/usr1.{{node}}", "w").write("saved")\n'
+        '    sys.exit(0)\n'
         'signal.signal(signal.SIGUSR1, stop)\n'
-        f'{step_code}\n')
-    scripts = {
-        'srun': f'echo "srun $*" >> {log}\nexec {sys.executable} {step}\n',
-        'scancel': f'echo "scancel $*" >> {log}\nkill -USR1 "$(cat {tmp_path / "step.pid"})"\n',
-        'scontrol': f'echo "scontrol $*" >> {log}\n[ "$1" = show ] && echo node1 && echo node2\nexit 0\n',
-    }
-    for name, body in scripts.items():
-        (bin_dir / name).write_text('#!/usr/bin/env bash\n' + body)
-        (bin_dir / name).chmod(0o755)
-    env = {**os.environ, 'PATH': f'{bin_dir}:{os.environ["PATH"]}', 'SLURM_JOB_ID': '42',
-           'SLURM_JOB_NODELIST': 'node[1-2]', 'SLURM_JOB_NUM_NODES': '2'}
-    env.pop('MASTER_ADDR', None)
-    return env, log
+        f'open(f"{tmp_path}/ready.{{node}}", "w").close()\n'
+        f'{code}\n')
+    script = tmp_path / 'step.sh'
+    script.write_text(f'exec {sys.executable} {tmp_path / "step.py"}\n')
+    return str(script)
 
 
 @pytest.mark.slow
-def test_usr1_stops_the_step_then_requeues(tmp_path):
-    env, log = _fake_slurm(tmp_path, 'time.sleep(60)')
-    proc = subprocess.Popen(['bash', SBATCH], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_usr1_stops_the_step_on_every_node_then_requeues(tmp_path):
+    slurm = FakeSlurm(tmp_path / 'slurm')
+    proc = slurm.sbatch(SBATCH, options=['--nodes=2'], SCRIPT=_step(tmp_path, 'time.sleep(60)'))
     deadline = time.time() + 20
-    while not (tmp_path / 'step.pid').exists() and time.time() < deadline:
+    while not all((tmp_path / f'ready.{n}').exists() for n in (0, 1)) and time.time() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)  # what SLURM sends 120 s before the time limit
+    slurm.warn(proc, SBATCH)  # what SLURM sends 120 s before the time limit
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    assert (tmp_path / 'step.usr1').read_text() == 'saved'
-    calls = log.read_text().splitlines()
-    assert calls[0] == 'scontrol show hostnames node[1-2]'
-    assert 'MASTER_ADDR=node1' in out and calls[1].startswith('srun --kill-on-bad-exit=1 --nodes=2')
-    assert calls[2:] == ['scancel --signal=USR1 42', 'scontrol requeue 42']
+    assert [(tmp_path / f'usr1.{n}').read_text() for n in (0, 1)] == ['saved', 'saved']
+    calls = slurm.calls()
+    assert calls[1] == 'scontrol show hostnames localhost,localhost'
+    assert calls[2].startswith('srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=1 --cpus-per-task=64 bash -c ')
+    assert 'MASTER_ADDR=localhost' in out
+    assert calls[3:] == ['scancel --signal=USR1 42', 'srun: task exit 0', 'srun: task exit 0', 'scontrol requeue 42']
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('code', [0, 3])
 def test_a_finished_or_failed_step_is_not_requeued(tmp_path, code):
-    env, log = _fake_slurm(tmp_path, f'sys.exit({code})')
+    slurm = FakeSlurm(tmp_path / 'slurm')
+    proc = slurm.sbatch(SBATCH, SCRIPT=_step(tmp_path, f'sys.exit({code})'))
+    proc.communicate(timeout=30)
+    assert proc.returncode == code
+    assert not any('requeue' in c or 'scancel' in c for c in slurm.calls())
+
+
+def test_the_step_gets_the_job_cpus_and_ignores_the_warning_signal():
+    """Since Slurm 22.05 srun does not inherit the job's --cpus-per-task; torchrun must not die of USR1."""
+    env = {**os.environ, 'DRY_RUN': '1', 'SLURM_CPUS_PER_TASK': '64'}
     out = subprocess.run(['bash', SBATCH], env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode == code
-    assert not any('requeue' in c or 'scancel' in c for c in log.read_text().splitlines())
+    line = out.stdout.strip().splitlines()[-1]
+    assert ' srun --kill-on-bad-exit=1 --nodes=1 --ntasks-per-node=1 --cpus-per-task=64 bash -c trap "" USR1; ' in line

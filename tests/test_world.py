@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from cluster import children
 from conftest import (
     BASE,
     PY,
@@ -38,24 +39,6 @@ import errors
 import image_folder
 import main
 import run_dir
-
-
-def children(pid, **environ):
-    """PIDs of the direct children of `pid` (whose environment holds every NAME=value of `environ`)."""
-    out = []
-    for name in os.listdir('/proc'):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f'/proc/{name}/stat') as f:
-                ppid = int(f.read().rsplit(')', 1)[1].split()[1])
-            with open(f'/proc/{name}/environ', 'rb') as f:
-                e = f.read().split(b'\0')
-        except OSError:
-            continue
-        if ppid == pid and all(f'{k}={v}'.encode() in e for k, v in environ.items()):
-            out.append(int(name))
-    return out
 
 
 def wait_for_line(proc, pattern, seen, timeout=180):
