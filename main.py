@@ -445,13 +445,35 @@ def drop_path_rate(model) -> float:
     return max((float(m.drop_prob) for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
 
 
+#: the --opt names whose torch optimizer has a fused CUDA kernel (torch.optim.Adam and AdamW)
+FUSED_OPTIMIZERS = ('adam', 'adamw')
+
+
 def build_optimizer(args, model):
     """timm optimizer with the command line's settings; --layer-decay scales each parameter group's LR by
-    decay^(layers above it), layers as the model's group_matcher defines them."""
+    decay^(layers above it), layers as the model's group_matcher defines them.
+
+    Adam/AdamW with every parameter on a GPU use torch's fused kernel: one kernel for all parameters, step
+    counts kept on the GPU (the multi-tensor kernel reads each parameter's back to the host every step);
+    its results differ from the multi-tensor kernel's by rounding only (docs/performance.md). Elsewhere
+    torch's default, the multi-tensor kernel. A checkpoint's parameter groups carry the kernel choice of the
+    run that wrote it; loading one keeps this run's choice."""
     from timm.optim import create_optimizer_v2
-    return create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                               momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
-                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+    fused = (args.opt.lower().removeprefix('lookahead_') in FUSED_OPTIMIZERS
+             and all(p.is_cuda for p in model.parameters()))
+    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                    momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
+                                    **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}),
+                                    **({'fused': True} if fused else {}))
+    optimizer.register_load_state_dict_pre_hook(_keep_kernel_choice)
+    return optimizer
+
+
+def _keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Optimizer load_state_dict pre-hook: the loaded parameter groups take this optimizer's kernel
+    settings (fused, foreach) instead of those of the run that saved them."""
+    kernel = {k: optimizer.defaults[k] for k in ('fused', 'foreach') if k in optimizer.defaults}
+    return {**state_dict, 'param_groups': [{**group, **kernel} for group in state_dict['param_groups']]}
 
 
 def build_lr_scheduler(args, optimizer):

@@ -77,6 +77,26 @@ def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
     assert all(g.get('lr_scale', 1.0) == 1.0 for g in optimizer.param_groups)
 
 
+def test_adam_and_adamw_take_the_fused_kernel_when_every_parameter_is_on_a_gpu(monkeypatch):
+    model = torch.nn.Linear(4, 3)
+    adamw = main.get_args_parser().parse_args(['--opt', 'adamw'])
+    cpu = main.build_optimizer(adamw, model)
+    assert not cpu.defaults.get('fused')  # on the CPU: torch's default, the multi-tensor kernel
+    monkeypatch.setattr(torch.Tensor, 'is_cuda', property(lambda self: True))  # the parameters "on a GPU"
+    gpu = main.build_optimizer(adamw, model)
+    adam = main.build_optimizer(main.get_args_parser().parse_args(['--opt', 'adam']), model)
+    sgd = main.build_optimizer(main.get_args_parser().parse_args(['--opt', 'sgd']), model)
+    monkeypatch.undo()
+    assert gpu.defaults['fused'] and adam.defaults['fused'] and not sgd.defaults.get('fused')
+    # a checkpoint keeps the kernel of the run that loads it, not that of the run that wrote it
+    model(torch.randn(2, 4)).sum().backward()
+    cpu.step()
+    gpu.step()
+    gpu.load_state_dict(cpu.state_dict())
+    cpu.load_state_dict(gpu.state_dict())
+    assert all(g['fused'] for g in gpu.param_groups) and not any(g['fused'] for g in cpu.param_groups)
+
+
 # ------------------------------------------------------------------------------------------ LR schedule
 def _expected_lr(e, lr, epochs, warmup, warmup_lr, min_lr):
     if e < warmup:
