@@ -623,7 +623,7 @@ def main(args, parser):
     print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
 
     from timm.data import Mixup
-    from timm.utils import ModelEmaV3, distribute_bn, random_seed
+    from timm.utils import distribute_bn, random_seed
 
     from losses import DistillationLoss
 
@@ -695,7 +695,7 @@ def main(args, parser):
     model_ema = None
     if args.model_ema:
         decay = args.model_ema_decay ** (global_batch / 512.0)
-        model_ema = ModelEmaV3(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
+        model_ema = engine.ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
         print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
 
     train_model, model_without_ddp, eval_model = wrap_model(args, model, device)

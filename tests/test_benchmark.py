@@ -150,3 +150,10 @@ def test_published_top1_of_variants_and_listed_peers():
     assert published_top1('NALAFORMER_T') == 82.6 and published_top1('nalaformer_xt') == 79.1
     assert published_top1('convnext_tiny.fb_in1k') == 82.1 and published_top1('convnext_atto') is None
     assert all(benchmark.timm.is_model(name) and 'arXiv:' in source for name, (_, source) in PUBLISHED_TOP1.items())
+
+
+def test_ema_update_times_timms_update_and_mains(tmp_path):
+    results = benchmark.main(['--ema-update', '--preset-models', 'NALAFORMER_XT', '--steps', '1', '--warmup', '0',
+                              '--device', 'cpu', '--json', str(tmp_path / 'ema.jsonl')])
+    assert [r['model'] for r in results] == ['NALAFORMER_XT'] and results[0]['tensors'] > 100
+    assert results[0]['timm ModelEmaV3 ms'] > 0 and results[0]['engine.ModelEma ms'] > 0

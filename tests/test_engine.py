@@ -620,3 +620,26 @@ def test_progress_lines_and_epoch_loss_are_those_of_every_micro_batch_loss(one_t
         seen = losses[:(int(i) + 1) // 2 * 2]  # the losses of the windows finished by micro-batch i
         assert (median, avg) == (f'{statistics.median(seen[-20:]):.4f}', f'{sum(seen) / len(seen):.4f}')
     assert res.stats['loss'] == sum(losses) / len(losses)
+
+
+# ------------------------------------------------------------------------------ the EMA update
+def test_ema_update_equals_timms_state_dict_update_without_building_state_dicts(monkeypatch, one_thread):
+    """engine.ModelEma walks the modules' tensors instead of two state_dict() calls per step: the same numbers
+    as timm's ModelEmaV3 (parameters and BatchNorm statistics averaged, the step counter copied), also after
+    the EMA was moved (.to() replaces buffers, as an EMA evaluated on another device is)."""
+    from timm.utils import ModelEmaV3
+    model = bn_model()
+    ours, timms = engine.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches(4)):
+        opt.zero_grad()
+        ce(x, model(x), y).backward()
+        opt.step()
+        timms.update(model)
+        if i == 2:
+            ours.module.to(torch.float64).to(torch.float32)
+        with monkeypatch.context() as m:
+            m.setattr(torch.nn.Module, 'state_dict', lambda *a, **k: pytest.fail('state_dict() built'))
+            ours.update(model)
+    assert_bitwise_equal(ours.module.state_dict(), timms.module.state_dict())
+    assert int(ours.module[1].num_batches_tracked) == 4

@@ -498,6 +498,36 @@ def data_loading(args: argparse.Namespace) -> Dict:
     return result
 
 
+# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against engine.ModelEma -------------
+EMA_MODELS = ('NALAFORMER_XT', 'NALAFORMER_L')
+
+
+def ema_update_times(args: argparse.Namespace) -> List[Dict]:
+    """ms per EMA update of each model (default XT and L) on ``args.device``: timm's ModelEmaV3 and main.py's
+    engine.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
+    ``args.warmup``."""
+    from timm.utils import ModelEmaV3
+    device = torch.device(args.device)
+    results = []
+    for name in args.preset_models or EMA_MODELS:
+        model = create_any(name, device, args.fast_path)
+        emas = {'timm ModelEmaV3': ModelEmaV3(model, decay=0.9999),
+                'engine.ModelEma': engine.ModelEma(model, decay=0.9999)}
+        times: Dict[str, List[float]] = {k: [] for k in emas}
+        for i in range(args.warmup + args.steps):
+            for label, ema in emas.items():
+                t = time_call(lambda ema=ema, model=model: ema.update(model), device, 1, warmup=0)[0]
+                if i >= args.warmup:
+                    times[label].append(t)
+        row = dict(model=name, device=str(device), threads=torch.get_num_threads(),
+                   tensors=len(model.state_dict()), params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+                   **{f'{label} ms': 1e3 * statistics.median(t) for label, t in times.items()})
+        print(f"{name}: {row['tensors']} tensors, {row['params_m']:.1f} M parameters: "
+              + ', '.join(f"{label} {row[f'{label} ms']:.2f} ms" for label in emas) + ' per update', flush=True)
+        results.append(row)
+    return results
+
+
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
 def sweep(args: argparse.Namespace) -> Dict:
     from models.nala import RoPE
@@ -637,6 +667,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help='DataLoader worker counts timed by --data-loading')
     parser.add_argument('--tiny', action='store_true',
                         help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
+    parser.add_argument('--ema-update', action='store_true',
+                        help="ms per EMA update, timm's ModelEmaV3 against main.py's engine.ModelEma "
+                             '(--preset-models, default XT and L)')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
     parser.add_argument('--sweep-stage', type=int, default=1, help='stage (0-based) whose width the blocks use')
@@ -698,6 +731,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             json.dump(results, f, indent=1)
         plot_sweep(results, args.out + '.png')
         print(f'wrote {args.out}.json and {args.out}.png')
+        return results
+    if args.ema_update:
+        results = ema_update_times(args)
+        write_jsonl(args.json, results)
         return results
     if args.make_jpegs:
         make_jpegs(args.make_jpegs)
