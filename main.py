@@ -537,17 +537,15 @@ def build_loaders(args, dataset_train, dataset_val):
     else:
         sampler_val = torch.utils.data.SequentialSampler(dataset_val)
     pin = args.pin_mem and str(args.device).startswith('cuda')
-    # Workers are not persistent: each epoch's workers are seeded from the RNG state at the start of the epoch,
-    # which the checkpoint holds, so a resumed epoch replays the same augmentations (persistent workers would
-    # carry their random state across epochs, out of the checkpoint's reach). Re-forking costs a few seconds
-    # an epoch (docs/performance.md).
-    common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn,
-                  persistent_workers=False)
+    # Workers stay from one epoch to the next, and each epoch's workers are seeded from the RNG state at the
+    # start of the epoch, which the checkpoint holds, so a resumed epoch replays the same augmentations
+    # (utils.PersistentDataLoader)
+    common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn)
     if dataset_train is not None:
-        loader_train = utils.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
-                                        drop_last=True, **common)
-    loader_val = utils.DataLoader(dataset_val, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
-                                  drop_last=False, **common)
+        loader_train = utils.PersistentDataLoader(dataset_train, sampler_train, batch_size=args.batch_size,
+                                                  drop_last=True, **common)
+    loader_val = utils.PersistentDataLoader(dataset_val, sampler_val, batch_size=int(1.5 * args.batch_size),
+                                            drop_last=False, **common)
     return sampler_train, loader_train, loader_val
 
 

@@ -2,7 +2,9 @@
 schedule of every epoch, the loss (BCE targets), the data loaders and the start-of-run FLOPs count."""
 import argparse
 import math
+import os
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -193,6 +195,61 @@ def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     assert draws(train2) == epoch1
 
 
+class WorkerDraws(torch.utils.data.Dataset):
+    """Each item: the worker's pid and one draw of each generator an augmentation may use."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple:
+        import random
+        return os.getpid(), random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch():
+    """build_loaders' workers are started once and reused every epoch, yet each epoch's draws are those of
+    workers that torch starts for that epoch (a plain DataLoader), from the same random state at its start."""
+    args = loader_args(2)
+    torch.manual_seed(0)
+    sampler, train, _ = main.build_loaders(args, WorkerDraws(), WorkerDraws())
+    persistent = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        persistent.append([item for batch in train for item in zip(*(t.tolist() for t in batch))])
+    after_persistent = torch.get_rng_state()
+    torch.manual_seed(0)
+    plain = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(WorkerDraws(), sampler=sampler, batch_size=4, num_workers=2)
+        plain.append([item for batch in loader for item in zip(*(t.tolist() for t in batch))])
+    assert torch.equal(torch.get_rng_state(), after_persistent)  # the main process's stream advanced alike
+    pids = [{item[0] for item in epoch} for epoch in persistent]
+    assert len(pids[0]) == 2 and pids[1] == pids[0]  # the same two workers served both epochs
+    assert [[item[1:] for item in epoch] for epoch in persistent] == [[item[1:] for item in epoch] for epoch in plain]
+    assert persistent[0] != persistent[1]
+
+
+LOADER_LEFT_ALIVE = """
+import sys, torch, main
+sys.path.insert(0, 'tests')
+from test_main import WorkerDraws, loader_args
+_, train, _ = main.build_loaders(loader_args(1), WorkerDraws(), WorkerDraws())
+keep = [next(iter(train))]  # a loader alive to the end, its worker waiting for work
+print('loaded', flush=True)
+"""
+
+
+def test_a_loader_left_alive_does_not_hold_up_the_exit():
+    """Persistent workers ignore SIGTERM (stop signals are the main process's), which the interpreter's exit
+    sends the children it finds still running before it waits for them: loaders still alive are closed."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, '-c', LOADER_LEFT_ALIVE], cwd=os.path.dirname(os.path.dirname(__file__)),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and 'loaded' in p.stdout, p.stderr[-2000:]
+
+
 def test_no_workers_loads_in_process():
     data = torch.utils.data.TensorDataset(torch.arange(8.0))
     _, train, val = main.build_loaders(loader_args(0), data, data)
@@ -239,3 +296,4 @@ def test_compile_keeps_batchnorm_per_process_and_covers_evaluation(compile_, syn
     else:
         assert isinstance(train_model, FakeDDP) and eval_model is bare and not compiled
         assert ('SyncBatchNorm across the processes' in out) == sync_bn
+
