@@ -462,10 +462,21 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
                        state=EpochState(bad_steps=state.bad_steps))
 
 
-@torch.no_grad()
 def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, print_freq=10, header='Test:',
              sum_over_ranks=False, stop_flag=None, real=None):
-    """Top-1/top-5 and loss from exact counts. With `sum_over_ranks` (dist-eval) the counts of every rank
+    """`evaluate_models` of one model: its stats."""
+    return evaluate_models(data_loader, {'': model}, device, amp_dtype, channels_last, print_freq, header,
+                           sum_over_ranks, stop_flag, real)['']
+
+
+@torch.no_grad()
+def evaluate_models(data_loader: Any, models: Dict[str, torch.nn.Module], device: Any,
+                    amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False, print_freq: int = 10,
+                    header: str = 'Test:', sum_over_ranks: bool = False, stop_flag: Any = None,
+                    real: Any = None) -> Dict[str, dict]:
+    """Top-1/top-5 and loss from exact counts of each of `models` (label -> model, e.g. the model and its EMA),
+    from one pass over `data_loader`: each batch goes through every model, so the images are loaded and
+    decoded once whatever the number of models. With `sum_over_ranks` (dist-eval) the counts of every rank
     are summed with all_reduce, so each image counts once whatever the number of processes.
     A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval).
 
@@ -474,61 +485,69 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
     (those with a ReaL label); its counts travel in the same collective as the others.
 
     The sums stay on the device: the host waits for the GPU only on the batches that print a progress
-    line and once at the end, not on every batch."""
+    line and once at the end, not on every batch. Returns label -> stats, in the order of `models`."""
     device = torch.device(device)
     metric_logger = MetricLogger(delimiter='  ')
-    model.eval()
-    # loss sum, top-1 hits, top-5 hits, counted images, images seen, aborted (float64: counts stay exact),
-    # then with `real` its top-1 hits, top-5 hits and scored images
-    sums = torch.zeros(6 if real is None else 9, dtype=torch.float64, device=device)
+    for m in models.values():
+        m.eval()
+    meter = {label: f'{label} loss' if label else 'loss' for label in models}
+    # per model: loss sum, top-1 hits, top-5 hits, counted images, images seen, aborted (float64: counts stay
+    # exact), then with `real` its top-1 hits, top-5 hits and scored images
+    sums = torch.zeros(len(models), 6 if real is None else 9, dtype=torch.float64, device=device)
     seen = 0  # known on the host
     total = len(data_loader)
     for i, (images, target, *index) in enumerate(metric_logger.log_every(data_loader, print_freq, header,
                                                                            images_per_step=data_loader.batch_size)):
         if stop_flag is not None and stop_flag.requested:
-            sums[5] = 1.0
+            sums[:, 5] = 1.0
             break
         images = images.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        with autocast(device, amp_dtype):
-            output = model(images)
-        output = output.float()
         # targets < 0 mark images that could not be decoded (image_folder.IGNORE_TARGET): not counted; masks
         # rather than boolean indexing, whose output size the host would have to wait for
         valid = target >= 0
-        loss = torch.nn.functional.cross_entropy(output, target.clamp(min=0), reduction='none')
-        maxk = min(5, output.shape[1])
-        top = output.topk(maxk, dim=1).indices
-        hit = top.eq(target.view(-1, 1)) & valid.view(-1, 1)
-        sums[:4] += torch.stack([torch.where(valid, loss, 0.0).sum(dtype=torch.float64),
-                                 hit[:, :1].sum(dtype=torch.float64), hit[:, :maxk].sum(dtype=torch.float64),
-                                 valid.sum(dtype=torch.float64)])
-        if real is not None:
-            sums[6:] += real.count(top, index[0].to(device, non_blocking=True), valid)
+        for k, model in enumerate(models.values()):
+            with autocast(device, amp_dtype):
+                output = model(images)
+            output = output.float()
+            loss = torch.nn.functional.cross_entropy(output, target.clamp(min=0), reduction='none')
+            maxk = min(5, output.shape[1])
+            top = output.topk(maxk, dim=1).indices
+            hit = top.eq(target.view(-1, 1)) & valid.view(-1, 1)
+            sums[k, :4] += torch.stack([torch.where(valid, loss, 0.0).sum(dtype=torch.float64),
+                                        hit[:, :1].sum(dtype=torch.float64), hit[:, :maxk].sum(dtype=torch.float64),
+                                        valid.sum(dtype=torch.float64)])
+            if real is not None:
+                sums[k, 6:] += real.count(top, index[0].to(device, non_blocking=True), valid)
         seen += target.shape[0]
         if i % print_freq == 0 or i == total - 1:  # the batches log_every prints a line after
-            metric_logger.update(loss=sums[0] / sums[3].clamp(min=1))
-    sums[4] = seen
+            metric_logger.update(**{meter[label]: sums[k, 0] / sums[k, 3].clamp(min=1)
+                                    for k, label in enumerate(models)})
+    sums[:, 4] = seen
     if sum_over_ranks and is_dist_avail_and_initialized():  # one collective; a stop on any rank shows on all
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
-    loss_sum, correct1, correct5, n, seen, aborted, *real_counts = sums.tolist()  # the one wait for the device
-    n, seen = int(round(n)), int(round(seen))
-    stats = {
-        'loss': loss_sum / n if n else float('nan'),
-        'acc1': 100.0 * correct1 / n if n else float('nan'),
-        'acc5': 100.0 * correct5 / n if n else float('nan'),
-        'n': n,
-        'seen': seen,
-        'aborted': aborted > 0,
-    }
-    if real is not None:
-        real1, real5, n_real = real_counts
-        stats['real'] = {'acc1': 100.0 * real1 / n_real if n_real else float('nan'),
-                         'acc5': 100.0 * real5 / n_real if n_real else float('nan'), 'n': int(round(n_real))}
-    if stats['aborted']:
-        print(f'{header} interrupted by a stop signal after {n} images')
-        return stats
-    print(f"* Acc@1 {stats['acc1']:.3f} Acc@5 {stats['acc5']:.3f} loss {stats['loss']:.3f}  ({n} images)")
-    return stats
+    results = {}
+    for label, row in zip(models, sums.tolist()):  # the one wait for the device
+        loss_sum, correct1, correct5, n, seen, aborted, *real_counts = row
+        n, seen = int(round(n)), int(round(seen))
+        stats = {
+            'loss': loss_sum / n if n else float('nan'),
+            'acc1': 100.0 * correct1 / n if n else float('nan'),
+            'acc5': 100.0 * correct5 / n if n else float('nan'),
+            'n': n,
+            'seen': seen,
+            'aborted': aborted > 0,
+        }
+        if real is not None:
+            real1, real5, n_real = real_counts
+            stats['real'] = {'acc1': 100.0 * real1 / n_real if n_real else float('nan'),
+                             'acc5': 100.0 * real5 / n_real if n_real else float('nan'), 'n': int(round(n_real))}
+        results[label] = stats
+    for stats in results.values():  # a stop cuts the pass short for every model alike
+        if stats['aborted']:
+            print(f"{header} interrupted by a stop signal after {stats['n']} images")
+            break
+        print(f"* Acc@1 {stats['acc1']:.3f} Acc@5 {stats['acc5']:.3f} loss {stats['loss']:.3f}  ({stats['n']} images)")
+    return results

@@ -297,3 +297,32 @@ def test_compile_keeps_batchnorm_per_process_and_covers_evaluation(compile_, syn
         assert isinstance(train_model, FakeDDP) and eval_model is bare and not compiled
         assert ('SyncBatchNorm across the processes' in out) == sync_bn
 
+
+# ------------------------------------------------------------------------------------ one validation pass
+def test_validation_decodes_each_image_once_per_evaluation_with_an_ema(data, tmp_path, monkeypatch, capsys):
+    """The model and its EMA are scored from one pass over the validation set, in a training epoch and in
+    --eval: each validation image is opened once per evaluation, and both accuracy lines are printed."""
+    import collections
+
+    from PIL import Image
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS'):
+        monkeypatch.delenv(k, raising=False)
+    opened = collections.Counter()
+    real_open = Image.open
+
+    def counted_open(fp, *a, **kw):
+        opened[getattr(fp, 'name', fp)] += 1
+        return real_open(fp, *a, **kw)
+    monkeypatch.setattr(Image, 'open', counted_open)
+    out = tmp_path / 'out'
+    argv = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--num_workers',
+            '0', '--no-flops', '--print-freq', '100', '--epochs', '1', '--data-path', data]
+    for run in (argv + ['--output_dir', str(out)], argv + ['--eval', '--resume', str(out / 'checkpoint.pth')]):
+        opened.clear()
+        assert main.run(run) == 0
+        val = [n for p, n in opened.items() if f'{os.sep}val{os.sep}' in str(p)]
+        assert len(val) == 15 and set(val) == {1}, opened
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Accuracy of the')]
+    assert [x.split(' on ')[0] for x in lines] == [
+        'Accuracy of the network', 'Accuracy of the EMA network',  # the training epoch
+        'Accuracy of the network (model)', 'Accuracy of the network (EMA)']  # --eval of its checkpoint
