@@ -126,6 +126,15 @@ def test_data_loading_times_the_train_transform_per_worker(tmp_path):
     assert [(r['workers'], r['batch_size']) for r in result['loaders']] == [(0, 4)]
     assert result['loaders'][0]['first_batch_s'] > 0 and result['loaders'][0]['img_s'] > 0
     assert json.loads((tmp_path / 'data.jsonl').read_text())['images'] == 8
+    assert result['cpu_transform_img_s_cpu'] > 0  # the whole transform on the CPU, as before the device took a part
+
+
+def test_photo_jpegs_are_cut_from_real_photos_at_imagenet_sizes(tmp_path):
+    from PIL import Image
+    benchmark.make_photo_jpegs(str(tmp_path), count=12)
+    sizes = [Image.open(p).size for p in sorted(tmp_path.rglob('*.jpg'))]
+    assert len(sizes) == 12 and all(max(s) == 500 and 333 <= min(s) <= 400 for s in sizes)
+    assert any(w < h for w, h in sizes) and any(w > h for w, h in sizes)  # portrait and landscape
 
 
 @pytest.mark.parametrize('flags, enabled', [([], True), (['--no-tf32'], False)])

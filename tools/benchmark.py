@@ -446,22 +446,33 @@ def make_jpegs(root: str, count: int = 200, size: Sequence[int] = (500, 375), qu
         Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
 
 
-def data_loading(args: argparse.Namespace) -> Dict:
-    """img/s of main.py's train transform (default recipe flags) on the ImageFolder ``args.data_loading``:
-    in this process (what one DataLoader worker does with a core of its own: images per second of
-    wall time and per second of CPU time), then through DataLoaders with ``--data-workers`` workers
-    (time to the first batch of a fresh iterator, i.e. an epoch start without persistent workers, and
-    img/s after it)."""
+def make_photo_jpegs(root: str, count: int = 200, quality: int = 90, classes: int = 4, seed: int = 0) -> None:
+    """``count`` JPEGs (quality ``quality``) in ``classes`` ImageFolder classes under ``root``, cut from
+    scikit-learn's two sample photos (china.jpg and flower.jpg, 640x427) and resized to ImageNet's usual
+    sizes: the long side 500 px, the short side 333..400 px, one in four portrait. Real photos decode as
+    ImageNet's JPEGs do; noise-like synthetic images (``make_jpegs``) decode several times slower."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_sample_images  # bundled with scikit-learn, never downloads
+    photos = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        photo = photos[i % len(photos)]
+        short = int(rng.integers(333, 401))
+        width, height = (short, 500) if rng.random() < 0.25 else (500, short)
+        # a crop of the target's aspect ratio, 60..100% of the largest that fits, anywhere in the photo
+        crop_w = min(photo.width, photo.height * width / height) * rng.uniform(0.6, 1.0)
+        crop_h = crop_w * height / width
+        left, top = rng.uniform(0, photo.width - crop_w), rng.uniform(0, photo.height - crop_h)
+        img = photo.resize((width, height), Image.BICUBIC, box=(left, top, left + crop_w, top + crop_h))
+        folder = os.path.join(root, f'class{i % classes}')
+        os.makedirs(folder, exist_ok=True)
+        img.save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
+
+
+def _transform_times(dataset) -> tuple:
+    """(wall s, process CPU s, per-image thread CPU s) of loading every item of ``dataset`` in this process."""
     import resource
-
-    from torchvision.datasets import ImageFolder
-
-    import datasets
-    from main import get_args_parser
-    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
-    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe))
-    torch.manual_seed(0)
-    dataset[0]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
     per_image = []
@@ -471,16 +482,37 @@ def data_loading(args: argparse.Namespace) -> Dict:
         per_image.append(time.thread_time() - thread_start)
     wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = usage.ru_utime + usage.ru_stime - cpu0
+    return wall, usage.ru_utime + usage.ru_stime - cpu0, per_image
+
+
+def data_loading(args: argparse.Namespace) -> Dict:
+    """img/s of main.py's train transform (default recipe flags) on the ImageFolder ``args.data_loading``:
+    in this process (what one DataLoader worker does with a core of its own: images per second of
+    wall time and per second of CPU time), then through DataLoaders with ``--data-workers`` workers
+    (time to the first batch of a fresh iterator and img/s after it). main.py's workers stop at the uint8
+    crop (the device normalises and erases); the CPU time of the whole transform on the CPU (ToTensor,
+    Normalize, RandomErasing in the worker, as before) is given too."""
+    from torchvision.datasets import ImageFolder
+
+    import datasets
+    from main import get_args_parser
+    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
+    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe, uint8=True))
+    torch.manual_seed(0)
+    dataset[0]
+    wall, cpu, per_image = _transform_times(dataset)
+    _, cpu_float, _ = _transform_times(ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe)))
     ms = sorted(1e3 * t for t in per_image)
     quantiles = {f'p{q}': ms[min(len(ms) - 1, int(q / 100 * len(ms)))] for q in (10, 50, 90, 99)}
     result = dict(data=args.data_loading, images=len(dataset), input_size=recipe.input_size,
                   threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
                   one_worker_img_s_cpu=len(dataset) / cpu, image_cpu_ms_mean=statistics.mean(ms),
-                  image_cpu_ms=quantiles, loaders=[])
-    print(f'train transform, {len(dataset)} images, in-process: {len(dataset) / wall:.1f} img/s (wall), '
-          f'{len(dataset) / cpu:.1f} img/s per CPU second; CPU ms per image: mean {statistics.mean(ms):.2f}, '
-          + ', '.join(f'{k} {v:.2f}' for k, v in quantiles.items()))
+                  image_cpu_ms=quantiles, cpu_transform_img_s_cpu=len(dataset) / cpu_float, loaders=[])
+    print(f'train transform to uint8 (main.py\'s workers), {len(dataset)} images, in-process: '
+          f'{len(dataset) / wall:.1f} img/s (wall), {len(dataset) / cpu:.1f} img/s per CPU second; CPU ms per '
+          f'image: mean {statistics.mean(ms):.2f}, ' + ', '.join(f'{k} {v:.2f}' for k, v in quantiles.items()))
+    print(f'the same with ToTensor, Normalize and RandomErasing on the CPU: {len(dataset) / cpu_float:.1f} img/s '
+          f'per CPU second')
     for workers in args.data_workers:
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
                                              num_workers=workers)
@@ -663,6 +695,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="img/s of main.py's train transform per DataLoader worker on the ImageFolder DIR")
     parser.add_argument('--make-jpegs', default=None, metavar='DIR',
                         help='first write 200 photo-like 500x375 JPEGs (quality 90) into DIR as an ImageFolder')
+    parser.add_argument('--make-photos', default=None, metavar='DIR',
+                        help="first write 200 JPEGs cut from scikit-learn's sample photos at ImageNet's sizes "
+                             '(long side 500, short 333..400, quality 90) into DIR as an ImageFolder')
     parser.add_argument('--data-workers', type=int, nargs='+', default=[0, 2],
                         help='DataLoader worker counts timed by --data-loading')
     parser.add_argument('--tiny', action='store_true',
@@ -739,6 +774,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     if args.make_jpegs:
         make_jpegs(args.make_jpegs)
         print(f'wrote 200 JPEGs under {args.make_jpegs}')
+    if args.make_photos:
+        make_photo_jpegs(args.make_photos)
+        print(f'wrote 200 JPEGs of photos under {args.make_photos}')
     if args.data_loading:
         result = data_loading(args)
         write_jsonl(args.json, [result])
