@@ -450,3 +450,18 @@ def test_random_erasing_on_the_device_has_the_cpu_transforms_distribution():
     assert ks_2samp(area_cpu, area_dev).pvalue > 0.01 and ks_2samp(aspect_cpu, aspect_dev).pvalue > 0.01
     assert abs(noise_dev.mean()) < 0.01 and abs(noise_dev.std() - 1) < 0.01
     assert ks_2samp(noise_cpu[:20000].numpy(), noise_dev[:20000].numpy()).pvalue > 0.01
+
+
+def test_data_sets_built_for_the_device_loader_give_uint8_crops(tmp_path):
+    """main.py builds every data set with uint8=True: image folders (both splits), iNaturalist and the extra
+    evaluation sets hand over uint8 crops of the input size; the targets are as with the float transform."""
+    import eval_sets as E
+    root = make_folder(tmp_path / "d", classes=("a", "b", "c"))
+    make_inat(str(tmp_path))
+    args = make_args(data_path=root, eval_sets=[os.path.join(root, "val")])
+    built = [D.build_dataset(True, args, uint8=True)[0], D.build_dataset(False, args, uint8=True)[0],
+             D.build_dataset(True, make_args(data_set="INAT", data_path=str(tmp_path)), uint8=True)[0]]
+    built.append(E.build_eval_sets(args, built[1], uint8=True)[0][1])
+    for ds in built:
+        x, y = ds[len(ds) - 1]
+        assert x.dtype == torch.uint8 and x.shape == (3, 32, 32) and y == ds.samples[-1][1]
