@@ -272,12 +272,13 @@ class OptimizerStep:
     def _step(self, model, stop_flag, grad_norm: bool) -> StepOutcome:
         losses, self._losses = torch.stack(self._losses), []
         buffers, self._buffers = self._buffers, []
-        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in model.parameters() if p.grad is not None] if self.scaler is not None or grad_norm \
+            else []
         # this rank's flags, on the device: a non-finite loss, non-finite (scaled fp16) gradients - GradScaler's
         # own test, which its step would read back by itself - and a stop request
         flags = torch.stack([
             ~torch.isfinite(losses).all(),
-            ~torch.isfinite(total_norm([p.grad for p in params], math.inf)) if self.scaler is not None and params
+            ~torch.isfinite(total_norm(grads, math.inf)) if self.scaler is not None and grads
             else torch.zeros((), dtype=torch.bool, device=losses.device),
             torch.full((), stop_flag is not None and stop_flag.requested, dtype=torch.bool, device=losses.device),
         ]).float()
@@ -301,7 +302,7 @@ class OptimizerStep:
             # that test on the host, so the optimizer steps directly when the test above found no overflow
             self.scaler.unscale_(self.optimizer)
         if grad_norm:
-            outcome.grad_norm = total_norm([p.grad for p in params]) if params else torch.zeros((), device=self.device)
+            outcome.grad_norm = total_norm(grads) if grads else torch.zeros((), device=self.device)
         if overflow:
             outcome.overflow = True
         else:
