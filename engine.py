@@ -8,15 +8,16 @@ epoch, which `train_one_epoch` takes and returns and `epoch_state_entries` turns
 the random-number state (`get_rng_state`) that makes a resumed epoch replay its batches."""
 import math
 import random
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 import torch
-from timm.utils import dispatch_clip_grad, unwrap_model
+from timm.utils import ModelEmaV3, dispatch_clip_grad, unwrap_model
 
-from distributed import all_reduce_max, get_world_size, is_dist_avail_and_initialized
+from distributed import get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
 from models.compat import set_tf32_flags, total_norm
@@ -78,6 +79,51 @@ def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
+# --------------------------------------------------------------------------------------------------
+# The EMA of the weights
+# --------------------------------------------------------------------------------------------------
+class ModelEma(ModelEmaV3):
+    """timm's ModelEmaV3 (the EMA of parameters and buffers, on the model's device or `device`) whose update
+    walks the modules' own tensor dicts instead of building two state dicts per step, which costs the host
+    several milliseconds a step. The same tensors in the same order as the state dicts (each module's
+    parameters, then its persistent buffers), the same foreach lerp: the same numbers. The module lists are
+    gathered once per model; the tensors are looked up at every update, so moving a model (`.to()` replaces
+    its buffers) is fine. Off the multi-tensor path (an EMA on another device than the model) timm's own
+    update runs."""
+
+    def __init__(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
+        super().__init__(model, *args, **kwargs)
+        self._ema_modules = list(self.module.modules())
+        self._model_modules: tuple = (None, [])  # (the model, its modules), for the model last updated from
+
+    @staticmethod
+    def _state_tensors(modules: List[torch.nn.Module]) -> List[torch.Tensor]:
+        """The tensors of the modules' state dict, in its order (module attributes: state_dict() would spend
+        milliseconds on names, hooks and detached copies)."""
+        tensors = []
+        for m in modules:
+            tensors += [p for p in m._parameters.values() if p is not None]
+            tensors += [b for k, b in m._buffers.items() if b is not None and k not in m._non_persistent_buffers_set]
+        return tensors
+
+    def apply_update_(self, model: torch.nn.Module, decay: float) -> None:
+        if not self.foreach:
+            super().apply_update_(model, decay)
+            return
+        if self._model_modules[0] is not model:
+            self._model_modules = (model, list(model.modules()))
+        ema_values = self._state_tensors(self._ema_modules)
+        model_values = self._state_tensors(self._model_modules[1])
+        lerp_ema, lerp_model = [], []
+        for ema_v, model_v in zip(ema_values, model_values):
+            if ema_v.is_floating_point():
+                lerp_ema.append(ema_v)
+                lerp_model.append(model_v)
+            else:
+                ema_v.copy_(model_v)
+        self._foreach_lerp_(lerp_ema, lerp_model, weight=1. - decay)
+
+
 @dataclass
 class EpochState:
     """Where training stands inside an epoch: the first step not yet run, what a resume at that step needs,
@@ -128,11 +174,12 @@ class TrainSettings:
 @dataclass
 class StepOutcome:
     """What one optimizer step did (`OptimizerStep` returns it at the last micro-batch of a window).
-    `non_finite` is set when a non-finite loss skipped the step: this rank's loss, or 'on another rank'."""
-    losses: List[float]  # this rank's loss of every micro-batch of the window
+    `non_finite` is set when a non-finite loss skipped the step: this rank's loss, or 'on another rank'.
+    The tensors stay on the device, so that returning them makes the host wait for nothing."""
+    losses: torch.Tensor  # this rank's loss of every micro-batch of the window (a 1-d tensor on the device)
     non_finite: Union[float, str, None] = None
-    overflow: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the optimizer step
-    grad_norm: Optional[float] = None  # L2 norm of the gradients before clipping (when asked for)
+    overflow: bool = False  # fp16: inf/NaN gradients (finite losses); the optimizer step was skipped
+    grad_norm: Optional[torch.Tensor] = None  # L2 norm of the gradients before clipping (when asked for)
     stop: bool = False  # a stop was requested (on any rank)
 
 
@@ -165,14 +212,19 @@ class OptimizerStep:
     Each micro-batch runs `criterion(samples, model(samples), targets)` under autocast (`amp_dtype`) and
     the backward of loss / window length, scaled by the fp16 `scaler` (a torch.amp.GradScaler) when there
     is one; the micro-batches that do not end the window run under DDP's no_sync(), so gradients are
-    exchanged once per optimizer step. Under several processes the ranks agree after each of those
-    micro-batches whether any loss so far was non-finite, so that all run its backward or all skip it (every
-    rank issues the same collectives in the same order). At the window's last micro-batch one small
-    collective tells every rank whether all losses were finite (and whether a stop was requested); then the
-    gradients are unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer steps. A
-    window with a non-finite loss on any rank is skipped: no optimizer step, and every buffer of the bare
-    model (BatchNorm running statistics) is put back as it was before the window. The epoch's last window
-    may be shorter. `model` may be DDP-wrapped and/or compiled."""
+    exchanged once per optimizer step. Every micro-batch runs its backward, also after a non-finite loss
+    (whose gradients come out non-finite), so every rank issues the same collectives in the same order
+    (SyncBatchNorm's backward all-reduces even under no_sync()) and no DDP forward is left without its
+    backward.
+
+    The host waits for the device once per optimizer step, after the window's last backward is queued: one
+    small tensor built on the device says whether all losses of the window were finite, whether the fp16
+    gradients overflowed and whether a stop was requested, agreed over the ranks by one all-reduce. Then the
+    gradients are unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer
+    steps. A window with a non-finite loss on any rank is skipped: no optimizer step, the loss scale as it
+    was, and every buffer of the bare model (BatchNorm running statistics) put back as it was before the
+    window. An fp16 overflow skips the optimizer step and lowers the loss scale, as GradScaler.step and
+    update do. The epoch's last window may be shorter. `model` may be DDP-wrapped and/or compiled."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: Union[str, torch.device],
                  amp_dtype: Optional[torch.dtype] = None, scaler: Optional[torch.amp.GradScaler] = None,
@@ -184,9 +236,7 @@ class OptimizerStep:
         self._window_end: Optional[int] = None  # the open window's end; None between windows
         self._window_len = 1
         self._buffers: List[torch.Tensor] = []
-        self._losses: List[float] = []
-        self._bad_loss: Optional[float] = None
-        self._window_bad = False  # the ranks agreed that a loss of the open window was non-finite
+        self._losses: List[torch.Tensor] = []
 
     def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
                  index: int = 0, n_steps: Optional[int] = None, stop_flag: Any = None,
@@ -200,7 +250,7 @@ class OptimizerStep:
             self._window_len = self._window_end - index
             # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
             self._buffers = [b.detach().clone() for b in unwrap_model(model).buffers()]
-            self._losses, self._bad_loss, self._window_bad = [], None, False
+            self._losses = []
             self.optimizer.zero_grad(set_to_none=True)
         last = index + 1 >= self._window_end
         # DDP decides at forward time whether the backward all-reduces: the micro-batches that do not end the
@@ -208,82 +258,110 @@ class OptimizerStep:
         with _no_sync(model, not last):
             with autocast(self.device, self.amp_dtype):
                 loss = criterion(samples, model(samples), targets)
-            value = loss.item()
-            self._losses.append(value)
-            if not math.isfinite(value):
-                self._bad_loss = value
-            if not last:
-                if self._window_finite():  # a local backward; a skipped window needs none
-                    self._backward(loss)
-                return None
+            self._losses.append(loss.detach())
+            self._backward(loss)
+        if not last:
+            return None
         self._window_end = None
-        return self._step(model, loss, stop_flag, grad_norm)
-
-    def _window_finite(self) -> bool:
-        """Whether every loss of the open window so far is finite, on every rank. Every rank must issue the
-        same collectives in the same order: SyncBatchNorm's backward all-reduces in each of its layers even
-        under no_sync(), so a backward that one rank skips while the others run theirs would leave them
-        waiting on each other until the process group's timeout. So the ranks agree on each micro-batch
-        (one small all-reduce) and then all run the backward or all skip it; once they agree that the window
-        is bad, they all know it and stop asking."""
-        if self._window_bad:
-            return False
-        bad = self._bad_loss is not None
-        if is_dist_avail_and_initialized():
-            bad = all_reduce_max([1.0 if bad else 0.0], self.device)[0] > 0.0
-        self._window_bad = bad
-        return not bad
+        return self._step(model, stop_flag, grad_norm)
 
     def _backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self._window_len
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
 
-    def _step(self, model, loss, stop_flag, grad_norm: bool) -> StepOutcome:
-        # one small collective per optimizer step: do all ranks have finite losses, did any get a stop signal?
-        stop = bool(stop_flag is not None and stop_flag.requested)
-        finite = self._bad_loss is None
-        if is_dist_avail_and_initialized():
-            bad_any, stop_any = all_reduce_max([0.0 if finite else 1.0, 1.0 if stop else 0.0], self.device)
-            finite, stop = bad_any == 0.0, stop_any > 0.0
-        outcome = StepOutcome(losses=self._losses, stop=stop)
+    def _step(self, model, stop_flag, grad_norm: bool) -> StepOutcome:
+        losses, self._losses = torch.stack(self._losses), []
         buffers, self._buffers = self._buffers, []
-        if not finite:
+        grads = [p.grad for p in model.parameters() if p.grad is not None] if self.scaler is not None or grad_norm \
+            else []
+        # this rank's flags, on the device: a non-finite loss, non-finite (scaled fp16) gradients - GradScaler's
+        # own test, which its step would read back by itself - and a stop request
+        flags = torch.stack([
+            ~torch.isfinite(losses).all(),
+            ~torch.isfinite(total_norm(grads, math.inf)) if self.scaler is not None and grads
+            else torch.zeros((), dtype=torch.bool, device=losses.device),
+            torch.full((), stop_flag is not None and stop_flag.requested, dtype=torch.bool, device=losses.device),
+        ]).float()
+        agreed = flags.clone()
+        if is_dist_avail_and_initialized():
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        # the step's one wait for the device
+        bad_here, bad, overflow, stop = (v > 0 for v in torch.cat([flags[:1], agreed]).tolist())
+        outcome = StepOutcome(losses=losses, stop=stop)
+        if bad:
             self.optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
                 for b, saved in zip(unwrap_model(model).buffers(), buffers):
                     b.copy_(saved)
-            outcome.non_finite = self._bad_loss if self._bad_loss is not None else 'on another rank'
+            # a skipped window is rare: naming its loss may read the losses back once more
+            outcome.non_finite = (next(v for v in losses.tolist() if not math.isfinite(v)) if bad_here
+                                  else 'on another rank')
             return outcome
-        scale_before = self.scaler.get_scale() if self.scaler is not None else None
-        self._backward(loss)
-        if self.scaler is not None and (self.clip_grad is not None or grad_norm):
+        if self.scaler is not None:
+            # the device-side unscale also records the overflow test for update(); GradScaler.step would repeat
+            # that test on the host, so the optimizer steps directly when the test above found no overflow
             self.scaler.unscale_(self.optimizer)
         if grad_norm:
-            outcome.grad_norm = _grad_norm(model)
-        if self.clip_grad is not None:
-            dispatch_clip_grad(model.parameters(), self.clip_grad, mode=self.clip_mode)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            outcome.overflow = self.scaler.get_scale() < scale_before  # the scaler skipped this step
+            outcome.grad_norm = total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if overflow:
+            outcome.overflow = True
         else:
+            if self.clip_grad is not None:
+                dispatch_clip_grad(model.parameters(), self.clip_grad, mode=self.clip_mode)
             self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()  # backs off after an overflow, grows after enough finite steps
         return outcome
 
 
-def _grad_norm(model: torch.nn.Module) -> float:
-    """L2 norm of all gradients (unscaled, before clipping), for the per-step log."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return float(total_norm(grads)) if grads else 0.0
+class _StepValues:
+    """The values of the optimizer steps since the last progress line, kept on the device until a line is
+    printed: the losses of the loss meter and, with a per-step logger, the logger's values. `flush` reads them
+    back in one go and feeds the meter and the logger the same numbers, in the same order, as if each step had
+    read its own."""
+
+    def __init__(self, metric_logger: MetricLogger, logger: Optional[Callable[[dict], None]]):
+        self.metric_logger, self.logger = metric_logger, logger
+        self.steps: List[tuple] = []  # (losses, whether the meter counts them, the logger's dict or None)
+
+    def add(self, losses: torch.Tensor, counted: bool, logged: Optional[dict]) -> None:
+        self.steps.append((losses, counted, logged))
+
+    def flush(self) -> None:
+        if not self.steps:
+            return
+        tensors = []
+        for losses, _, logged in self.steps:
+            tensors.append(losses.detach().reshape(-1).float())
+            tensors.extend(v.detach().reshape(1).float() for v in (logged or {}).values() if torch.is_tensor(v))
+        values = iter(torch.cat(tensors).tolist())  # the one wait for the device
+        steps, self.steps = self.steps, []
+        for losses, counted, logged in steps:
+            loss_values = [next(values) for _ in range(losses.numel())]
+            if counted:
+                for value in loss_values:
+                    self.metric_logger.update(loss=value)
+            if logged is not None and self.logger is not None:
+                logged = {k: next(values) if torch.is_tensor(v) else v for k, v in logged.items()}
+                self.logger({**logged, 'loss': sum(loss_values) / len(loss_values)})
+
+
+def _scale_of(scaler: torch.amp.GradScaler) -> Union[torch.Tensor, float]:
+    """The loss scale now, as a copy of GradScaler's scale tensor (its get_scale() waits for the device)."""
+    scale = scaler._get_scale_async()
+    return scale.detach().clone() if scale is not None else scaler.get_scale()
 
 
 def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tensor], data_loader: Any,
                     step: OptimizerStep, epoch: int, settings: Optional[TrainSettings] = None, model_ema: Any = None,
                     mixup_fn: Optional[Callable] = None, state: Optional[EpochState] = None, stop_flag: Any = None,
-                    logger: Optional[Callable[[dict], None]] = None) -> EpochResult:
+                    logger: Optional[Callable[[dict], None]] = None,
+                    random_erasing: Optional[Callable] = None) -> EpochResult:
     """One pass over `data_loader`, one `step` (OptimizerStep) per window of micro-batches, on `step.device`
     with `step.optimizer`. `model` may be DDP-wrapped and/or compiled; `model_ema` follows the bare module.
-    `logger`, when given, is called with the step's values after every optimizer step.
+    Each batch on the device goes through `random_erasing` (per image), then `mixup_fn`. `logger`, when given,
+    is called with the values of every optimizer step, in order; the values of the steps since the last
+    progress line are read from the device when the line is printed (every `settings.print_freq` steps).
 
     `state` (an EpochState; a fresh epoch without one) is where the epoch starts; the result's state is
     where training continues: the stop point after a stop signal, else the start of the next epoch. The
@@ -305,6 +383,7 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
         metric_logger.meters['loss'].total = state.loss_meter['total']
         metric_logger.meters['loss'].count = state.loss_meter['count']
     header = f'Epoch: [{epoch}]'
+    pending = _StepValues(metric_logger, logger)
 
     if state.epoch_rng_state is not None:
         set_rng_state(state.epoch_rng_state)
@@ -317,7 +396,7 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
     n_steps = len(data_loader)
 
     for i, (samples, targets) in enumerate(metric_logger.log_every(
-            data_loader, settings.print_freq, header, images_per_step=batch_size * world)):
+            data_loader, settings.print_freq, header, images_per_step=batch_size * world, before_line=pending.flush)):
         if i < start_step:
             if i == start_step - 1 and state.rng_state is not None:
                 set_rng_state(state.rng_state)
@@ -326,6 +405,8 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
         targets = targets.to(device, non_blocking=True)
         if settings.channels_last:
             samples = samples.contiguous(memory_format=torch.channels_last)
+        if random_erasing is not None:
+            samples = random_erasing(samples)
         if mixup_fn is not None:
             samples, targets = mixup_fn(samples, targets)
         out = step(model, criterion, samples, targets, i, n_steps, stop_flag=stop_flag, grad_norm=logger is not None)
@@ -355,21 +436,23 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
                 state.bad_steps = 0
             if model_ema is not None:
                 model_ema.update(unwrap_model(model))
-            for value in out.losses:
-                metric_logger.update(loss=value)
         metric_logger.update(lr=max(g['lr'] for g in optimizer.param_groups))  # the head's LR under --layer-decay
-        if logger is not None:  # e.g. TensorBoard: one call per optimizer step
-            logger({'step': epoch * n_steps + i, 'loss': sum(out.losses) / len(out.losses),
-                    'lr': metric_logger.lr.value, 'images': batch_size * world * len(out.losses),
-                    **({'grad_norm': out.grad_norm} if out.non_finite is None else {}),
-                    **({'loss_scale': step.scaler.get_scale()} if step.scaler is not None else {})})
+        logged = None
+        if logger is not None:  # e.g. TensorBoard: one call per optimizer step, the loss added when read
+            logged = {'step': epoch * n_steps + i, 'time': time.perf_counter(), 'lr': metric_logger.lr.value,
+                      'images': batch_size * world * out.losses.numel(),
+                      **({'grad_norm': out.grad_norm} if out.non_finite is None else {}),
+                      **({'loss_scale': _scale_of(step.scaler)} if step.scaler is not None else {})}
+        pending.add(out.losses, out.non_finite is None, logged)
 
         if out.stop and i + 1 < n_steps:
+            pending.flush()
             meter = metric_logger.meters['loss']
             return EpochResult(stats={}, stopped=True, state=replace(
                 state, step=i + 1, rng_state=get_rng_state(), epoch_rng_state=epoch_rng_state,
                 loss_meter={'total': meter.total, 'count': meter.count}))
 
+    pending.flush()
     metric_logger.synchronize_between_processes(device)
     print('Averaged stats:', metric_logger)
     stats = {k: meter.global_avg for k, meter in metric_logger.meters.items()}
@@ -380,10 +463,21 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
                        state=EpochState(bad_steps=state.bad_steps))
 
 
-@torch.no_grad()
 def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, print_freq=10, header='Test:',
              sum_over_ranks=False, stop_flag=None, real=None):
-    """Top-1/top-5 and loss from exact counts. With `sum_over_ranks` (dist-eval) the counts of every rank
+    """`evaluate_models` of one model: its stats."""
+    return evaluate_models(data_loader, {'': model}, device, amp_dtype, channels_last, print_freq, header,
+                           sum_over_ranks, stop_flag, real)['']
+
+
+@torch.no_grad()
+def evaluate_models(data_loader: Any, models: Dict[str, torch.nn.Module], device: Any,
+                    amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False, print_freq: int = 10,
+                    header: str = 'Test:', sum_over_ranks: bool = False, stop_flag: Any = None,
+                    real: Any = None) -> Dict[str, dict]:
+    """Top-1/top-5 and loss from exact counts of each of `models` (label -> model, e.g. the model and its EMA),
+    from one pass over `data_loader`: each batch goes through every model, so the images are loaded and
+    decoded once whatever the number of models. With `sum_over_ranks` (dist-eval) the counts of every rank
     are summed with all_reduce, so each image counts once whatever the number of processes.
     A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval).
 
@@ -392,61 +486,69 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
     (those with a ReaL label); its counts travel in the same collective as the others.
 
     The sums stay on the device: the host waits for the GPU only on the batches that print a progress
-    line and once at the end, not on every batch."""
+    line and once at the end, not on every batch. Returns label -> stats, in the order of `models`."""
     device = torch.device(device)
     metric_logger = MetricLogger(delimiter='  ')
-    model.eval()
-    # loss sum, top-1 hits, top-5 hits, counted images, images seen, aborted (float64: counts stay exact),
-    # then with `real` its top-1 hits, top-5 hits and scored images
-    sums = torch.zeros(6 if real is None else 9, dtype=torch.float64, device=device)
+    for m in models.values():
+        m.eval()
+    meter = {label: f'{label} loss' if label else 'loss' for label in models}
+    # per model: loss sum, top-1 hits, top-5 hits, counted images, images seen, aborted (float64: counts stay
+    # exact), then with `real` its top-1 hits, top-5 hits and scored images
+    sums = torch.zeros(len(models), 6 if real is None else 9, dtype=torch.float64, device=device)
     seen = 0  # known on the host
     total = len(data_loader)
     for i, (images, target, *index) in enumerate(metric_logger.log_every(data_loader, print_freq, header,
                                                                            images_per_step=data_loader.batch_size)):
         if stop_flag is not None and stop_flag.requested:
-            sums[5] = 1.0
+            sums[:, 5] = 1.0
             break
         images = images.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        with autocast(device, amp_dtype):
-            output = model(images)
-        output = output.float()
         # targets < 0 mark images that could not be decoded (image_folder.IGNORE_TARGET): not counted; masks
         # rather than boolean indexing, whose output size the host would have to wait for
         valid = target >= 0
-        loss = torch.nn.functional.cross_entropy(output, target.clamp(min=0), reduction='none')
-        maxk = min(5, output.shape[1])
-        top = output.topk(maxk, dim=1).indices
-        hit = top.eq(target.view(-1, 1)) & valid.view(-1, 1)
-        sums[:4] += torch.stack([torch.where(valid, loss, 0.0).sum(dtype=torch.float64),
-                                 hit[:, :1].sum(dtype=torch.float64), hit[:, :maxk].sum(dtype=torch.float64),
-                                 valid.sum(dtype=torch.float64)])
-        if real is not None:
-            sums[6:] += real.count(top, index[0].to(device, non_blocking=True), valid)
+        for k, model in enumerate(models.values()):
+            with autocast(device, amp_dtype):
+                output = model(images)
+            output = output.float()
+            loss = torch.nn.functional.cross_entropy(output, target.clamp(min=0), reduction='none')
+            maxk = min(5, output.shape[1])
+            top = output.topk(maxk, dim=1).indices
+            hit = top.eq(target.view(-1, 1)) & valid.view(-1, 1)
+            sums[k, :4] += torch.stack([torch.where(valid, loss, 0.0).sum(dtype=torch.float64),
+                                        hit[:, :1].sum(dtype=torch.float64), hit[:, :maxk].sum(dtype=torch.float64),
+                                        valid.sum(dtype=torch.float64)])
+            if real is not None:
+                sums[k, 6:] += real.count(top, index[0].to(device, non_blocking=True), valid)
         seen += target.shape[0]
         if i % print_freq == 0 or i == total - 1:  # the batches log_every prints a line after
-            metric_logger.update(loss=sums[0] / sums[3].clamp(min=1))
-    sums[4] = seen
+            metric_logger.update(**{meter[label]: sums[k, 0] / sums[k, 3].clamp(min=1)
+                                    for k, label in enumerate(models)})
+    sums[:, 4] = seen
     if sum_over_ranks and is_dist_avail_and_initialized():  # one collective; a stop on any rank shows on all
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
-    loss_sum, correct1, correct5, n, seen, aborted, *real_counts = sums.tolist()  # the one wait for the device
-    n, seen = int(round(n)), int(round(seen))
-    stats = {
-        'loss': loss_sum / n if n else float('nan'),
-        'acc1': 100.0 * correct1 / n if n else float('nan'),
-        'acc5': 100.0 * correct5 / n if n else float('nan'),
-        'n': n,
-        'seen': seen,
-        'aborted': aborted > 0,
-    }
-    if real is not None:
-        real1, real5, n_real = real_counts
-        stats['real'] = {'acc1': 100.0 * real1 / n_real if n_real else float('nan'),
-                         'acc5': 100.0 * real5 / n_real if n_real else float('nan'), 'n': int(round(n_real))}
-    if stats['aborted']:
-        print(f'{header} interrupted by a stop signal after {n} images')
-        return stats
-    print(f"* Acc@1 {stats['acc1']:.3f} Acc@5 {stats['acc5']:.3f} loss {stats['loss']:.3f}  ({n} images)")
-    return stats
+    results = {}
+    for label, row in zip(models, sums.tolist()):  # the one wait for the device
+        loss_sum, correct1, correct5, n, seen, aborted, *real_counts = row
+        n, seen = int(round(n)), int(round(seen))
+        stats = {
+            'loss': loss_sum / n if n else float('nan'),
+            'acc1': 100.0 * correct1 / n if n else float('nan'),
+            'acc5': 100.0 * correct5 / n if n else float('nan'),
+            'n': n,
+            'seen': seen,
+            'aborted': aborted > 0,
+        }
+        if real is not None:
+            real1, real5, n_real = real_counts
+            stats['real'] = {'acc1': 100.0 * real1 / n_real if n_real else float('nan'),
+                             'acc5': 100.0 * real5 / n_real if n_real else float('nan'), 'n': int(round(n_real))}
+        results[label] = stats
+    for stats in results.values():  # a stop cuts the pass short for every model alike
+        if stats['aborted']:
+            print(f"{header} interrupted by a stop signal after {stats['n']} images")
+            break
+        print(f"* Acc@1 {stats['acc1']:.3f} Acc@5 {stats['acc5']:.3f} loss {stats['loss']:.3f}  ({stats['n']} images)")
+    return results

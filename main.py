@@ -8,6 +8,7 @@ Runs under torchrun (one or several nodes), `python -m torch.distributed.launch 
 and as a plain process; NCCL on GPUs, gloo on CPUs. See README "Training and evaluation".
 """
 import argparse
+import copy
 import datetime
 import json
 import math
@@ -566,13 +567,35 @@ def drop_path_rate(model) -> float:
     return max((float(m.drop_prob) for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
 
 
+#: the --opt names whose torch optimizer has a fused CUDA kernel (torch.optim.Adam and AdamW)
+FUSED_OPTIMIZERS = ('adam', 'adamw')
+
+
 def build_optimizer(args, model):
     """timm optimizer with the command line's settings; --layer-decay scales each parameter group's LR by
-    decay^(layers above it), layers as the model's group_matcher defines them."""
+    decay^(layers above it), layers as the model's group_matcher defines them.
+
+    Adam/AdamW with every parameter on a GPU use torch's fused kernel: one kernel for all parameters, step
+    counts kept on the GPU (the multi-tensor kernel reads each parameter's back to the host every step);
+    its results differ from the multi-tensor kernel's by rounding only (docs/performance.md). Elsewhere
+    torch's default, the multi-tensor kernel. A checkpoint's parameter groups carry the kernel choice of the
+    run that wrote it; loading one keeps this run's choice."""
     from timm.optim import create_optimizer_v2
-    return create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                               momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
-                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+    fused = (args.opt.lower().removeprefix('lookahead_') in FUSED_OPTIMIZERS
+             and all(p.is_cuda for p in model.parameters()))
+    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                    momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
+                                    **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}),
+                                    **({'fused': True} if fused else {}))
+    optimizer.register_load_state_dict_pre_hook(_keep_kernel_choice)
+    return optimizer
+
+
+def _keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Optimizer load_state_dict pre-hook: the loaded parameter groups take this optimizer's kernel
+    settings (fused, foreach) instead of those of the run that saved them."""
+    kernel = {k: optimizer.defaults[k] for k in ('fused', 'foreach') if k in optimizer.defaults}
+    return {**state_dict, 'param_groups': [{**group, **kernel} for group in state_dict['param_groups']]}
 
 
 def build_lr_scheduler(args, optimizer):
@@ -636,17 +659,15 @@ def build_loaders(args, dataset_train, dataset_val):
     else:
         sampler_val = torch.utils.data.SequentialSampler(dataset_val)
     pin = args.pin_mem and str(args.device).startswith('cuda')
-    # Workers are not persistent: each epoch's workers are seeded from the RNG state at the start of the epoch,
-    # which the checkpoint holds, so a resumed epoch replays the same augmentations (persistent workers would
-    # carry their random state across epochs, out of the checkpoint's reach). Re-forking costs a few seconds
-    # an epoch (docs/performance.md).
-    common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn,
-                  persistent_workers=False)
+    # Workers stay from one epoch to the next, and each epoch's workers are seeded from the RNG state at the
+    # start of the epoch, which the checkpoint holds, so a resumed epoch replays the same augmentations
+    # (utils.PersistentDataLoader)
+    common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=utils.worker_init_fn)
     if dataset_train is not None:
-        loader_train = utils.DataLoader(dataset_train, sampler=sampler_train, batch_size=args.batch_size,
-                                        drop_last=True, **common)
-    loader_val = utils.DataLoader(dataset_val, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
-                                  drop_last=False, **common)
+        loader_train = utils.PersistentDataLoader(dataset_train, sampler_train, batch_size=args.batch_size,
+                                                  drop_last=True, **common)
+    loader_val = utils.PersistentDataLoader(dataset_val, sampler_val, batch_size=int(1.5 * args.batch_size),
+                                            drop_last=False, **common)
     return sampler_train, loader_train, loader_val
 
 
@@ -689,33 +710,52 @@ def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') ->
     return line
 
 
+def evaluate_with_ema(args: argparse.Namespace, loader_val: Any, eval_model: torch.nn.Module, model_ema: Any,
+                      eval_ema: Optional[torch.nn.Module], device: torch.device, amp_dtype: Optional[torch.dtype],
+                      sum_over_ranks: bool, stop_flag: Any) -> Tuple[dict, Optional[dict]]:
+    """The validation stats of the model and of its EMA (None without one), from one pass over the validation
+    set: each batch goes through both. `eval_ema` is the compiled EMA module (--compile), else None; an EMA
+    kept on the CPU (--model-ema-force-cpu) is evaluated on `device`, where the data is."""
+    if model_ema is None:
+        return engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last, args.print_freq,
+                               sum_over_ranks=sum_over_ranks, stop_flag=stop_flag), None
+    with distributed.moved_to(model_ema.module, device):
+        stats = engine.evaluate_models(loader_val, {'': eval_model, 'EMA': eval_ema or model_ema.module}, device,
+                                       amp_dtype, args.channels_last, args.print_freq, sum_over_ranks=sum_over_ranks,
+                                       stop_flag=stop_flag)
+    return stats[''], stats['EMA']
+
+
 def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: torch.nn.Module,
                         eval_model: torch.nn.Module, loader_val: Any, extra_sets: Sequence[Tuple[str, Any]],
                         real: Any, device: torch.device, amp_dtype: Optional[torch.dtype], stop_flag: Any) -> int:
     """--eval (or a run with nothing left to train): the accuracy of the loaded weights on the validation set,
     the --eval-sets and ImageNet-ReaL; a checkpoint `ckpt` with an EMA is measured twice, one labelled line per
-    set of weights and data set. `model` is the bare module holding the weights, `eval_model` what runs
-    them (compiled with --compile). Returns the exit status (128 + signal when a stop cut it short)."""
+    set of weights and data set, both from one pass over each set (the EMA weights in a copy of the model).
+    `model` is the bare module holding the weights, `eval_model` what runs them (compiled with --compile).
+    Returns the exit status (128 + signal when a stop cut it short)."""
     sum_over_ranks = bool(args.dist_eval and args.distributed)
     dataset_val = loader_val.dataset
-    ema_sd = None
+    runners = {'': eval_model}  # label of the accuracy lines -> the module that runs those weights
     if isinstance(ckpt, dict) and isinstance(ckpt.get('model_ema'), dict):
-        ema_sd = select_weights(ckpt, path, 'model_ema')[1]
-    for label, weights in ((' (model)', None), (' (EMA)', ema_sd)) if ema_sd is not None else (('', None),):
-        if weights is not None:
-            load_weights_into(model, weights, args.model, path)
-        test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
-                                     args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag,
-                                     real=real)
-        if test_stats['aborted']:
-            print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
-                  f'{test_stats["seen"]} of {len(dataset_val)} images: no accuracy reported')
-            return 128 + int(stop_flag.signum or signal.SIGTERM)
+        ema_model = copy.deepcopy(model)
+        load_weights_into(ema_model, select_weights(ckpt, path, 'model_ema')[1], args.model, path)
+        runners = {' (model)': eval_model, ' (EMA)': torch.compile(ema_model) if args.compile else ema_model}
+    test = engine.evaluate_models(loader_val, runners, device, amp_dtype, args.channels_last, args.print_freq,
+                                  sum_over_ranks=sum_over_ranks, stop_flag=stop_flag, real=real)
+    first = next(iter(test.values()))
+    if first['aborted']:
+        print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
+              f'{first["seen"]} of {len(dataset_val)} images: no accuracy reported')
+        return 128 + int(stop_flag.signum or signal.SIGTERM)
+    extra = [(name, ds, engine.evaluate_models(  # build_loaders: only its validation loader is used
+        datasets.device_loader(build_loaders(args, ds, ds)[2], args, device), runners, device, amp_dtype,
+        args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks))
+        for name, ds in extra_sets]
+    for label, test_stats in test.items():
         print(accuracy_line(test_stats, len(dataset_val), label=label))
-        for name, ds in extra_sets:  # build_loaders: only its validation loader is used
-            stats = engine.evaluate(build_loaders(args, ds, ds)[2], eval_model, device, amp_dtype,
-                                    args.channels_last, args.print_freq, header=f'{name}:',
-                                    sum_over_ranks=sum_over_ranks)
+        for name, ds, stats in extra:
+            stats = stats[label]
             print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
                   f"on {stats['n']} of {len(ds)} images")
         if real is not None:
@@ -725,7 +765,7 @@ def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: t
     best = checkpoint.describe_best(ckpt)
     if best:
         print(f'{path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
-                                   'take the EMA weights' if ema_sd is not None else ''))
+                                   'take the EMA weights' if len(runners) > 1 else ''))
     return 0
 
 
@@ -757,7 +797,7 @@ def main(args, parser):
     print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
 
     from timm.data import Mixup
-    from timm.utils import ModelEmaV3, distribute_bn, random_seed
+    from timm.utils import distribute_bn, random_seed
 
     from losses import DistillationLoss
 
@@ -772,12 +812,14 @@ def main(args, parser):
     # ---------------- data ----------------
     try:
         # evaluation only never lists the training set (train/ may be absent); its classes come from val
-        dataset_train, nb_classes = (None, None) if args.eval else datasets.build_dataset(is_train=True, args=args)
-        dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args)
+        # uint8 images: the loaders normalise them on the device (datasets.DeviceLoader)
+        dataset_train, nb_classes = ((None, None) if args.eval else
+                                     datasets.build_dataset(is_train=True, args=args, uint8=True))
+        dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args, uint8=True)
         nb_classes = nb_val if nb_classes is None else nb_classes
         if (args.eval_sets or args.real_labels is not None) and not args.eval:
             raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
-        extra_sets = eval_sets.build_eval_sets(args, dataset_val)
+        extra_sets = eval_sets.build_eval_sets(args, dataset_val, uint8=True)
         real = None
         if args.real_labels is not None:
             try:
@@ -789,6 +831,9 @@ def main(args, parser):
     # with ReaL labels the validation batches carry the sample indices the labels are looked up by
     sampler_train, loader_train, loader_val = build_loaders(
         args, dataset_train, dataset_val if real is None else eval_sets.WithIndex(dataset_val))
+    loader_val = datasets.device_loader(loader_val, args, device)
+    if loader_train is not None:
+        loader_train = datasets.device_loader(loader_train, args, device)
     if not args.eval and len(loader_train) == 0:
         raise UserError(f'the training set ({len(dataset_train)} images) gives no full batch of {args.batch_size} '
                         f'per process on {world} process(es); lower --batch-size')
@@ -833,7 +878,7 @@ def main(args, parser):
     model_ema = None
     if args.model_ema and not args.eval:  # --eval measures the EMA weights the checkpoint holds
         decay = args.model_ema_decay ** (global_batch / 512.0)
-        model_ema = ModelEmaV3(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
+        model_ema = engine.ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
         print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
 
     train_model, model_without_ddp, eval_model = wrap_model(args, model, device)
@@ -894,6 +939,7 @@ def main(args, parser):
                                 args.accum_steps)
     settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
                                     max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
+    random_erasing = datasets.batch_random_erasing(args, device)  # the train transform's, on the device
 
     tb = tensorboard_logger(args, device)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
@@ -902,7 +948,7 @@ def main(args, parser):
         sampler_train.set_epoch(epoch)
         lr_scheduler.step(epoch)  # epoch e runs at the LR of epoch e (the reference lagged one epoch)
         epoch_result = engine.train_one_epoch(train_model, criterion, loader_train, step, epoch, settings, model_ema,
-                                              mixup_fn, state, stop_flag, logger=tb)
+                                              mixup_fn, state, stop_flag, logger=tb, random_erasing=random_erasing)
         state = epoch_result.state
         if epoch_result.stopped and state.step:
             save(epoch, engine.epoch_state_entries(state), ['checkpoint.pth'])
@@ -920,15 +966,8 @@ def main(args, parser):
         bad = image_folder.bad_sample_count_all_ranks(dataset_train, device)
 
         with engine.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
-            test_stats = engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last,
-                                         args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag)
-            ema_stats = None
-            if model_ema is not None and not test_stats['aborted']:
-                with distributed.moved_to(model_ema.module, device):  # a CPU EMA is evaluated where the data is
-                    ema_stats = engine.evaluate(loader_val, eval_ema if eval_ema is not None else model_ema.module,
-                                                device, amp_dtype, args.channels_last, args.print_freq,
-                                                header='Test (EMA):', sum_over_ranks=sum_over_ranks,
-                                                stop_flag=stop_flag)
+            test_stats, ema_stats = evaluate_with_ema(args, loader_val, eval_model, model_ema, eval_ema, device,
+                                                      amp_dtype, sum_over_ranks, stop_flag)
         # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
         flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
                  float(stop_flag.requested or epoch_result.stopped)]

@@ -87,8 +87,9 @@ class MetricLogger:
     def add_meter(self, name, meter):
         self.meters[name] = meter
 
-    def log_every(self, iterable, print_freq, header='', images_per_step=None):
-        """Yield from `iterable`, printing a progress line (ETA, meters, img/s) every `print_freq` steps."""
+    def log_every(self, iterable, print_freq, header='', images_per_step=None, before_line=None):
+        """Yield from `iterable`, printing a progress line (ETA, meters, img/s) every `print_freq` steps;
+        `before_line()`, when given, is called right before each line (to bring the meters up to date)."""
         total = len(iterable)
         start_time = end = time.time()
         iter_time = SmoothedValue(fmt='{avg:.4f}')
@@ -99,6 +100,8 @@ class MetricLogger:
             yield obj
             iter_time.update(time.time() - end)
             if i % print_freq == 0 or i == total - 1:
+                if before_line is not None:
+                    before_line()
                 eta = str(datetime.timedelta(seconds=int(iter_time.global_avg * (total - i - 1))))
                 ips = ''
                 if images_per_step and iter_time.avg > 0:

@@ -23,8 +23,9 @@ class TensorBoardLogger:
 
     ``step`` (the global step, epoch x steps per epoch + step, so a resumed run continues its curves) is
     the x axis; ``images`` (images in the step, all processes) turns into ``train/img_per_s`` from the
-    time between calls; every other number is written as ``train/<key>`` (loss, lr, grad_norm,
-    loss_scale, ... whatever the engine has). Non-numbers are skipped.
+    time between steps (``time``, the step's ``time.perf_counter()``, when the engine hands over several
+    steps' values at once; else the time of the call); every other number is written as ``train/<key>``
+    (loss, lr, grad_norm, loss_scale, ... whatever the engine has). Non-numbers are skipped.
     """
 
     def __init__(self, log_dir: str, flush_secs: int = 30) -> None:
@@ -35,13 +36,13 @@ class TensorBoardLogger:
         atexit.register(self.close)  # a stopped run still gets its last steps written
 
     def __call__(self, metrics: Dict[str, Any]) -> None:
-        now = time.perf_counter()
+        now = metrics.get('time', time.perf_counter())
         step = int(metrics.get('step', (self._last_step or 0) + 1))
         images = metrics.get('images')
         if images and self._last_time is not None and self._last_step == step - 1 and now > self._last_time:
             self.writer.add_scalar('train/img_per_s', images / (now - self._last_time), step)
         for key, value in metrics.items():
-            if key in ('step', 'images'):
+            if key in ('step', 'images', 'time'):
                 continue
             value = value.item() if hasattr(value, 'item') else value
             if isinstance(value, (int, float)) and not isinstance(value, bool):

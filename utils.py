@@ -1,13 +1,17 @@
-"""The training process and its operating system: stop signals (the main process and its data-loader workers)
-and the CPU memory allocator.
+"""The training process and its operating system: stop signals (the main process and its data-loader workers),
+data-loader workers that stay from one epoch to the next, and the CPU memory allocator.
 
 The rest of the engine's helpers: distributed.py (process group, collectives), metrics.py (progress lines,
 log.txt), errors.py (one-line errors), checkpoint.py (checkpoint format, RNG state).
 """
+import atexit
 import contextlib
+import random
 import signal
-from typing import Iterator
+import weakref
+from typing import Any, Iterator, Optional, Tuple
 
+import numpy as np
 import torch.utils.data
 
 
@@ -76,6 +80,95 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         with stop_signals_blocked():
             return super().__iter__()
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers that stay from one epoch to the next, seeded per epoch
+# --------------------------------------------------------------------------------------------------
+def seed_worker(base_seed: int, worker_id: int) -> None:
+    """Seed this process's python, torch and numpy generators as torch seeds a worker it starts: python and
+    torch with base_seed + worker_id, numpy with the SeedSequence of (worker_id, base_seed) torch uses."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(np.random.SeedSequence([worker_id, base_seed & 0xFFFFFFFF, base_seed >> 32, 0]).generate_state(4))
+
+
+class _EpochSeeded(torch.utils.data.Dataset):
+    """`dataset` indexed by (epoch seed, index): a loader worker reseeds itself (`seed_worker`) at its first
+    item of each epoch, then returns dataset[index]. In the main process (no workers) nothing is reseeded."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+        self._seed: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Tuple[int, int]) -> Any:
+        seed, index = key
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and seed != self._seed:
+            seed_worker(seed, worker.id)
+            self._seed = seed
+        return self.dataset[index]
+
+
+class _WithEpochSeed(torch.utils.data.Sampler):
+    """`sampler`'s indices, each paired with the seed of the epoch being iterated: (seed, index)."""
+
+    def __init__(self, sampler: torch.utils.data.Sampler) -> None:
+        self.sampler, self.seed = sampler, 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Tuple[int, int]]:
+        seed = self.seed
+        return ((seed, index) for index in self.sampler)
+
+
+class PersistentDataLoader(DataLoader):
+    """DataLoader (workers ignore the stop signals) over `sampler`'s indices whose worker processes stay from
+    one epoch to the next (persistent workers, when there are workers) and are still seeded per epoch as
+    torch seeds the workers it starts for an epoch: from a seed drawn from the main process's torch
+    generator when the epoch's iterator is made. So each epoch's random augmentations follow from the
+    random state at its start, which a checkpoint holds (a resumed epoch replays them), and equal those of
+    workers started anew every epoch, without starting processes every epoch. The draw is the one torch
+    makes for every new iterator, so the main process's random stream advances as with a plain DataLoader.
+    `dataset` is the wrapped data set (len() as the original; `.dataset` is the original)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler, num_workers: int = 0,
+                 **kwargs: Any) -> None:
+        self.epoch_sampler = _WithEpochSeed(sampler)
+        # torch draws a new iterator's worker seed from this generator (unused here), not from the main stream
+        super().__init__(_EpochSeeded(dataset), sampler=self.epoch_sampler, num_workers=num_workers,
+                         persistent_workers=num_workers > 0, generator=torch.Generator(), **kwargs)
+        if num_workers > 0:
+            if not _LIVE_LOADERS:
+                atexit.register(_close_live_loaders)
+            _LIVE_LOADERS.add(self)
+
+    def __iter__(self):
+        # the draw torch makes for a new iterator's worker seed, from the same (main) generator
+        self.epoch_sampler.seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        return super().__iter__()
+
+    def close(self) -> None:
+        """Stop the worker processes now. They ignore SIGTERM, which is how the interpreter's exit stops the
+        child processes it finds still running: a loader left alive to the end (say, by an exception's
+        traceback) would make the exit wait for them forever, so every loader still alive is closed first."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None:
+            iterator._shutdown_workers()
+
+
+_LIVE_LOADERS: 'weakref.WeakSet[PersistentDataLoader]' = weakref.WeakSet()
+
+
+def _close_live_loaders() -> None:
+    for loader in list(_LIVE_LOADERS):
+        loader.close()
 
 
 # --------------------------------------------------------------------------------------------------

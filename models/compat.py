@@ -130,8 +130,10 @@ def arange(end: Any, **kwargs: Any) -> torch.Tensor:
     return torch.arange(end, **kwargs)
 
 
-def total_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all ``tensors`` together (``torch.nn.utils.get_total_norm`` where it exists)."""
+def total_norm(tensors: List[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type`` norm (L2 by default; ``math.inf``: the largest magnitude, NaN if any element is NaN)
+    of all ``tensors`` together (``torch.nn.utils.get_total_norm`` where it exists)."""
     if _GET_TOTAL_NORM is not None:
-        return _GET_TOTAL_NORM(tensors)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+        return _GET_TOTAL_NORM(tensors, norm_type=norm_type)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, norm_type) for t in tensors]),
+                                    norm_type)

@@ -126,6 +126,15 @@ def test_data_loading_times_the_train_transform_per_worker(tmp_path):
     assert [(r['workers'], r['batch_size']) for r in result['loaders']] == [(0, 4)]
     assert result['loaders'][0]['first_batch_s'] > 0 and result['loaders'][0]['img_s'] > 0
     assert json.loads((tmp_path / 'data.jsonl').read_text())['images'] == 8
+    assert result['cpu_transform_img_s_cpu'] > 0  # the whole transform on the CPU, as before the device took a part
+
+
+def test_photo_jpegs_are_cut_from_real_photos_at_imagenet_sizes(tmp_path):
+    from PIL import Image
+    benchmark.make_photo_jpegs(str(tmp_path), count=12)
+    sizes = [Image.open(p).size for p in sorted(tmp_path.rglob('*.jpg'))]
+    assert len(sizes) == 12 and all(max(s) == 500 and 333 <= min(s) <= 400 for s in sizes)
+    assert any(w < h for w, h in sizes) and any(w > h for w, h in sizes)  # portrait and landscape
 
 
 @pytest.mark.parametrize('flags, enabled', [([], True), (['--no-tf32'], False)])
@@ -176,3 +185,67 @@ def test_compare_reports_each_phase_as_it_goes_without_library_noise_and_aligns_
     table = lines[table_start:table_start + 5]
     assert [row.split()[1] for row in table[1:]] == ['NALAFORMER_XT', long_name] * 2
     assert len({len(row) for row in table}) == 1, table  # every column where the header puts it
+
+
+def test_ema_update_times_timms_update_and_mains(tmp_path):
+    results = benchmark.main(['--ema-update', '--preset-models', 'NALAFORMER_XT', '--steps', '1', '--warmup', '0',
+                              '--device', 'cpu', '--json', str(tmp_path / 'ema.jsonl')])
+    assert [r['model'] for r in results] == ['NALAFORMER_XT'] and results[0]['tensors'] > 100
+    assert results[0]['timm ModelEmaV3 ms'] > 0 and results[0]['engine.ModelEma ms'] > 0
+
+
+def test_gpu_preset_runs_every_part_at_a_tiny_size_on_the_cpu(tmp_path, capsys):
+    """--preset gpu with the CPU standing in for the GPU: two models (ours on both paths, one peer), eager
+    only, one step each; the engine's step against forward+backward; the loader against the step."""
+    log = tmp_path / 'gpu.jsonl'
+    rows = benchmark.main(['--preset', 'gpu', '--device', 'cpu', '--dtype', 'fp32', '--input-size', '32', '-b', '2',
+                           '--steps', '1', '--warmup', '0', '--preset-models', 'NALAFORMER_XT', '--compare',
+                           'convnext_atto', '--preset-eager-only', '--loader-images', '4', '--data-workers', '0',
+                           '--json', str(log)])
+    models = [(r['model'], r['compile']) for r in rows if r['part'] == 'model']
+    assert models == [('NALAFORMER_XT', False), ('NALAFORMER_XT (plain path)', False), ('convnext_atto', False)]
+    assert all(r['train_img_s'] > 0 and r['inference_img_s'] > 0 and r['train_peak_mib'] > 0
+               for r in rows if r['part'] == 'model')
+    (engine_row,) = [r for r in rows if r['part'] == 'engine']
+    assert engine_row['engine_img_s'] > 0 and engine_row['bare_img_s'] > 0 and engine_row['host_syncs_per_step'] is None
+    (loader,) = [r for r in rows if r['part'] == 'loader']
+    assert loader['img_s'] > 0 and loader['workers_needed']['NALAFORMER_XT'] >= 1
+    assert len(log.read_text().splitlines()) == len(rows)
+    out = capsys.readouterr().out
+    assert '| NALAFORMER_XT (plain path) | eager |' in out and 'host syncs per step' in out
+
+
+def test_gpu_preset_defaults():
+    gpu = benchmark.parse_args(['--preset', 'gpu', '--device', 'cuda'])
+    assert (gpu.batch_size, gpu.dtype, gpu.budget, gpu.input_size) == (128, 'bf16', 330.0, [224])
+
+
+def test_host_syncs_per_step_counts_the_sync_warnings_of_one_step(monkeypatch):
+    """The CUDA sync debug mode warns at every synchronising call; with the CPU standing in (a warning at
+    every read of a tensor's value while the mode is on), the engine's step counts one."""
+    import warnings
+
+    import torch
+
+    import engine
+    mode = {'on': False}
+    real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+
+    def warn_then(real):
+        def call(self, *a, **kw):
+            if mode['on']:
+                warnings.warn('called a synchronizing CUDA operation', stacklevel=2)
+            return real(self, *a, **kw)
+        return call
+    monkeypatch.setattr(torch.Tensor, 'tolist', warn_then(real_tolist))
+    monkeypatch.setattr(torch.Tensor, 'item', warn_then(real_item))
+    monkeypatch.setattr(torch.cuda, 'set_sync_debug_mode', lambda m: mode.update(on=m == 'warn'))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    step = engine.OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), 'cpu')
+    batch = (torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))
+
+    def epoch(n):
+        engine.train_one_epoch(model, lambda s, o, t: torch.nn.functional.cross_entropy(o, t),
+                               benchmark.BatchList([batch] * n, 4), step, 0, engine.TrainSettings(print_freq=10 ** 9))
+    assert benchmark.host_syncs_per_step(epoch, 3) == 1.0

@@ -1,6 +1,7 @@
 """models.compat: each version-dependent call works through the current API and through the fallback
 taken on older torch releases (forced here by hiding the current API)."""
 import argparse
+import math
 
 import pytest
 import torch
@@ -60,6 +61,10 @@ def test_export_dim_gives_a_free_dimension(api):
 def test_total_norm_is_the_norm_of_all_tensors_together(api):
     tensors = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]]), torch.zeros(3)]
     assert torch.allclose(compat.total_norm(tensors), torch.tensor(5.0))
+    # the largest magnitude: NaN as soon as one element is NaN, inf with an inf (non-finite gradients)
+    assert compat.total_norm(tensors, math.inf) == 4.0
+    assert compat.total_norm(tensors + [torch.tensor([1.0, float('nan')])], math.inf).isnan()
+    assert compat.total_norm(tensors + [torch.tensor([-float('inf')])], math.inf) == math.inf
 
 
 def test_arange_of_a_traced_size_is_recorded_by_fx():

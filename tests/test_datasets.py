@@ -389,3 +389,79 @@ def test_flat_val_errors(tmp_path):
     with pytest.raises(IF.DataLayoutError) as e:
         D.build_dataset(False, make_args(data_path=root))
     assert_one_line_error(e, os.path.join(root, "val"), "no class folders and no label file", "val_labels.txt")
+
+
+# ---------------------------------------------------------------------------- uint8 batches, normalised on the device
+def _seeded(transform, img, seed):
+    """`transform(img)` with every generator a transform may draw from seeded with `seed`."""
+    import random
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return transform(img)
+
+
+@pytest.mark.parametrize("is_train", [True, False])
+def test_uint8_batches_normalised_by_the_device_loader_equal_the_cpu_transform(tmp_path, is_train):
+    """The uint8 transform and DeviceLoader's normalisation give the CPU transform's values bit for bit, for
+    the same crop (the same random draws): the recipe's augmentations, random erasing left out."""
+    args = make_args(model="NALAFORMER_T", input_size=48, reprob=0.0)
+    cpu, uint8 = D.build_transform(is_train, args), D.build_transform(is_train, args, uint8=True)
+    images = []
+    for path in _odd_images(tmp_path):
+        with Image.open(path) as im:
+            images.append(im.convert("RGB"))
+    want = torch.stack([_seeded(cpu, img, i) for i, img in enumerate(images)])
+    crops = torch.stack([_seeded(uint8, img, i) for i, img in enumerate(images)])
+    assert crops.dtype == torch.uint8
+    batch = [(crops, torch.tensor([0, -100, 2, 1]), torch.arange(4))]  # an undecodable image's target, ReaL indices
+    (got, target, index), = list(D.device_loader(batch, args, "cpu"))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert target.tolist() == [0, -100, 2, 1] and index.tolist() == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match="uint8"):
+        list(D.device_loader([(want, target)], args, "cpu"))
+
+
+def test_random_erasing_on_the_device_has_the_cpu_transforms_distribution():
+    """The recipe's random erasing (--reprob 0.25, pixel mode, one box) on a normalised batch erases as the
+    CPU transform's last step does, image by image: the same share of images, the same distribution of box
+    areas and aspect ratios, normal noise in the boxes (two-sample Kolmogorov-Smirnov tests)."""
+    from scipy.stats import ks_2samp
+    args = make_args(input_size=32)
+    cpu = [t for t in D.build_transform(True, args).transforms if type(t).__name__ == "RandomErasing"][0]
+    device = D.batch_random_erasing(args, "cpu")
+    assert D.batch_random_erasing(make_args(reprob=0.0), "cpu") is None
+    n = 3000
+    torch.manual_seed(0)
+    import random
+    random.seed(0)
+    one_by_one = torch.stack([cpu(img) for img in torch.full((n, 3, 32, 32), 7.0)])
+    batch = device(torch.full((n, 3, 32, 32), 7.0))
+
+    def boxes(x):
+        erased = x != 7.0
+        rows, cols = erased.any(1).any(2), erased.any(1).any(1)
+        hit = erased.flatten(1).any(1)
+        h, w = rows.sum(1)[hit].double(), cols.sum(1)[hit].double()
+        return hit.double().mean().item(), (h * w / 32 ** 2).numpy(), (h / w).log().numpy(), x[erased]
+    share_cpu, area_cpu, aspect_cpu, noise_cpu = boxes(one_by_one)
+    share_dev, area_dev, aspect_dev, noise_dev = boxes(batch)
+    assert abs(share_cpu - 0.25) < 0.03 and abs(share_dev - 0.25) < 0.03
+    assert ks_2samp(area_cpu, area_dev).pvalue > 0.01 and ks_2samp(aspect_cpu, aspect_dev).pvalue > 0.01
+    assert abs(noise_dev.mean()) < 0.01 and abs(noise_dev.std() - 1) < 0.01
+    assert ks_2samp(noise_cpu[:20000].numpy(), noise_dev[:20000].numpy()).pvalue > 0.01
+
+
+def test_data_sets_built_for_the_device_loader_give_uint8_crops(tmp_path):
+    """main.py builds every data set with uint8=True: image folders (both splits), iNaturalist and the extra
+    evaluation sets hand over uint8 crops of the input size; the targets are as with the float transform."""
+    import eval_sets as E
+    root = make_folder(tmp_path / "d", classes=("a", "b", "c"))
+    make_inat(str(tmp_path))
+    args = make_args(data_path=root, eval_sets=[os.path.join(root, "val")])
+    built = [D.build_dataset(True, args, uint8=True)[0], D.build_dataset(False, args, uint8=True)[0],
+             D.build_dataset(True, make_args(data_set="INAT", data_path=str(tmp_path)), uint8=True)[0]]
+    built.append(E.build_eval_sets(args, built[1], uint8=True)[0][1])
+    for ds in built:
+        x, y = ds[len(ds) - 1]
+        assert x.dtype == torch.uint8 and x.shape == (3, 32, 32) and y == ds.samples[-1][1]

@@ -409,3 +409,237 @@ def test_cuda_rng_state_is_the_own_device_only(monkeypatch):
     assert few.set == []
     monkeypatch.undo()
     engine.set_rng_state(saved)
+
+
+# ------------------------------------------------------------------------------ host reads per optimizer step
+class HostReads:
+    """The calls that make the host wait for a tensor's value (on a GPU each is a device sync), recorded in
+    order with the model's forward and backward passes: Tensor.item/tolist/__bool__/__float__/__int__, and
+    torch.tensor(data, device=...), whose copy from the host waits for the device's queue."""
+
+    def __init__(self, monkeypatch):
+        self.events = []
+        for name in ('item', 'tolist', '__bool__', '__float__', '__int__'):
+            real = getattr(torch.Tensor, name)
+
+            def counted(tensor, *a, _real=real, **kw):
+                self.events.append('read')
+                return _real(tensor, *a, **kw)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        real_tensor = torch.tensor
+
+        def tensor(data, *a, **kw):
+            if kw.get('device') is not None:
+                self.events.append('read')
+            return real_tensor(data, *a, **kw)
+        monkeypatch.setattr(torch, 'tensor', tensor)
+
+    @property
+    def reads(self) -> int:
+        return self.events.count('read')
+
+    def reads_between_a_forward_and_its_backward(self) -> int:
+        n, inside = 0, False
+        for event in self.events:
+            inside = (inside or event == 'forward') and event != 'backward'
+            n += inside and event == 'read'
+        return n
+
+
+class Recorded(torch.nn.Module):
+    """bn_model's layers; each forward and each backward through the output is recorded in `events`."""
+
+    def __init__(self, events):
+        super().__init__()
+        self.net, self.events = bn_model(), events
+
+    def forward(self, x):
+        self.events.append('forward')
+        out = self.net(x)
+        out.register_hook(lambda grad: self.events.append('backward'))
+        return out
+
+
+def host_reads_per_epoch(monkeypatch, n_windows, accum, fp16, logger):
+    from timm.utils import ModelEmaV3
+    events = []
+    model = Recorded(events)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # SGD's own step reads nothing back
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10) if fp16 else None
+    step = engine.OptimizerStep(opt, 'cpu', torch.float16 if fp16 else None, scaler, clip_grad=1.0,
+                                accum_steps=accum)
+    loader = Loader(batches(n_windows * accum))
+    recorder = HostReads(monkeypatch)
+    recorder.events = events
+    engine.train_one_epoch(model, ce, loader, step, 0, engine.TrainSettings(print_freq=1000),
+                           model_ema=ModelEmaV3(model, decay=0.5), logger=(lambda values: None) if logger else None)
+    monkeypatch.undo()
+    return recorder
+
+
+@pytest.mark.parametrize('accum', [1, 4])
+@pytest.mark.parametrize('precision', ['fp32', 'fp16', 'fp16+logger'])
+def test_an_optimizer_step_reads_one_value_back_and_none_before_its_backward(monkeypatch, one_thread, accum,
+                                                                                 precision):
+    """At most one host read per optimizer step, whatever the number of micro-batches, the precision (fp16 with
+    GradScaler) or a per-step logger; none between a forward and its backward. The progress line's values are
+    read every print-freq steps, not per step (the epochs' two progress lines read the same in both)."""
+    fp16, logger = precision.startswith('fp16'), precision.endswith('logger')
+    short = host_reads_per_epoch(monkeypatch, 2, accum, fp16, logger)
+    long = host_reads_per_epoch(monkeypatch, 6, accum, fp16, logger)
+    assert (long.reads - short.reads) / 4 <= 1, (short.reads, long.reads)
+    assert long.reads_between_a_forward_and_its_backward() == 0
+
+
+def plain_fp16_training(model, batch_list, scaler, clip):
+    """GradScaler's documented loop, the reference for the engine's fp16 steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batch_list:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast('cpu', dtype=torch.float16):
+            loss = ce(x, model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+    return opt
+
+
+def test_fp16_overflow_steps_match_gradscalers_own_loop(one_thread):
+    """The engine decides on the device whether fp16 gradients overflowed (and reads that with the step's one
+    flag) instead of letting GradScaler.step read it back: the same steps are skipped, the same scale results."""
+    good = batches(8)
+
+    def scaler():  # starts far too high: the first steps overflow; grows every 2 finite steps
+        return torch.amp.GradScaler('cpu', init_scale=2.0 ** 40, growth_interval=2)
+    ref_model, ref_scaler = bn_model(), scaler()
+    plain_fp16_training(ref_model, good, ref_scaler, clip=1.0)
+    model, eng_scaler = bn_model(), scaler()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    res = engine.train_one_epoch(model, ce, Loader(good), engine.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler,
+                                                                               clip_grad=1.0),
+                                 0, engine.TrainSettings(print_freq=1000))
+    assert res.stats['skipped_steps'] > 0  # overflow steps happened
+    assert eng_scaler.get_scale() == ref_scaler.get_scale()
+    assert_bitwise_equal(model.state_dict(), ref_model.state_dict())
+    # a non-finite loss is not an overflow: the window is skipped with the scale as it was
+    before = eng_scaler.get_scale()
+    res = engine.train_one_epoch(model, ce, Loader([poisoned(good[0])]),
+                                 engine.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler), 1,
+                                 engine.TrainSettings(print_freq=1000))
+    assert res.stats['skipped_steps'] == 1 and eng_scaler.get_scale() == before
+
+
+# ------------------------------------------------------------------------------ two ranks (gloo, forked)
+def _ddp_rank(rank, init_file, out):
+    """One rank of a 2-process DDP run with 2 micro-batches per step: the all-reduces DDP issues, the weights,
+    and the host reads per optimizer step."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import distributed
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    forwards, allreduces = [], []  # the micro-batch (1, 2, ...) whose backward issued each gradient all-reduce
+
+    def counted(state, bucket):
+        allreduces.append(len(forwards))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def criterion(samples, outputs, targets):
+        forwards.append(1)
+        return ce(samples, outputs, targets)
+    ddp = torch.nn.parallel.DistributedDataParallel(bn_model())
+    ddp.register_comm_hook(None, counted)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    data = batches(6, seed=10 + rank)
+    if rank == 1:
+        data[2] = poisoned(data[2])  # the first micro-batch of the second of three windows
+    res = engine.train_one_epoch(ddp, criterion, Loader(data), engine.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+                                 engine.TrainSettings(print_freq=1000))
+    reduced_at = list(allreduces)
+    reads = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for n in (2, 6):
+            recorder = HostReads(monkeypatch)
+            engine.train_one_epoch(ddp, ce, Loader(batches(2 * n, seed=20 + rank)),
+                                   engine.OptimizerStep(opt, 'cpu', accum_steps=2), 1,
+                                   engine.TrainSettings(print_freq=1000))
+            reads[n] = recorder.reads
+            monkeypatch.undo()
+    out.put((rank, reduced_at, res.stats['skipped_steps'], (reads[6] - reads[2]) / 4,
+             distributed.state_digest(dict(ddp.module.named_parameters()))))  # BatchNorm statistics are per rank
+    dist.destroy_process_group()
+
+
+def test_two_ranks_skip_a_window_alike_with_one_gradient_all_reduce_per_step(tmp_path):
+    """A NaN micro-batch on rank 1 skips the window on both ranks; every window, the skipped one included,
+    all-reduces its gradients exactly once (a skipped window leaves no DDP reduction armed for the next one),
+    both ranks end with the same weights, and an optimizer step reads one value back per rank."""
+    import multiprocessing as mp
+    ctx = mp.get_context('fork')
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, str(tmp_path / 'init'), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (_, reduced0, skipped0, reads0, digest0), (_, reduced1, skipped1, reads1, digest1) = results
+    assert reduced0 == reduced1 == [2, 4, 6]  # the one bucket all-reduced by each window's last micro-batch
+    assert skipped0 == skipped1 == 1 and digest0 == digest1
+    assert reads0 <= 1 and reads1 <= 1
+
+
+def test_progress_lines_and_epoch_loss_are_those_of_every_micro_batch_loss(one_thread, capsys):
+    """The losses read back every print-freq steps make the same progress lines (median of the last 20
+    micro-batch losses, and their running average) and epoch loss as reading each loss at its step."""
+    import re
+    import statistics
+    data = batches(10)
+    ref = linear_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for w in range(0, 10, 2):  # the plain loop: two micro-batches per step
+        opt.zero_grad(set_to_none=True)
+        for x, y in data[w:w + 2]:
+            loss = ce(x, ref(x), y)
+            losses.append(loss.item())
+            (loss / 2).backward()
+        opt.step()
+    model = linear_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    capsys.readouterr()
+    res = engine.train_one_epoch(model, ce, Loader(data), engine.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+                                 engine.TrainSettings(print_freq=3))
+    lines = re.findall(r'\[ ?(\d+)/10\].*?loss: ([\d.]+) \(([\d.]+)\)', capsys.readouterr().out)
+    assert [int(i) for i, _, _ in lines] == [3, 6, 9]  # (the line after micro-batch 0 has no loss yet)
+    for i, median, avg in lines:
+        seen = losses[:(int(i) + 1) // 2 * 2]  # the losses of the windows finished by micro-batch i
+        assert (median, avg) == (f'{statistics.median(seen[-20:]):.4f}', f'{sum(seen) / len(seen):.4f}')
+    assert res.stats['loss'] == sum(losses) / len(losses)
+
+
+# ------------------------------------------------------------------------------ the EMA update
+def test_ema_update_equals_timms_state_dict_update_without_building_state_dicts(monkeypatch, one_thread):
+    """engine.ModelEma walks the modules' tensors instead of two state_dict() calls per step: the same numbers
+    as timm's ModelEmaV3 (parameters and BatchNorm statistics averaged, the step counter copied), also after
+    the EMA was moved (.to() replaces buffers, as an EMA evaluated on another device is)."""
+    from timm.utils import ModelEmaV3
+    model = bn_model()
+    ours, timms = engine.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(batches(4)):
+        opt.zero_grad()
+        ce(x, model(x), y).backward()
+        opt.step()
+        timms.update(model)
+        if i == 2:
+            ours.module.to(torch.float64).to(torch.float32)
+        with monkeypatch.context() as m:
+            m.setattr(torch.nn.Module, 'state_dict', lambda *a, **k: pytest.fail('state_dict() built'))
+            ours.update(model)
+    assert_bitwise_equal(ours.module.state_dict(), timms.module.state_dict())
+    assert int(ours.module[1].num_batches_tracked) == 4

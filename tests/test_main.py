@@ -2,7 +2,9 @@
 schedule of every epoch, the loss (BCE targets), the data loaders and the start-of-run FLOPs count."""
 import argparse
 import math
+import os
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -75,6 +77,26 @@ def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
     optimizer = main.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
     assert {g['lr'] for g in optimizer.param_groups} == {1e-3}
     assert all(g.get('lr_scale', 1.0) == 1.0 for g in optimizer.param_groups)
+
+
+def test_adam_and_adamw_take_the_fused_kernel_when_every_parameter_is_on_a_gpu(monkeypatch):
+    model = torch.nn.Linear(4, 3)
+    adamw = main.get_args_parser().parse_args(['--opt', 'adamw'])
+    cpu = main.build_optimizer(adamw, model)
+    assert not cpu.defaults.get('fused')  # on the CPU: torch's default, the multi-tensor kernel
+    monkeypatch.setattr(torch.Tensor, 'is_cuda', property(lambda self: True))  # the parameters "on a GPU"
+    gpu = main.build_optimizer(adamw, model)
+    adam = main.build_optimizer(main.get_args_parser().parse_args(['--opt', 'adam']), model)
+    sgd = main.build_optimizer(main.get_args_parser().parse_args(['--opt', 'sgd']), model)
+    monkeypatch.undo()
+    assert gpu.defaults['fused'] and adam.defaults['fused'] and not sgd.defaults.get('fused')
+    # a checkpoint keeps the kernel of the run that loads it, not that of the run that wrote it
+    model(torch.randn(2, 4)).sum().backward()
+    cpu.step()
+    gpu.step()
+    gpu.load_state_dict(cpu.state_dict())
+    cpu.load_state_dict(gpu.state_dict())
+    assert all(g['fused'] for g in gpu.param_groups) and not any(g['fused'] for g in cpu.param_groups)
 
 
 # ------------------------------------------------------------------------------------------ LR schedule
@@ -171,6 +193,61 @@ def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     sampler2, train2, _ = main.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
     sampler2.set_epoch(1)
     assert draws(train2) == epoch1
+
+
+class WorkerDraws(torch.utils.data.Dataset):
+    """Each item: the worker's pid and one draw of each generator an augmentation may use."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple:
+        import random
+        return os.getpid(), random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch():
+    """build_loaders' workers are started once and reused every epoch, yet each epoch's draws are those of
+    workers that torch starts for that epoch (a plain DataLoader), from the same random state at its start."""
+    args = loader_args(2)
+    torch.manual_seed(0)
+    sampler, train, _ = main.build_loaders(args, WorkerDraws(), WorkerDraws())
+    persistent = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        persistent.append([item for batch in train for item in zip(*(t.tolist() for t in batch))])
+    after_persistent = torch.get_rng_state()
+    torch.manual_seed(0)
+    plain = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(WorkerDraws(), sampler=sampler, batch_size=4, num_workers=2)
+        plain.append([item for batch in loader for item in zip(*(t.tolist() for t in batch))])
+    assert torch.equal(torch.get_rng_state(), after_persistent)  # the main process's stream advanced alike
+    pids = [{item[0] for item in epoch} for epoch in persistent]
+    assert len(pids[0]) == 2 and pids[1] == pids[0]  # the same two workers served both epochs
+    assert [[item[1:] for item in epoch] for epoch in persistent] == [[item[1:] for item in epoch] for epoch in plain]
+    assert persistent[0] != persistent[1]
+
+
+LOADER_LEFT_ALIVE = """
+import sys, torch, main
+sys.path.insert(0, 'tests')
+from test_main import WorkerDraws, loader_args
+_, train, _ = main.build_loaders(loader_args(1), WorkerDraws(), WorkerDraws())
+keep = [next(iter(train))]  # a loader alive to the end, its worker waiting for work
+print('loaded', flush=True)
+"""
+
+
+def test_a_loader_left_alive_does_not_hold_up_the_exit():
+    """Persistent workers ignore SIGTERM (stop signals are the main process's), which the interpreter's exit
+    sends the children it finds still running before it waits for them: loaders still alive are closed."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, '-c', LOADER_LEFT_ALIVE], cwd=os.path.dirname(os.path.dirname(__file__)),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and 'loaded' in p.stdout, p.stderr[-2000:]
 
 
 def test_no_workers_loads_in_process():
@@ -283,3 +360,33 @@ def test_eval_of_a_checkpoint_without_classes_says_so_and_prints_no_training_set
     assert 'Evaluation: precision fp32' in out
     code, out, _ = _eval(tmp_path / 'same', ('a', 'b', 'c', 'd'), ['a', 'b', 'c', 'd'], capsys)
     assert code == 0 and 'Accuracy of the network' in out and 'does not record' not in out
+
+
+# ------------------------------------------------------------------------------------ one validation pass
+def test_validation_decodes_each_image_once_per_evaluation_with_an_ema(data, tmp_path, monkeypatch, capsys):
+    """The model and its EMA are scored from one pass over the validation set, in a training epoch and in
+    --eval: each validation image is opened once per evaluation, and both accuracy lines are printed."""
+    import collections
+
+    from PIL import Image
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS'):
+        monkeypatch.delenv(k, raising=False)
+    opened = collections.Counter()
+    real_open = Image.open
+
+    def counted_open(fp, *a, **kw):
+        opened[getattr(fp, 'name', fp)] += 1
+        return real_open(fp, *a, **kw)
+    monkeypatch.setattr(Image, 'open', counted_open)
+    out = tmp_path / 'out'
+    argv = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--num_workers',
+            '0', '--no-flops', '--print-freq', '100', '--epochs', '1', '--data-path', data]
+    for run in (argv + ['--output_dir', str(out)], argv + ['--eval', '--resume', str(out / 'checkpoint.pth')]):
+        opened.clear()
+        assert main.run(run) == 0
+        val = [n for p, n in opened.items() if f'{os.sep}val{os.sep}' in str(p)]
+        assert len(val) == 15 and set(val) == {1}, opened
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Accuracy of the')]
+    assert [x.split(' on ')[0] for x in lines] == [
+        'Accuracy of the network', 'Accuracy of the EMA network',  # the training epoch
+        'Accuracy of the network (model)', 'Accuracy of the network (EMA)']  # --eval of its checkpoint

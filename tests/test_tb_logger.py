@@ -98,3 +98,14 @@ def test_engine_logs_the_fp16_loss_scale(tmp_path):
                            logger=log)
     log.close()
     assert _scalars(tmp_path)['train/loss_scale'] == [(0, 1024.0), (1, 1024.0)]
+
+
+@needs_tensorboard
+def test_steps_handed_over_together_get_their_img_per_s_from_their_own_times(tmp_path):
+    """The engine hands over a progress line's worth of steps at once, each with the time it ran."""
+    log = tb_logger.TensorBoardLogger(str(tmp_path))
+    for step, t in ((0, 10.0), (1, 10.5), (2, 11.5)):
+        log({'step': step, 'time': t, 'loss': 1.0, 'images': 64})
+    log.close()
+    s = _scalars(tmp_path)
+    assert s['train/img_per_s'] == [(1, 128.0), (2, 64.0)] and 'train/time' not in s

@@ -162,7 +162,9 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str
         return step, None
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    # main.py's AdamW: the fused kernel on a GPU (main.build_optimizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05,
+                                  **({'fused': True} if device.type == 'cuda' else {}))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     optimizer_step = engine.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
     cross_entropy = nn.CrossEntropyLoss()
@@ -457,6 +459,211 @@ def print_paper_table(results: List[Dict]) -> None:
         print(f"| {name} | {next(iter(rows.values()))['params_m']:.1f} | " + ' | '.join(cells) + ' |')
 
 
+# ---- GPU preset: training and inference against the models users would pick instead, the engine's ----
+# ---- whole step, its host syncs, and the loader against the step, in one command of a few minutes -----
+GPU_OURS = ('NALAFORMER_T', 'NALAFORMER_XT')
+GPU_PEERS = ('convnext_tiny', 'swin_tiny_patch4_window7_224', 'pvt_v2_b2', 'efficientformerv2_s1')
+
+
+class BatchList(list):
+    """Batches that engine.train_one_epoch takes as a data loader."""
+
+    def __init__(self, batches: List, batch_size: int) -> None:
+        super().__init__(batches)
+        self.batch_size = batch_size
+
+
+def preset_model_row(name: str, label: str, fast_path: bool, compile_model: bool, x: torch.Tensor,
+                     target: torch.Tensor, args: argparse.Namespace) -> Dict:
+    """Training and inference img/s and peak step memory of one model (``make_step``: main.py's optimizer
+    step; a no-grad eval forward), with the time of the warm-up steps (which compile, with --compile)."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    torch.manual_seed(0)
+    model = create_any(name, device, fast_path, x.shape[-2:])
+    row = dict(part='model', model=label, name=name, fast_path=fast_path if name.upper() in VARIANTS else None,
+               compile=compile_model, dtype=args.dtype, batch_size=x.shape[0], input_size=list(x.shape[-2:]),
+               device=str(device), params_m=sum(p.numel() for p in model.parameters()) / 1e6)
+    for mode in ('train', 'inference'):
+        step = make_step(model, x, target, mode, dtype, device, compile_model)[0]
+        start = time.perf_counter()
+        for _ in range(max(args.warmup, 1 if compile_model else 0)):
+            step()
+        synchronize(device)
+        row[f'{mode}_warmup_s'] = time.perf_counter() - start
+        row[f'{mode}_img_s'] = x.shape[0] / statistics.median(time_call(step, device, args.steps, 0))
+        row[f'{mode}_peak_mib'] = peak_bytes(step, device) / 2 ** 20
+    print(f"{label:<28}{'compiled' if compile_model else 'eager':<9} train {row['train_img_s']:9.1f} img/s "
+          f"{row['train_peak_mib']:7.0f} MiB   inference {row['inference_img_s']:9.1f} img/s "
+          f"{row['inference_peak_mib']:7.0f} MiB   warm-up {row['train_warmup_s'] + row['inference_warmup_s']:5.1f} s",
+          flush=True)
+    del model
+    if device.type == 'cuda':
+        torch.cuda.empty_cache()
+    return row
+
+
+def host_syncs_per_step(epoch: Callable[[int], None], n: int) -> float:
+    """The host syncs per step of ``epoch(steps)``: the warnings torch.cuda.set_sync_debug_mode('warn') gives
+    for an epoch of ``n`` and one of ``2 n`` steps; their difference over ``n`` leaves out the epoch's own
+    syncs at its start and end."""
+    import warnings
+    counts = []
+    for length in (n, 2 * n):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            torch.cuda.set_sync_debug_mode('warn')
+            try:
+                epoch(length)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts.append(sum('synchroniz' in str(w.message) for w in caught))
+    return (counts[1] - counts[0]) / n
+
+
+def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace) -> Dict:
+    """main.py's whole training step (engine.train_one_epoch: OptimizerStep with main.py's optimizer, the
+    EMA update, the step's host read) against forward + backward alone, and on CUDA the host syncs per
+    step (the warnings of torch.cuda.set_sync_debug_mode('warn'): the difference between two epoch
+    lengths, so the epoch's own reads at its start and end drop out)."""
+    import contextlib
+    import io
+
+    from main import build_optimizer, get_args_parser
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    torch.manual_seed(0)
+    model = create_any(name, device, True, x.shape[-2:]).train()
+    cross_entropy = nn.CrossEntropyLoss()
+
+    def bare() -> None:
+        model.zero_grad(set_to_none=True)
+        with engine.autocast(device, amp_dtype(dtype)):
+            loss = cross_entropy(model(x), target)
+        loss.backward()
+    bare_s = statistics.median(time_call(bare, device, args.steps, args.warmup))
+    optimizer = build_optimizer(get_args_parser().parse_args(['--model', name]), model)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    step = engine.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
+    ema = engine.ModelEma(model, decay=0.9999)
+
+    def epoch(n: int) -> None:
+        with contextlib.redirect_stdout(io.StringIO()):  # the epoch's progress lines
+            engine.train_one_epoch(model, lambda s, o, t: cross_entropy(o, t), BatchList([(x, target)] * n, len(x)),
+                                   step, 0, engine.TrainSettings(print_freq=10 ** 9), model_ema=ema)
+    epoch(max(args.warmup, 1))
+    n = max(4 * args.steps, 1)
+    engine_s = time_call(lambda: epoch(n), device, 1, 0)[0] / n
+    syncs = host_syncs_per_step(epoch, n) if device.type == 'cuda' else None
+    row = dict(part='engine', model=name, dtype=args.dtype, batch_size=len(x), device=str(device),
+               bare_img_s=len(x) / bare_s, engine_img_s=len(x) / engine_s, engine_vs_bare=bare_s / engine_s,
+               host_syncs_per_step=syncs, optimizer=type(optimizer).__name__,
+               fused=bool(optimizer.defaults.get('fused')))
+    print(f"{name:<28}engine step {row['engine_img_s']:9.1f} img/s   forward+backward {row['bare_img_s']:9.1f} img/s   "
+          f"{100 * row['engine_vs_bare']:5.1f}%   host syncs per step: "
+          + ('n/a off CUDA' if syncs is None else f'{syncs:.2f}'), flush=True)
+    return row
+
+
+def preset_loader_row(args: argparse.Namespace, engine_rows: List[Dict]) -> Dict:
+    """img/s of main.py's training loader (its uint8 worker transform, batch --batch-size) on JPEGs cut from
+    real photos at ImageNet's sizes, with --data-workers workers (default: every CPU of this process), and
+    the workers each engine step would need at that rate per worker."""
+    import math
+    import tempfile
+
+    from torchvision.datasets import ImageFolder
+
+    import datasets
+    from main import available_cpus, get_args_parser
+    workers = (args.data_workers or [available_cpus()])[0]
+    recipe = get_args_parser().parse_args(['--input-size', str(args.input_size[0])])
+    with tempfile.TemporaryDirectory(prefix='nalaformer-photos-') as root:
+        make_photo_jpegs(root, count=args.loader_images)
+        dataset = ImageFolder(root, transform=datasets.build_transform(True, recipe, uint8=True))
+        n_batches = max(8, 4 * workers)
+        sampler = torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=n_batches * args.batch_size)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                                             num_workers=workers, pin_memory=args.device.startswith('cuda'))
+        batches = iter(loader)
+        next(batches)  # the workers' start and first batch
+        start, seen = time.perf_counter(), 0
+        for images, _ in batches:
+            seen += images.shape[0]
+        img_s = seen / (time.perf_counter() - start)
+    per_worker = img_s / max(workers, 1)
+    row = dict(part='loader', workers=workers, batch_size=args.batch_size, input_size=recipe.input_size,
+               img_s=img_s, img_s_per_worker=per_worker,
+               workers_needed={r['model']: math.ceil(r['engine_img_s'] / per_worker) for r in engine_rows})
+    print(f"loader, {workers} workers (main.py's uint8 train transform, photo JPEGs): {img_s:.0f} img/s, "
+          f"{per_worker:.0f} per worker; workers per GPU for the engine step: "
+          + ', '.join(f'{k} {v}' for k, v in row['workers_needed'].items()), flush=True)
+    return row
+
+
+def gpu_preset(args: argparse.Namespace) -> List[Dict]:
+    """The GPU comparison in one command, each part printed as it finishes: every model eager (ours on the
+    fast and the plain path), main.py's whole step against forward + backward with its host syncs, the
+    loader against the step, then the compiled models as long as --budget seconds last (a compiled row
+    starts only when the slowest warm-up so far still fits)."""
+    start = time.perf_counter()
+    device = torch.device(args.device)
+    height, width = (list(args.input_size) * 2)[:2]
+    torch.manual_seed(0)
+    x = torch.randn(args.batch_size, 3, height, width, device=device)
+    target = torch.randint(0, 1000, (args.batch_size,), device=device)
+    ours = args.preset_models or list(GPU_OURS)
+    peers = args.compare or list(GPU_PEERS)
+    print(f'--preset gpu: {args.dtype}, batch {args.batch_size}, {height}x{width}, device {device}'
+          + (f' ({torch.cuda.get_device_name(device)})' if device.type == 'cuda' else '')
+          + f', budget {args.budget:.0f} s', flush=True)
+    rows = []
+    for name in ours:
+        rows.append(preset_model_row(name, name, True, False, x, target, args))
+        rows.append(preset_model_row(name, f'{name} (plain path)', False, False, x, target, args))
+    rows += [preset_model_row(name, name, True, False, x, target, args) for name in peers]
+    engine_rows = []
+    for name in ours:
+        engine_rows.append(preset_engine_row(name, x, target, args))
+        if device.type == 'cuda':
+            torch.cuda.empty_cache()
+    rows += engine_rows
+    rows.append(preset_loader_row(args, engine_rows))
+    if not args.preset_eager_only:
+        slowest = 60.0  # a first guess at one compiled model's warm-up (compiling training and inference)
+        for name in ours + peers:
+            left = args.budget - (time.perf_counter() - start)
+            if left < slowest:
+                print(f'{name:<28}compiled skipped: {left:.0f} s of the budget left, a compiled warm-up took up '
+                      f'to {slowest:.0f} s', flush=True)
+                rows.append(dict(part='model', model=name, compile=True, skipped=True))
+                continue
+            row = preset_model_row(name, name, True, True, x, target, args)
+            slowest = max(slowest, row['train_warmup_s'] + row['inference_warmup_s'])
+            rows.append(row)
+    print(f'--preset gpu took {time.perf_counter() - start:.0f} s')
+    return rows
+
+
+def print_gpu_tables(rows: List[Dict]) -> None:
+    """The preset's results as Markdown tables: models, engine step, loader."""
+    model_rows = [r for r in rows if r['part'] == 'model' and not r.get('skipped')]
+    print('| model | | train img/s | train peak MiB | inference img/s | inference peak MiB | warm-up s |')
+    print('|---|---|---:|---:|---:|---:|---:|')
+    for r in model_rows:
+        print(f"| {r['model']} | {'compiled' if r['compile'] else 'eager'} | {r['train_img_s']:.1f} | "
+              f"{r['train_peak_mib']:.0f} | {r['inference_img_s']:.1f} | {r['inference_peak_mib']:.0f} | "
+              f"{r['train_warmup_s'] + r['inference_warmup_s']:.1f} |")
+    print()
+    print('| model | engine step img/s | forward+backward img/s | engine / bare | host syncs per step |')
+    print('|---|---:|---:|---:|---:|')
+    for r in (r for r in rows if r['part'] == 'engine'):
+        syncs = '-' if r['host_syncs_per_step'] is None else f"{r['host_syncs_per_step']:.2f}"
+        print(f"| {r['model']} | {r['engine_img_s']:.1f} | {r['bare_img_s']:.1f} | {100 * r['engine_vs_bare']:.1f}% "
+              f"| {syncs} |")
+    for r in (r for r in rows if r['part'] == 'loader'):
+        print(f"\nloader: {r['workers']} workers, {r['img_s']:.0f} img/s ({r['img_s_per_worker']:.0f} per worker); "
+              'workers per GPU for the engine step: ' + ', '.join(f'{k} {v}' for k, v in r['workers_needed'].items()))
+
+
 # ---- data loading: the recipe's train pipeline, per DataLoader worker ------------------------------
 def make_jpegs(root: str, count: int = 200, size: Sequence[int] = (500, 375), quality: int = 90,
                classes: int = 4) -> None:
@@ -476,22 +683,33 @@ def make_jpegs(root: str, count: int = 200, size: Sequence[int] = (500, 375), qu
         Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
 
 
-def data_loading(args: argparse.Namespace) -> Dict:
-    """img/s of main.py's train transform (default recipe flags) on the ImageFolder ``args.data_loading``:
-    in this process (what one DataLoader worker does with a core of its own: images per second of
-    wall time and per second of CPU time), then through DataLoaders with ``--data-workers`` workers
-    (time to the first batch of a fresh iterator, i.e. an epoch start without persistent workers, and
-    img/s after it)."""
+def make_photo_jpegs(root: str, count: int = 200, quality: int = 90, classes: int = 4, seed: int = 0) -> None:
+    """``count`` JPEGs (quality ``quality``) in ``classes`` ImageFolder classes under ``root``, cut from
+    scikit-learn's two sample photos (china.jpg and flower.jpg, 640x427) and resized to ImageNet's usual
+    sizes: the long side 500 px, the short side 333..400 px, one in four portrait. Real photos decode as
+    ImageNet's JPEGs do; noise-like synthetic images (``make_jpegs``) decode several times slower."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_sample_images  # bundled with scikit-learn, never downloads
+    photos = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        photo = photos[i % len(photos)]
+        short = int(rng.integers(333, 401))
+        width, height = (short, 500) if rng.random() < 0.25 else (500, short)
+        # a crop of the target's aspect ratio, 60..100% of the largest that fits, anywhere in the photo
+        crop_w = min(photo.width, photo.height * width / height) * rng.uniform(0.6, 1.0)
+        crop_h = crop_w * height / width
+        left, top = rng.uniform(0, photo.width - crop_w), rng.uniform(0, photo.height - crop_h)
+        img = photo.resize((width, height), Image.BICUBIC, box=(left, top, left + crop_w, top + crop_h))
+        folder = os.path.join(root, f'class{i % classes}')
+        os.makedirs(folder, exist_ok=True)
+        img.save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
+
+
+def _transform_times(dataset) -> tuple:
+    """(wall s, process CPU s, per-image thread CPU s) of loading every item of ``dataset`` in this process."""
     import resource
-
-    from torchvision.datasets import ImageFolder
-
-    import datasets
-    from main import get_args_parser
-    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
-    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe))
-    torch.manual_seed(0)
-    dataset[0]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
     per_image = []
@@ -501,17 +719,38 @@ def data_loading(args: argparse.Namespace) -> Dict:
         per_image.append(time.thread_time() - thread_start)
     wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = usage.ru_utime + usage.ru_stime - cpu0
+    return wall, usage.ru_utime + usage.ru_stime - cpu0, per_image
+
+
+def data_loading(args: argparse.Namespace) -> Dict:
+    """img/s of main.py's train transform (default recipe flags) on the ImageFolder ``args.data_loading``:
+    in this process (what one DataLoader worker does with a core of its own: images per second of
+    wall time and per second of CPU time), then through DataLoaders with ``--data-workers`` workers
+    (time to the first batch of a fresh iterator and img/s after it). main.py's workers stop at the uint8
+    crop (the device normalises and erases); the CPU time of the whole transform on the CPU (ToTensor,
+    Normalize, RandomErasing in the worker, as before) is given too."""
+    from torchvision.datasets import ImageFolder
+
+    import datasets
+    from main import get_args_parser
+    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
+    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe, uint8=True))
+    torch.manual_seed(0)
+    dataset[0]
+    wall, cpu, per_image = _transform_times(dataset)
+    _, cpu_float, _ = _transform_times(ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe)))
     ms = sorted(1e3 * t for t in per_image)
     quantiles = {f'p{q}': ms[min(len(ms) - 1, int(q / 100 * len(ms)))] for q in (10, 50, 90, 99)}
     result = dict(data=args.data_loading, images=len(dataset), input_size=recipe.input_size,
                   threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
                   one_worker_img_s_cpu=len(dataset) / cpu, image_cpu_ms_mean=statistics.mean(ms),
-                  image_cpu_ms=quantiles, loaders=[])
-    print(f'train transform, {len(dataset)} images, in-process: {len(dataset) / wall:.1f} img/s (wall), '
-          f'{len(dataset) / cpu:.1f} img/s per CPU second; CPU ms per image: mean {statistics.mean(ms):.2f}, '
-          + ', '.join(f'{k} {v:.2f}' for k, v in quantiles.items()))
-    for workers in args.data_workers:
+                  image_cpu_ms=quantiles, cpu_transform_img_s_cpu=len(dataset) / cpu_float, loaders=[])
+    print(f'train transform to uint8 (main.py\'s workers), {len(dataset)} images, in-process: '
+          f'{len(dataset) / wall:.1f} img/s (wall), {len(dataset) / cpu:.1f} img/s per CPU second; CPU ms per '
+          f'image: mean {statistics.mean(ms):.2f}, ' + ', '.join(f'{k} {v:.2f}' for k, v in quantiles.items()))
+    print(f'the same with ToTensor, Normalize and RandomErasing on the CPU: {len(dataset) / cpu_float:.1f} img/s '
+          f'per CPU second')
+    for workers in args.data_workers or [0, 2]:
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
                                              num_workers=workers)
         start = time.perf_counter()
@@ -526,6 +765,36 @@ def data_loading(args: argparse.Namespace) -> Dict:
         print(f'DataLoader, {workers} workers, batch {args.batch_size}: first batch after {first:.2f} s, '
               f'then {rate:.1f} img/s')
     return result
+
+
+# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against engine.ModelEma -------------
+EMA_MODELS = ('NALAFORMER_XT', 'NALAFORMER_L')
+
+
+def ema_update_times(args: argparse.Namespace) -> List[Dict]:
+    """ms per EMA update of each model (default XT and L) on ``args.device``: timm's ModelEmaV3 and main.py's
+    engine.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
+    ``args.warmup``."""
+    from timm.utils import ModelEmaV3
+    device = torch.device(args.device)
+    results = []
+    for name in args.preset_models or EMA_MODELS:
+        model = create_any(name, device, args.fast_path)
+        emas = {'timm ModelEmaV3': ModelEmaV3(model, decay=0.9999),
+                'engine.ModelEma': engine.ModelEma(model, decay=0.9999)}
+        times: Dict[str, List[float]] = {k: [] for k in emas}
+        for i in range(args.warmup + args.steps):
+            for label, ema in emas.items():
+                t = time_call(lambda ema=ema, model=model: ema.update(model), device, 1, warmup=0)[0]
+                if i >= args.warmup:
+                    times[label].append(t)
+        row = dict(model=name, device=str(device), threads=torch.get_num_threads(),
+                   tensors=len(model.state_dict()), params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+                   **{f'{label} ms': 1e3 * statistics.median(t) for label, t in times.items()})
+        print(f"{name}: {row['tensors']} tensors, {row['params_m']:.1f} M parameters: "
+              + ', '.join(f"{label} {row[f'{label} ms']:.2f} ms" for label in emas) + ' per update', flush=True)
+        results.append(row)
+    return results
 
 
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
@@ -653,20 +922,38 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--gemm-size', type=int, default=None,
                         help='side of the reference GEMM (default 2048 on CPU, 8192 on GPU)')
     parser.add_argument('--json', default=None, help='append the result as one JSON line to this file')
-    parser.add_argument('--preset', choices=['paper'], default=None,
+    parser.add_argument('--preset', choices=['paper', 'gpu'], default=None,
                         help='paper: eval-mode img/s of every variant at 224/384/512 (batch 128 on a GPU with '
-                             'fp16 autocast, 64 in fp32 on a CPU), printed as a table')
-    parser.add_argument('--preset-models', nargs='+', default=None, help='variants for --preset (default all)')
+                             'fp16 autocast, 64 in fp32 on a CPU), printed as a table; gpu: training and '
+                             'inference img/s and peak memory of T and XT (fast, plain, compiled) against '
+                             f'{", ".join(GPU_PEERS)} (eager and compiled, --compare replaces them), bf16, batch '
+                             "128; main.py's whole step against forward+backward and its host syncs; the loader "
+                             'against the step (docs/performance.md)')
+    parser.add_argument('--budget', type=float, default=330.0,
+                        help='--preset gpu: seconds the whole preset may take; compiled rows that would not fit '
+                             'are skipped (default 330)')
+    parser.add_argument('--preset-eager-only', action='store_true', help='--preset gpu without the compiled rows')
+    parser.add_argument('--loader-images', type=int, default=256,
+                        help='--preset gpu: photo JPEGs the loader part writes and reads (default 256)')
+    parser.add_argument('--preset-models', nargs='+', default=None,
+                        help='variants for --preset (default: all for paper, T and XT for gpu)')
     parser.add_argument('--preset-sizes', type=int, nargs='+', default=None,
                         help=f'input sides for --preset (default {" ".join(map(str, PAPER_SIZES))})')
     parser.add_argument('--data-loading', default=None, metavar='DIR',
                         help="img/s of main.py's train transform per DataLoader worker on the ImageFolder DIR")
     parser.add_argument('--make-jpegs', default=None, metavar='DIR',
                         help='first write 200 photo-like 500x375 JPEGs (quality 90) into DIR as an ImageFolder')
-    parser.add_argument('--data-workers', type=int, nargs='+', default=[0, 2],
-                        help='DataLoader worker counts timed by --data-loading')
+    parser.add_argument('--make-photos', default=None, metavar='DIR',
+                        help="first write 200 JPEGs cut from scikit-learn's sample photos at ImageNet's sizes "
+                             '(long side 500, short 333..400, quality 90) into DIR as an ImageFolder')
+    parser.add_argument('--data-workers', type=int, nargs='+', default=None,
+                        help='DataLoader worker counts timed by --data-loading (default 0 2); --preset gpu: the '
+                             'loader\'s workers (default: every CPU available)')
     parser.add_argument('--tiny', action='store_true',
                         help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
+    parser.add_argument('--ema-update', action='store_true',
+                        help="ms per EMA update, timm's ModelEmaV3 against main.py's engine.ModelEma "
+                             '(--preset-models, default XT and L)')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
     parser.add_argument('--sweep-stage', type=int, default=1, help='stage (0-based) whose width the blocks use')
@@ -682,7 +969,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             for key, value in TINY_PRESET.items():
                 setattr(args, 'preset_' + key if key in ('models', 'sizes') else key, value)
         args.batch_size = args.batch_size or (128 if on_gpu else 64)
-        args.dtype = args.dtype or ('fp16' if on_gpu else 'fp32')
+        args.dtype = args.dtype or ('bf16' if args.preset == 'gpu' else 'fp16' if on_gpu else 'fp32')
     elif args.tiny:
         parser.error('--tiny goes with --preset paper')
     if args.batch_size is None:
@@ -729,13 +1016,25 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         plot_sweep(results, args.out + '.png')
         print(f'wrote {args.out}.json and {args.out}.png')
         return results
+    if args.ema_update:
+        results = ema_update_times(args)
+        write_jsonl(args.json, results)
+        return results
     if args.make_jpegs:
         make_jpegs(args.make_jpegs)
         print(f'wrote 200 JPEGs under {args.make_jpegs}')
+    if args.make_photos:
+        make_photo_jpegs(args.make_photos)
+        print(f'wrote 200 JPEGs of photos under {args.make_photos}')
     if args.data_loading:
         result = data_loading(args)
         write_jsonl(args.json, [result])
         return result
+    if args.preset == 'gpu':
+        results = gpu_preset(args)
+        print_gpu_tables(results)
+        write_jsonl(args.json, results)
+        return results
     if args.preset:
         results = paper_preset(args)
         print_paper_table(results)

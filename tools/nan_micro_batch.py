@@ -1,6 +1,7 @@
 """main.py with a non-finite loss on one rank: rank 1's loss is NaN on the first micro-batch of the first
 accumulation window. Every rank reports its backward passes on exit, which must be equal on all ranks
-(a rank that skips a backward the others run would leave SyncBatchNorm's collectives out of order).
+(a rank that skips a backward the others run would leave SyncBatchNorm's collectives out of order): every
+micro-batch runs its backward, the NaN one too, and the window is skipped at its optimizer step.
 
     torchrun --nproc_per_node=2 -m tools.nan_micro_batch --accum-steps 2 ...main.py flags...
 """
