@@ -24,23 +24,13 @@ independent files: reflinks of it where the filesystem has them (no data copied)
 is replaced by a rename, never rewritten in place, so a later write to one name, ours or a user's (``cp x
 best.pth`` writes in place), leaves the others as they were.
 
-The one rule by which loaders take a single set of weights from a checkpoint, and the diagnosis of
-weights that do not fit a model, are in models/weights.py; the run directory's rules in run_dir.py; the
-random-number and epoch state in engine.py.
+Writing and reading the files is checkpoint_io.py's; the one rule by which loaders take a single set of weights
+from a checkpoint, and the diagnosis of weights that do not fit a model, are in weights.py; the run
+directory's rules and repairs in run_dir.py; the random-number and epoch state in engine.py.
 """
 import argparse
-import errno
-import glob
-import hashlib
-import json
 import math
 import os
-import re
-import shutil
-import stat
-import tempfile
-import time
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -48,313 +38,21 @@ import numpy as np
 import torch
 
 import distributed
-import metrics
+import run_dir
+from checkpoint_io import (
+    checkpoint_identity,
+    checksums,
+    copy_atomic,
+    describe_identity,
+    load_checkpoint_file,
+    save_atomic,
+)
 from engine import SKIP_COUNTS_KEY, EpochState, set_rng_state
-from errors import CheckpointError, CheckpointWriteError, UserError, exception_chain, first_line
-from models.compat import safe_globals
-from models.weights import load_weights_into, select_weights
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
-
-TMP_PREFIX = '.tmp-'
-NUMBERED = re.compile(r'checkpoint_(\d+)\.pth$')
+from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from weights import load_weights_into, select_weights
 
 #: optimizer settings that come from the command line (the LR comes from the schedule)
 FOLLOWED_OPTIMIZER_KEYS = ('weight_decay', 'betas', 'eps', 'momentum', 'lr_scale')
-
-
-# --------------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------------
-def write_failure_reason(e: BaseException) -> str:
-    """The cause of a failed write: the OSError anywhere in the chain (torch.save reports a failed
-    write as 'unexpected pos'), else the first line of the error."""
-    for c in exception_chain(e):
-        if isinstance(c, OSError) and c.errno:
-            return 'no space left on device' if c.errno == errno.ENOSPC else os.strerror(c.errno)
-    return first_line(e)
-
-
-# --------------------------------------------------------------------------------------------------
-# Checksums
-# --------------------------------------------------------------------------------------------------
-def _hash_into(h, obj: Any) -> None:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        h.update(f'T{t.dtype}{tuple(t.shape)}'.encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(obj, dict):
-        h.update(b'{')
-        for k in sorted(obj, key=repr):
-            h.update(repr(k).encode())
-            _hash_into(h, obj[k])
-        h.update(b'}')
-    elif isinstance(obj, (list, tuple)):
-        h.update(b'[' if isinstance(obj, list) else b'(')
-        for v in obj:
-            _hash_into(h, v)
-        h.update(b']')
-    else:
-        h.update(repr(obj).encode())
-
-
-def checksums(state: Dict[str, Any]) -> Dict[str, str]:
-    """sha256 of every top-level part of a checkpoint (tensor bytes, shapes, dtypes and plain values)."""
-    out = {}
-    for key in sorted(state):
-        if key != 'checksum':
-            h = hashlib.sha256()
-            _hash_into(h, state[key])
-            out[key] = h.hexdigest()
-    return out
-
-
-def verify_checksum(ckpt: Any, path: str) -> None:
-    """Raise CheckpointError when a checkpoint that carries a checksum no longer matches it.
-    Files without one (older or foreign checkpoints) pass."""
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get('checksum'), dict):
-        return
-    want = ckpt['checksum'].get('sha256') or {}
-    got = checksums({k: v for k, v in ckpt.items() if k in want})
-    bad = sorted(k for k in want if got.get(k) != want[k])
-    if bad:
-        raise CheckpointError(f'checkpoint {path} is corrupt: the checksum of {", ".join(bad)} does not match '
-                              f'(the file changed after it was written); {other_checkpoints_hint(path)}')
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing
-# --------------------------------------------------------------------------------------------------
-def _new_file_mode(path: str) -> int:
-    """The mode a plain open(path, 'wb') would give: the existing file's, else 0666 minus the umask."""
-    try:
-        return stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        mask = os.umask(0)
-        os.umask(mask)
-        return 0o666 & ~mask
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename in `directory` durable (where the filesystem allows)."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-
-
-def _write_atomic(path: str, write) -> None:
-    """Call write(file) on a temporary file in path's directory, fsync, then rename it to path: a crash
-    at any moment leaves either the previous file or the new one. A KeyboardInterrupt passes through
-    (the previous file is kept); other failures become one-line CheckpointWriteErrors."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + '.', dir=directory)
-        os.fchmod(fd, _new_file_mode(path))  # mkstemp creates 0600
-        with os.fdopen(fd, 'wb') as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(directory)
-    except (OSError, RuntimeError) as e:  # torch.save wraps write failures and interrupts in RuntimeError
-        if any(isinstance(c, KeyboardInterrupt) for c in exception_chain(e)):
-            raise KeyboardInterrupt from e
-        if not os.path.isdir(directory):
-            raise CheckpointWriteError(f'could not write checkpoint {path}: the output directory {directory} is '
-                                       f'gone (deleted or renamed while the run was going), so nothing could be '
-                                       f'saved; if it was renamed, its checkpoints went with it and the same '
-                                       f'command with --output_dir set to its new name resumes') from e
-        raise CheckpointWriteError(f'could not write checkpoint {path}: {write_failure_reason(e)}; '
-                                   f'the previous {os.path.basename(path)} (if any) is kept') from e
-    finally:
-        if tmp is not None:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-
-
-def save_atomic(obj: Any, path: str) -> None:
-    """torch.save(obj) to path atomically (see _write_atomic)."""
-    _write_atomic(path, lambda f: torch.save(obj, f))
-
-
-#: ioctl FICLONE (linux/fs.h, _IOW(0x94, 9, int)): let a file share another's blocks copy-on-write (a reflink)
-FICLONE = 0x40049409
-
-
-def _copy_into(src: str, f) -> None:
-    """Write the contents of the file `src` to the open, empty file `f`: a reflink where the filesystem has them
-    (btrfs, XFS, bcachefs, ZFS 2.2: no data is written, and a later write to either file stays its own), else
-    an in-kernel copy (copy_file_range: about 3x faster than a copy through Python, docs/performance.md; a
-    server-side copy on NFS 4.2), else a copy through Python."""
-    with open(src, 'rb') as s:
-        if fcntl is not None:
-            try:
-                fcntl.ioctl(f.fileno(), FICLONE, s.fileno())
-                return
-            except OSError:  # EOPNOTSUPP (ext4, tmpfs), EXDEV, ENOTTY (not Linux), EINVAL: copy the bytes
-                pass
-        size, copied = os.fstat(s.fileno()).st_size, 0
-        if hasattr(os, 'copy_file_range'):
-            try:
-                while copied < size:
-                    n = os.copy_file_range(s.fileno(), f.fileno(), size - copied)
-                    if not n:
-                        break
-                    copied += n
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
-                    raise  # a full disk, an I/O error
-            if copied == size:
-                return
-            s.seek(0)  # not supported here, or a short copy: start again through Python
-            f.seek(0)
-            f.truncate()
-        shutil.copyfileobj(s, f, 1 << 24)
-
-
-def copy_atomic(src: str, dst: str) -> None:
-    """Make `dst` an independent copy of the file `src` (a reflink where the filesystem has them), written
-    atomically (see _write_atomic): `dst` is at every moment the previous file or a complete copy."""
-    _write_atomic(dst, lambda f: _copy_into(src, f))
-
-
-def separate_hard_links(directory: str) -> None:
-    """Give every checkpoint name of a run directory that an older version hard-linked to another one
-    (checkpoint.pth, best.pth, checkpoint_NNNN.pth sharing one file) a file of its own, so that a write to one
-    name (``cp x best.pth`` writes in place) leaves the others as they were. Where that fails (a full disk)
-    the names stay linked, with a note: the run's own saves replace names, they never write through them."""
-    first: Dict[Tuple[int, int], str] = {}
-    for p in run_checkpoints(directory):
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        key = (st.st_dev, st.st_ino)
-        if st.st_nlink < 2 or key not in first:
-            first.setdefault(key, p)
-            continue
-        try:
-            copy_atomic(first[key], p)
-        except CheckpointWriteError as e:
-            print(f'Note: {p} and {first[key]} are one file (hard links of an older version); {e}: left linked, '
-                  f'so a write into one of them changes both')
-        else:
-            print(f'Note: {p} and {first[key]} were one file (hard links of an older version); {p} is now a '
-                  f'file of its own, so that writing to one name leaves the other as it was')
-
-
-def remove_stale_tmp(directory: str) -> None:
-    """Temporary files left by a process killed mid-write (kill -9)."""
-    for p in glob.glob(os.path.join(glob.escape(directory), TMP_PREFIX + '*')):
-        try:
-            os.remove(p)
-        except OSError:
-            pass
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------------
-def run_checkpoints(directory: str) -> List[str]:
-    """The checkpoint files of a run directory: checkpoint.pth, best.pth, then numbered ones, newest first."""
-    numbered = sorted((p for p in glob.glob(os.path.join(glob.escape(directory), 'checkpoint_*.pth'))
-                       if NUMBERED.search(p)), key=lambda p: -int(NUMBERED.search(p).group(1)))
-    return [p for p in (os.path.join(directory, n) for n in ('checkpoint.pth', 'best.pth')) if os.path.isfile(p)] \
-        + numbered
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def other_checkpoints_hint(path: str) -> str:
-    """What to do instead of loading a damaged `path`: the other checkpoints next to it (not names that an
-    older version hard-linked to the same file, which share its damage)."""
-    directory = os.path.dirname(os.path.abspath(path)) if path else '.'
-    shown = os.path.dirname(path) or '.'
-    others = [os.path.join(shown, os.path.basename(p)) for p in run_checkpoints(directory)
-              if os.path.basename(p) != os.path.basename(path) and not _same_file(p, path)]
-    alt = (f'resume from another checkpoint of the run ({", ".join("--resume " + p for p in others[:4])})'
-           if others else f'there is no other checkpoint in {shown}')
-    return f'{alt}, or start a new run with --no-auto-resume --overwrite'
-
-
-def is_url(path: str) -> bool:
-    """Whether a checkpoint flag names a URL (nothing is downloaded: checkpoints are local files)."""
-    return path.startswith(('http://', 'https://'))
-
-
-def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> Any:
-    """torch.load(weights_only=True) with one-line errors for missing, truncated, corrupt, foreign and
-    unsafe files. argparse.Namespace is accepted (reference checkpoints store their args as one).
-    A checkpoint with a checksum is verified unless verify=False."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise CheckpointError(f'checkpoint {path} does not exist' + (
-            ' (downloading is disabled: download it yourself and pass the local file)' if is_url(path) else ''))
-    if os.path.isdir(path):
-        raise CheckpointError(f'checkpoint {path} is a directory, expected a .pth file')
-    if os.path.getsize(path) == 0:
-        raise CheckpointError(f'checkpoint {path} is empty (0 bytes); {other_checkpoints_hint(path)}')
-    with open(path, 'rb') as f:
-        magic = f.read(4)
-    is_zip, is_legacy = magic[:2] == b'PK', magic[:1] == b'\x80'  # torch.save zip format / legacy pickle format
-    if not (is_zip or is_legacy):
-        raise CheckpointError(f'{path} is not a PyTorch checkpoint (unknown file format)')
-    try:
-        with safe_globals([argparse.Namespace]):
-            ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=mmap and is_zip)
-    except Exception as e:
-        msg = str(e)
-        if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
-            raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
-                                  f'refusing to unpickle it (weights_only=True)') from e
-        if (is_zip and (not zipfile.is_zipfile(path) or 'central directory' in msg or 'zip archive' in msg
-                        or 'failed reading' in msg)) or isinstance(e, EOFError) or 'EOF' in msg:
-            raise CheckpointError(f'checkpoint {path} is truncated or corrupt ({os.path.getsize(path)} bytes); '
-                                  f'{other_checkpoints_hint(path)}') from e
-        raise CheckpointError(f'{path} is not a PyTorch checkpoint ({first_line(e)})') from e
-    if verify:
-        verify_checksum(ckpt, path)
-    return ckpt
-
-
-def checkpoint_identity(ckpt: Any, path: str) -> Tuple[Any, Any, str]:
-    """(epoch, step, digest) of a loaded checkpoint: what ranks compare to know they read the same state. The
-    digest covers the checksum the file carries (verified when it was loaded), else the file's bytes."""
-    h = hashlib.sha256()
-    if isinstance(ckpt, dict) and isinstance(ckpt.get('checksum'), dict):
-        _hash_into(h, ckpt['checksum'])
-    else:
-        with open(path, 'rb') as f:
-            for block in iter(lambda: f.read(1 << 24), b''):
-                h.update(block)
-    epoch, step = (ckpt.get('epoch'), ckpt.get('step')) if isinstance(ckpt, dict) else (None, None)
-    return epoch, step, h.hexdigest()[:16]
-
-
-def describe_identity(identity: Tuple[Any, Any, str]) -> str:
-    """'epoch 1 step 3, sha256 0123abcd...' for a checkpoint_identity."""
-    epoch, step, digest = identity
-    where = f'epoch {epoch}' + (f' step {step}' if step else '') + ', ' if epoch is not None else ''
-    return f'{where}sha256 {digest}'
 
 
 def saved_args(ckpt: Any) -> Dict[str, Any]:
@@ -371,14 +69,6 @@ def recorded_args(path: str) -> Dict[str, Any]:
     return saved_args(load_checkpoint_file(path, verify=False, mmap=True))
 
 
-def in_directory(path: str, directory: str) -> bool:
-    """Whether the file `path` is in `directory` (the same directory, however each is spelt)."""
-    try:
-        return os.path.samefile(os.path.dirname(os.path.abspath(path)), directory)
-    except OSError:
-        return False
-
-
 def describe_best(ckpt: Any) -> str:
     """Which weights a checkpoint records as its best, in words."""
     if not isinstance(ckpt, dict) or 'max_accuracy' not in ckpt:
@@ -390,11 +80,6 @@ def describe_best(ckpt: Any) -> str:
     epoch = f' at epoch {ckpt["best_epoch"]}' if ckpt.get('best_epoch') is not None else ''
     return (f'the checkpoint records its best accuracy, {float(ckpt["max_accuracy"]):.2f}%{epoch}, from the '
             f'{"EMA" if which == "model_ema" else "model"} weights')
-
-
-def _order(ckpt: Dict[str, Any]) -> Tuple[int, float]:
-    """(epoch, step) of a checkpoint, a finished epoch after every step inside it."""
-    return int(ckpt.get('epoch', -1)), float(ckpt['step']) if ckpt.get('step') else float('inf')
 
 
 def _comparable(v: Any) -> Any:
@@ -615,16 +300,8 @@ class TrainingCheckpoints:
         """Append the epoch's record to log.txt (rank 0; a failure stops every rank with one line). The record
         is also in the checkpoint, so a line lost to a crash or a full disk is written at the next resume."""
         if self.output_dir:
-            distributed.on_rank0(lambda: self._write_log(record), self.device,
+            distributed.on_rank0(lambda: run_dir.write_log_line(self.output_dir, record), self.device,
                                  f'could not append to {os.path.join(self.output_dir, "log.txt")}')
-
-    def _write_log(self, record: Dict[str, Any]) -> None:
-        path = os.path.join(self.output_dir, 'log.txt')
-        try:
-            metrics.write_json_line(path, record)
-        except OSError as e:
-            raise UserError(f'could not append to {path}: {write_failure_reason(e)}; the checkpoint of epoch '
-                            f'{record.get("epoch")} holds the line, it is added when the run resumes') from e
 
     def estimate_bytes(self, resume_path: str = '') -> int:
         """Size of one checkpoint: the resumed file's, else weights (+ EMA) + two optimizer buffers per
@@ -716,7 +393,7 @@ class TrainingCheckpoints:
             print(f'Note: the checkpoint was written by {writers} '
                   f'process(es), this run has {world}: random-number state not restored')
         if self.output_dir:
-            distributed.on_rank0(lambda: self._repair(path, ckpt), self.device,
+            distributed.on_rank0(lambda: run_dir.repair(self.output_dir, path, ckpt), self.device,
                                  f'could not repair the files of {self.output_dir} from {path}')
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
         r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%'
@@ -748,12 +425,6 @@ class TrainingCheckpoints:
                                   f' here, {describe_identity(theirs)} on rank 0): {fix}')
         distributed.agree_on_errors(err, self.device)
         return ckpt
-
-    def _repair(self, path: str, ckpt: Dict[str, Any]) -> None:
-        """Rank 0, when `path` is in --output_dir: the files a crash between the writes left behind."""
-        if in_directory(path, self.output_dir):
-            self._repair_files(path, ckpt)
-            self._repair_log(ckpt.get('log'))
 
     def _check_data(self, ckpt: Any, path: str, eval_only: bool = False) -> None:
         """Refuse to continue a run, or (`eval_only`) to evaluate a checkpoint, on other classes than it was
@@ -822,103 +493,3 @@ class TrainingCheckpoints:
                               for k in FOLLOWED_OPTIMIZER_KEYS if k in changed)
                   + '); following the command line')
 
-    def _repair_files(self, path: str, ckpt: Dict[str, Any]) -> None:
-        """Bring the run directory in line with the resumed state: names that an older version hard-linked to
-        one file become independent files, log.txt's lines of later epochs are moved aside (a resume from an
-        older checkpoint), and the other names this state was saved under (best.pth, checkpoint_NNNN.pth) get a
-        copy of it when they are missing, unreadable, or hold an older state that a stop between the writes
-        left there. An older file written after the resumed one was put there by hand: it is left alone."""
-        separate_hard_links(self.output_dir)
-        self._trim_log(path, ckpt)
-        epoch = ckpt.get('epoch')
-        for name in ckpt.get('files') or []:
-            target = os.path.join(self.output_dir, name)
-            if os.path.exists(target) and os.path.samefile(target, path):
-                continue
-            reason = None
-            if not os.path.exists(target):
-                reason = 'missing (deleted, or the run stopped before writing it)'
-            else:
-                try:
-                    other = load_checkpoint_file(target, verify=False, mmap=True)
-                except CheckpointError:
-                    reason = 'unreadable (truncated or damaged after it was written)'
-                else:
-                    was = other.get('epoch', '?') if isinstance(other, dict) else '?'
-                    if not isinstance(other, dict) or (other.get('checksum') != ckpt.get('checksum')
-                                                       and _order(other) < _order(ckpt)):
-                        if os.path.getmtime(target) <= os.path.getmtime(path):
-                            reason = f'older (epoch {was}: the run stopped between writing {path} and it)'
-                        else:
-                            print(f'Note: {target} holds an older state (epoch {was}) than {path} (epoch {epoch}), '
-                                  f'which was also saved under that name, but was written after it (put there by '
-                                  f'hand?): left as it is')
-            if reason:
-                copy_atomic(path, target)
-                print(f'Repaired {target}: it was {reason}; copied the state of epoch {epoch} there from {path}, '
-                      f'which was saved under both names')
-
-    def _trim_log(self, path: str, ckpt: Dict[str, Any]) -> None:
-        """Move log.txt's lines of the epochs after the resumed state (a resume from an older checkpoint, e.g.
-        --resume best.pth) to a side file next to it, so that log.txt ends where the run continues and the
-        rerun epochs are not listed twice. Nothing is deleted."""
-        log = os.path.join(self.output_dir, 'log.txt')
-        if not isinstance(ckpt.get('epoch'), int) or not os.path.isfile(log):
-            return
-        done = ckpt['epoch'] - (1 if ckpt.get('step') else 0)  # the last finished epoch
-        with open(log) as f:
-            lines = f.readlines()
-        keep: List[str] = []
-        later: List[str] = []
-        epochs = []
-        for line in lines:
-            try:
-                e = json.loads(line).get('epoch')
-            except (ValueError, AttributeError):
-                e = None
-            if isinstance(e, int) and e > done:
-                epochs.append(e)
-                later.append(line)
-            else:  # an unreadable line after a later epoch's belongs to it
-                (later if e is None and later else keep).append(line)
-        if not epochs:
-            return
-        side = f'{log}.{time.strftime("%Y%m%d-%H%M%S")}.bak'
-        n = 1
-        while os.path.exists(side):
-            side, n = f'{log}.{time.strftime("%Y%m%d-%H%M%S")}-{n}.bak', n + 1
-        with open(side, 'w') as f:
-            f.writelines(later)
-        _write_atomic(log, lambda f: f.write(''.join(keep).encode()))
-        what = (f'{path} stopped inside epoch {ckpt["epoch"]}' if ckpt.get('step')
-                else f'resumed from epoch {done} ({path})')
-        span = f'epoch {done + 1}' if max(epochs) == done + 1 else f'epochs {done + 1}..{max(epochs)}'
-        print(f'Note: {what}, older than log.txt\'s last epoch {max(epochs)}: moved the lines of {span} to '
-              f'{side}, so that log.txt ends where the run continues')
-
-    def _repair_log(self, record: Any) -> None:
-        """Add the resumed epoch's log line when log.txt lacks it (a crash or a full disk kept it out); a
-        half-written last line is dropped first."""
-        if not isinstance(record, dict) or 'epoch' not in record:
-            return
-        path = os.path.join(self.output_dir, 'log.txt')
-        text = ''
-        if os.path.isfile(path):
-            with open(path) as f:
-                text = f.read()
-        if text and not text.endswith('\n'):
-            keep = text[:text.rfind('\n') + 1]
-            with open(path, 'r+') as f:
-                f.truncate(len(keep.encode()))
-            print(f'Repaired {path}: dropped a half-written last line')
-            text = keep
-        epochs = set()
-        for line in text.splitlines():
-            try:
-                epochs.add(json.loads(line).get('epoch'))
-            except (ValueError, AttributeError):
-                continue
-        if record['epoch'] not in epochs:
-            self._write_log(record)
-            print(f'Repaired {path}: added the line of epoch {record["epoch"]} from the checkpoint, which '
-                  f'log.txt lacked (the run stopped, or could not write, before logging it)')

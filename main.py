@@ -25,6 +25,7 @@ import timm
 import torch
 
 import checkpoint
+import checkpoint_io
 import datasets
 import distributed
 import engine
@@ -34,7 +35,7 @@ import run_dir
 import utils
 from errors import FlagError, UserError, eprint, exception_chain, first_line
 from models.nalaformer import VARIANTS
-from models.weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
+from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
 
 
 def add_bool_flag(parser: argparse.ArgumentParser, name: str, default: Optional[bool], help_on: str,
@@ -384,7 +385,7 @@ def validate_args(args, parser):
     for flag, path in (('--resume', args.resume), ('--finetune', args.finetune), ('--teacher-path', args.teacher_path)):
         if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: ' + ('checkpoints must be local files: downloading is disabled'
-                                               if checkpoint.is_url(path) else 'no such file'))
+                                               if checkpoint_io.is_url(path) else 'no such file'))
     if args.real_labels is not None and args.data_set != 'IMNET':
         parser.error(f'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set (--data-set IMNET), '
                      f'not --data-set {args.data_set}; drop --real-labels')

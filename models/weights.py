@@ -1,24 +1,17 @@
-"""Which set of weights a loader takes from a checkpoint file (the one rule of this repository), loading
-them into a model, and one-line diagnoses of weights that do not fit.
+"""Which set of weights a loader takes from a checkpoint file (the one rule of this repository), and what
+a weights file records about itself (its number of classes, the input size and crop it was evaluated at).
 
 Training checkpoints hold the raw weights (``model``) and often an EMA of them (``model_ema``). A loader
 that needs one set takes them in timm's order (the order of ``timm.create_model(checkpoint_path=...)``):
 ``state_dict_ema``, ``model_ema``, ``state_dict``, ``model``, else the file itself as a bare state dict.
 It lives beside the models so that ``pretrained_cfg_overlay=dict(file=...)`` follows it without the
-training code.
-
-A mismatch names its cause: another number of classes (use ``--finetune``), another variant (its name, from
-the shapes of the file's keys against ``VARIANTS``), or the first missing, unexpected or misshapen key.
+training code; loading for training, with one-line diagnoses, is the repository's weights.py.
 """
 import argparse
-import re
 import zipfile
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
-from timm.models import clean_state_dict
-
-from errors import CheckpointError
 
 from .compat import safe_globals
 
@@ -112,163 +105,3 @@ def file_eval_config(path: str) -> Dict[str, Any]:
     return cfg
 
 
-def select_weights(ckpt: Any, path: str = 'the checkpoint',
-                   which: str = 'default') -> Tuple[str, Dict[str, torch.Tensor]]:
-    """(key, state dict) of the one set of weights a loader takes from a loaded checkpoint.
-
-    which='default' is timm's rule (``timm.create_model(checkpoint_path=...)``): ``state_dict_ema``,
-    else ``model_ema``, else ``state_dict``, else ``model``, else the file itself as a bare state dict
-    (key ''). 'model' and 'model_ema' ask for those weights. DDP/compile prefixes are removed, and
-    NaLaFormer weights in the reference layout are mapped onto the model's (``from_reference_layout``)."""
-    from .nalaformer import from_reference_layout  # this module is imported by nalaformer
-    key = weights_key(ckpt, which)
-    if key is None:
-        if which == 'model_ema':
-            raise CheckpointError(f'{path} has no EMA weights (model_ema); '
-                                  'take its model weights instead (--weights model)')
-        raise CheckpointError(f'{path} is a torch file but holds no model weights '
-                              f'(expected a state dict or a dict with "model")')
-    return key, from_reference_layout(clean_state_dict(ckpt[key] if key else ckpt))
-
-
-def classifier_keys(model: torch.nn.Module) -> set:
-    """State-dict keys of the classifier (those re-initialised by --finetune)."""
-    keys = set()
-    get = getattr(model, 'get_classifier', None)
-    clf = get() if callable(get) else None
-    if isinstance(clf, torch.nn.Module):
-        ids = {id(p) for p in clf.parameters()}
-        for name, p in model.named_parameters():
-            if id(p) in ids:
-                keys.add(name)
-    return keys
-
-
-_BLOCK_KEY = re.compile(r'layers\.(\d+)\.blocks\.(\d+)\.')
-
-
-def _architecture(sd: Dict[str, torch.Tensor]) -> Dict[Tuple[int, str], int]:
-    """Per stage of a NaLaFormer state dict: width, depth, heads and FFN width, read from block and RoPE
-    keys only (the stem, the downsamples and the head say nothing the blocks do not)."""
-    arch: Dict[Tuple[int, str], int] = {}
-    for k in sd:
-        m = _BLOCK_KEY.match(k)
-        if m:
-            stage, block = int(m.group(1)), int(m.group(2))
-            arch[stage, 'depth'] = max(arch.get((stage, 'depth'), 0), block + 1)
-    for stage in sorted({s for s, _ in arch}):
-        norm = sd.get(f'layers.{stage}.blocks.0.norm1.norm.weight')
-        fc1 = sd.get(f'layers.{stage}.blocks.0.ffn.fc1.weight')
-        angle = sd.get(f'layers.{stage}.RoPE.angle')
-        if norm is not None and norm.dim() == 1:
-            arch[stage, 'dim'] = norm.shape[0]
-            if angle is not None and angle.dim() == 1 and angle.shape[0]:
-                arch[stage, 'heads'] = norm.shape[0] // (2 * angle.shape[0])  # angle: half a head's width
-        if fc1 is not None and fc1.dim() == 2:
-            arch[stage, 'hidden'] = fc1.shape[0]
-    return arch
-
-
-def _variant_architecture(cfg: Dict[str, Any]) -> Dict[Tuple[int, str], int]:
-    """_architecture's description of a ``VARIANTS`` entry."""
-    arch: Dict[Tuple[int, str], int] = {}
-    for stage, (dim, depth, heads) in enumerate(zip(cfg['embed_dims'], cfg['depths'], cfg['num_heads'])):
-        arch.update({(stage, 'dim'): dim, (stage, 'depth'): depth, (stage, 'heads'): heads,
-                     (stage, 'hidden'): int(cfg['mlp_ratio'] * dim)})
-    return arch
-
-
-def guess_variant(sd: Dict[str, torch.Tensor],
-                  candidates: Optional[Sequence[str]] = None) -> Tuple[Optional[str], float]:
-    """The NaLaFormer variant whose stages (width, depth, heads, FFN width) fit `sd` best, and the share of
-    those that match (1.0: all). Reads the configurations in ``VARIANTS``; builds no model.
-    `candidates`: the variant names to consider (default: all)."""
-    from .nalaformer import VARIANTS  # this module is imported by nalaformer
-    found = _architecture(sd)
-    if not found:
-        return None, 0.0
-    best, best_score = None, 0.0
-    names = [n for n in VARIANTS if candidates is None or n in {c.upper() for c in candidates}]
-    for name in names:
-        want = _variant_architecture(VARIANTS[name])
-        keys = set(want) | set(found)
-        score = sum(1 for k in keys if want.get(k) == found.get(k)) / len(keys)
-        if score > best_score:
-            best, best_score = name, score
-    return best, best_score
-
-
-def describe_mismatch(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str,
-                      path: str) -> Optional[str]:
-    """One line explaining why `sd` does not load into `model` strictly (None if it does)."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if not (missing or unexpected or wrong):
-        return None
-    clf = classifier_keys(model)
-    if not missing and not unexpected and wrong and set(wrong) <= clf:
-        k = sorted(wrong)[0]
-        n_ckpt = sd[k].shape[0]
-        return (f'{path} has a {n_ckpt}-class classifier but the model has {own[k].shape[0]} classes; '
-                f'to start from it with a new head use --finetune {path}')
-    guess, score = guess_variant(sd)
-    if guess is not None and guess != model_name.upper() and score > 0.9:
-        return f'{path} looks like a {guess} checkpoint, not {model_name}; pass --model {guess}'
-    detail = []
-    if missing:
-        detail.append(f'{len(missing)} missing keys (e.g. {missing[0]})')
-    if unexpected:
-        detail.append(f'{len(unexpected)} unexpected keys (e.g. {unexpected[0]})')
-    if wrong:
-        k = wrong[0]
-        detail.append(f'{len(wrong)} shape mismatches (e.g. {k}: {tuple(sd[k].shape)} vs {tuple(own[k].shape)})')
-    return f'{path} does not match {model_name}: ' + ', '.join(detail)
-
-
-def load_weights_into(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str, path: str) -> None:
-    """load_state_dict(strict=True) with a one-line CheckpointError naming the mismatch."""
-    msg = describe_mismatch(model, sd, model_name, path)
-    if msg:
-        raise CheckpointError(msg)
-    model.load_state_dict(sd, strict=True)
-
-
-def _load_file(path: str) -> Any:
-    # checkpoint.py (the file format) imports this module: import it when a file is read
-    from checkpoint import load_checkpoint_file
-    return load_checkpoint_file(path)
-
-
-def load_model_weights(model: torch.nn.Module, path: str, model_name: str) -> Any:
-    """Load the weights of checkpoint `path` (the default rule: the EMA when present) into `model` (strict);
-    returns the loaded checkpoint."""
-    ckpt = _load_file(path)
-    _, sd = select_weights(ckpt, path)
-    load_weights_into(model, sd, model_name, path)
-    return ckpt
-
-
-def finetune_from(model: torch.nn.Module, path: str, model_name: str) -> None:
-    """Start from the weights of `path` (the default rule: the EMA when present), re-initialising a
-    classifier whose shape differs; every other tensor must match."""
-    ckpt = _load_file(path)
-    key, sd = select_weights(ckpt, path)
-    own = model.state_dict()
-    clf = classifier_keys(model)
-    dropped = [k for k in sd if k in own and k in clf and tuple(sd[k].shape) != tuple(own[k].shape)]
-    rest = {k: v for k, v in sd.items() if k not in dropped}
-    wrong = [k for k in rest if k in own and tuple(rest[k].shape) != tuple(own[k].shape)]
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    if wrong or unexpected or (set(missing) - clf):
-        msg = describe_mismatch(model, rest, model_name, path)
-        raise CheckpointError(msg or f'{path} does not match {model_name}')
-    model.load_state_dict(rest, strict=False)
-    what = f'{path} ({key} weights)' if key else path
-    if dropped:
-        shapes = ', '.join(f'{k} {tuple(sd[k].shape)} -> {tuple(own[k].shape)}' for k in dropped)
-        print(f'Finetune: loaded {what}; classifier re-initialised (shape differs): {shapes}')
-    else:
-        print(f'Finetune: loaded {what} (all {len(own)} tensors, classifier kept)')

@@ -16,10 +16,12 @@ import torch
 from conftest import parse
 
 import checkpoint
+import checkpoint_io
 import engine
 import errors
 import main
 import metrics
+import run_dir
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -63,13 +65,13 @@ def _write_state(tmp_path, name='checkpoint.pth', **extra):
 
 def test_corruption_inside_a_checkpoint_is_detected(tmp_path):
     path = _write_state(tmp_path, big=torch.randn(64, 1024))  # 256 KiB of tensor data in the middle
-    assert checkpoint.load_checkpoint_file(str(path))['epoch'] == 0
+    assert checkpoint_io.load_checkpoint_file(str(path))['epoch'] == 0
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
     data[mid:mid + 4096] = b'\x7f' * 4096  # float32 0x7f7f7f7f = 3.4e38
     path.write_bytes(bytes(data))
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_checkpoint_file(str(path))
+        checkpoint_io.load_checkpoint_file(str(path))
     msg = str(e.value)
     assert 'checkpoint.pth is corrupt: the checksum of big does not match' in msg and '\n' not in msg
     assert torch.load(path, weights_only=True)['big'].max() > 1e30  # what an unchecked load would use
@@ -78,7 +80,7 @@ def test_corruption_inside_a_checkpoint_is_detected(tmp_path):
 def test_checkpoints_without_checksum_still_load(tmp_path):
     sd = _Tiny().state_dict()
     torch.save({'model': sd, 'epoch': 2}, tmp_path / 'old.pth')
-    assert checkpoint.load_checkpoint_file(str(tmp_path / 'old.pth'))['epoch'] == 2
+    assert checkpoint_io.load_checkpoint_file(str(tmp_path / 'old.pth'))['epoch'] == 2
 
 
 def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
@@ -87,7 +89,7 @@ def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
         shutil.copy(path, tmp_path / name)
     path.write_bytes(path.read_bytes()[:5000])
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_checkpoint_file(str(path))
+        checkpoint_io.load_checkpoint_file(str(path))
     msg = str(e.value)
     assert 'is truncated or corrupt (5000 bytes)' in msg
     best, newest, older = (os.path.join(str(tmp_path), n)
@@ -104,14 +106,14 @@ def test_damage_in_place_stays_in_its_file_and_names_an_older_version_linked_are
     path, best, backup = (tmp_path / n for n in ('checkpoint.pth', 'best.pth', 'checkpoint_0004.pth'))
     path.write_bytes(path.read_bytes()[:5000])  # in place
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_checkpoint_file(str(path))
+        checkpoint_io.load_checkpoint_file(str(path))
     assert f'(--resume {best}, --resume {backup})' in str(e.value)
-    assert checkpoint.load_checkpoint_file(str(best))['epoch'] == 5  # its own file: undamaged
+    assert checkpoint_io.load_checkpoint_file(str(best))['epoch'] == 5  # its own file: undamaged
     # a run saved by an older version, whose best.pth is a hard link to checkpoint.pth, shares the damage
     os.remove(best)
     os.link(path, best)
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load_checkpoint_file(str(path))
+        checkpoint_io.load_checkpoint_file(str(path))
     assert f'(--resume {backup})' in str(e.value) and 'best.pth' not in str(e.value)
 
 
@@ -145,16 +147,16 @@ class _FailingFile(io.RawIOBase):
 
 def _failing_fdopen(monkeypatch, exc):
     real = os.fdopen
-    monkeypatch.setattr(checkpoint.os, 'fdopen', lambda fd, mode: _FailingFile(real(fd, mode), exc))
+    monkeypatch.setattr(checkpoint_io.os, 'fdopen', lambda fd, mode: _FailingFile(real(fd, mode), exc))
 
 
 def test_disk_full_names_the_cause_and_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / 'checkpoint.pth'
-    checkpoint.save_atomic({'w': torch.zeros(10)}, str(path))
+    checkpoint_io.save_atomic({'w': torch.zeros(10)}, str(path))
     before = path.read_bytes()
     _failing_fdopen(monkeypatch, OSError(errno.ENOSPC, 'No space left on device'))
     with pytest.raises(errors.CheckpointWriteError) as e:
-        checkpoint.save_atomic({'w': torch.zeros(100000)}, str(path))
+        checkpoint_io.save_atomic({'w': torch.zeros(100000)}, str(path))
     assert str(e.value) == (f'could not write checkpoint {path}: no space left on device; '
                             f'the previous checkpoint.pth (if any) is kept')
     assert path.read_bytes() == before and os.listdir(tmp_path) == ['checkpoint.pth']
@@ -162,25 +164,25 @@ def test_disk_full_names_the_cause_and_keeps_the_previous_file(tmp_path, monkeyp
 
 def test_ctrl_c_during_a_save_is_an_interrupt_and_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / 'checkpoint.pth'
-    checkpoint.save_atomic({'w': torch.zeros(10)}, str(path))
+    checkpoint_io.save_atomic({'w': torch.zeros(10)}, str(path))
     before = path.read_bytes()
     _failing_fdopen(monkeypatch, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_atomic({'w': torch.zeros(100000)}, str(path))
+        checkpoint_io.save_atomic({'w': torch.zeros(100000)}, str(path))
     assert path.read_bytes() == before and os.listdir(tmp_path) == ['checkpoint.pth']
 
 
 def test_checkpoints_get_the_mode_of_a_normal_write(tmp_path):
     old = os.umask(0o027)
     try:
-        checkpoint.save_atomic({'w': torch.zeros(1)}, str(tmp_path / 'a.pth'))
+        checkpoint_io.save_atomic({'w': torch.zeros(1)}, str(tmp_path / 'a.pth'))
         with open(tmp_path / 'log.txt', 'w'):
             pass
     finally:
         os.umask(old)
     assert os.stat(tmp_path / 'a.pth').st_mode & 0o777 == os.stat(tmp_path / 'log.txt').st_mode & 0o777 == 0o640
     os.chmod(tmp_path / 'a.pth', 0o604)  # an existing file keeps its mode, as open(path, 'wb') does
-    checkpoint.save_atomic({'w': torch.zeros(1)}, str(tmp_path / 'a.pth'))
+    checkpoint_io.save_atomic({'w': torch.zeros(1)}, str(tmp_path / 'a.pth'))
     assert os.stat(tmp_path / 'a.pth').st_mode & 0o777 == 0o604
 
 
@@ -210,7 +212,7 @@ def test_best_records_which_weights_and_both_accuracies(tmp_path):
 def test_a_state_is_written_once_and_copied_to_its_other_names(tmp_path, monkeypatch):
     run = _run(tmp_path, with_state=True)
     written = []
-    real = checkpoint.save_atomic
+    real = checkpoint_io.save_atomic
     monkeypatch.setattr(checkpoint, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
                                                                         real(state, path)))
     run.save(0, {}, ['checkpoint.pth', 'best.pth', 'checkpoint_0000.pth'])
@@ -218,12 +220,12 @@ def test_a_state_is_written_once_and_copied_to_its_other_names(tmp_path, monkeyp
     ck, best = tmp_path / 'checkpoint.pth', tmp_path / 'best.pth'
     for other in (best, tmp_path / 'checkpoint_0000.pth'):
         assert not os.path.samefile(ck, other) and other.read_bytes() == ck.read_bytes()
-        assert checkpoint.load_checkpoint_file(str(other))['epoch'] == 0  # checksum verified
+        assert checkpoint_io.load_checkpoint_file(str(other))['epoch'] == 0  # checksum verified
     # the next epoch replaces the name checkpoint.pth; best.pth stays as it was
     before = best.read_bytes()
     run.save(1, {}, ['checkpoint.pth'])
-    assert best.read_bytes() == before and checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(checkpoint.TMP_PREFIX)]
+    assert best.read_bytes() == before and checkpoint_io.load_checkpoint_file(str(ck))['epoch'] == 1
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(checkpoint_io.TMP_PREFIX)]
 
 
 def test_a_copy_is_a_reflink_where_the_filesystem_has_them_else_a_copy_of_the_bytes(tmp_path, monkeypatch):
@@ -234,24 +236,24 @@ def test_a_copy_is_a_reflink_where_the_filesystem_has_them_else_a_copy_of_the_by
     def reflink(fd, request, src_fd):  # what FICLONE does: the destination gets the source's contents
         calls.append(request)
         os.write(fd, os.pread(src_fd, 1 << 30, 0))
-    monkeypatch.setattr(checkpoint.fcntl, 'ioctl', reflink)
-    monkeypatch.setattr(checkpoint.os, 'copy_file_range', lambda *a: pytest.fail('copied after a reflink'))
-    checkpoint.copy_atomic(str(src), str(dst))
-    assert calls == [checkpoint.FICLONE] and dst.read_bytes() == src.read_bytes()
+    monkeypatch.setattr(checkpoint_io.fcntl, 'ioctl', reflink)
+    monkeypatch.setattr(checkpoint_io.os, 'copy_file_range', lambda *a: pytest.fail('copied after a reflink'))
+    checkpoint_io.copy_atomic(str(src), str(dst))
+    assert calls == [checkpoint_io.FICLONE] and dst.read_bytes() == src.read_bytes()
 
     def no_reflinks(fd, request, src_fd):
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))  # ext4, tmpfs
     monkeypatch.undo()
-    monkeypatch.setattr(checkpoint.fcntl, 'ioctl', no_reflinks)
-    checkpoint.copy_atomic(str(src), str(tmp_path / 'c.pth'))  # copy_file_range
+    monkeypatch.setattr(checkpoint_io.fcntl, 'ioctl', no_reflinks)
+    checkpoint_io.copy_atomic(str(src), str(tmp_path / 'c.pth'))  # copy_file_range
     assert (tmp_path / 'c.pth').read_bytes() == src.read_bytes()
 
     def half_then_unsupported(src_fd, dst_fd, count):  # e.g. a FUSE filesystem that gives up: start again
         if os.fstat(dst_fd).st_size:
             raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
         return os.write(dst_fd, os.read(src_fd, 1 << 20))
-    monkeypatch.setattr(checkpoint.os, 'copy_file_range', half_then_unsupported)
-    checkpoint.copy_atomic(str(src), str(tmp_path / 'd.pth'))
+    monkeypatch.setattr(checkpoint_io.os, 'copy_file_range', half_then_unsupported)
+    checkpoint_io.copy_atomic(str(src), str(tmp_path / 'd.pth'))
     assert (tmp_path / 'd.pth').read_bytes() == src.read_bytes()
 
 
@@ -279,7 +281,7 @@ def test_a_best_pth_restored_by_hand_leaves_checkpoint_pth_as_it_was(tmp_path, c
     ours = (out / 'checkpoint.pth').read_bytes()
     shutil.copyfile(other / 'checkpoint.pth', out / 'best.pth')  # what `cp` does: it writes into best.pth
     assert (out / 'checkpoint.pth').read_bytes() == ours
-    ck = checkpoint.load_checkpoint_file(str(out / 'checkpoint.pth'))
+    ck = checkpoint_io.load_checkpoint_file(str(out / 'checkpoint.pth'))
     assert ck['epoch'] == 1 and ck['args']['output_dir'] == str(out)
     capsys.readouterr()
     assert _run(out).resume(str(out / 'checkpoint.pth')).start_epoch == 2
@@ -352,9 +354,9 @@ def test_in_a_run_an_older_version_hard_linked_saves_and_repairs_replace_names_n
         run.save(2, {}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
     assert best.read_bytes() == backup.read_bytes() == epoch1 != ck.read_bytes()
-    monkeypatch.setattr(checkpoint, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
+    monkeypatch.setattr(run_dir, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
     _run(out).resume(str(ck))  # repairs best.pth, linked to checkpoint_0001.pth: by a rename
-    assert checkpoint.load_checkpoint_file(str(best))['epoch'] == 2 and backup.read_bytes() == epoch1
+    assert checkpoint_io.load_checkpoint_file(str(best))['epoch'] == 2 and backup.read_bytes() == epoch1
 
 
 # ------------------------------------------------------------------------------------------ an older checkpoint
@@ -386,7 +388,7 @@ def test_resuming_an_older_checkpoint_moves_the_later_log_lines_aside(tmp_path, 
     assert f'Repaired {ck}: it was unreadable (truncated or damaged after it was written); copied the state of ' \
            f'epoch 1 there from {best}' in out, out
     assert 'stopped' not in out
-    assert checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
+    assert checkpoint_io.load_checkpoint_file(str(ck))['epoch'] == 1
 
 
 def test_a_mid_epoch_checkpoint_keeps_the_log_lines_of_the_epochs_it_finished(tmp_path, capsys):
@@ -517,7 +519,7 @@ def _state():
 def test_checkpoint_round_trip_weights_only(tmp_path):
     st = _state()
     p = tmp_path / 'checkpoint.pth'
-    checkpoint.save_atomic(st, p)
+    checkpoint_io.save_atomic(st, p)
     back = torch.load(p, weights_only=True)
     assert back['epoch'] == 4 and back['max_accuracy'] == 12.5 and isinstance(back['args'], dict)
     assert back['args']['output_dir'] == 'x'
@@ -528,7 +530,7 @@ def test_checkpoint_round_trip_weights_only(tmp_path):
 
 def test_failing_write_keeps_previous_checkpoint_and_names_the_path(tmp_path, monkeypatch):
     p = tmp_path / 'checkpoint.pth'
-    checkpoint.save_atomic({'model': {'w': torch.ones(2)}, 'epoch': 1}, p)
+    checkpoint_io.save_atomic({'model': {'w': torch.ones(2)}, 'epoch': 1}, p)
     before = p.read_bytes()
     real_save = torch.save
 
@@ -538,16 +540,16 @@ def test_failing_write_keeps_previous_checkpoint_and_names_the_path(tmp_path, mo
 
     monkeypatch.setattr(torch, 'save', half_then_disk_full)
     with pytest.raises(errors.CheckpointWriteError) as ei:
-        checkpoint.save_atomic({'model': {'w': torch.zeros(2)}, 'epoch': 2}, p)
+        checkpoint_io.save_atomic({'model': {'w': torch.zeros(2)}, 'epoch': 2}, p)
     assert str(p) in str(ei.value) and 'no space left' in str(ei.value)
     assert p.read_bytes() == before
     assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 
 def test_stale_temporary_files_are_removed(tmp_path):
-    (tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.abc')).write_bytes(b'partial')
+    (tmp_path / (checkpoint_io.TMP_PREFIX + 'checkpoint.pth.abc')).write_bytes(b'partial')
     (tmp_path / 'checkpoint.pth').write_bytes(b'keep')
-    checkpoint.remove_stale_tmp(str(tmp_path))
+    checkpoint_io.remove_stale_tmp(str(tmp_path))
     assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 

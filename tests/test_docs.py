@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PY, REPO, build_xt, env
 
-from models import weights
+import weights
 
 
 def _read(path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+import checkpoint_io
 import engine
 import errors
 import metrics
@@ -347,7 +347,7 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
     torch.manual_seed(1)
     np.random.seed(2)
     random.seed(3)
-    checkpoint.save_atomic({'rng': engine.get_rng_state()}, tmp_path / 'r.pth')
+    checkpoint_io.save_atomic({'rng': engine.get_rng_state()}, tmp_path / 'r.pth')
     want = (torch.rand(3), np.random.rand(3), random.random())
     torch.manual_seed(9)
     np.random.seed(9)

@@ -15,6 +15,7 @@ from thread_world import ThreadWorld
 from torchvision.datasets import ImageFolder
 
 import checkpoint
+import checkpoint_io
 import distributed
 import main
 import run_dir
@@ -140,10 +141,10 @@ def test_ranks_that_read_different_checkpoints_under_one_name_stop_every_rank(tm
     torch.nn.init.zeros_(later.model.weight)
     later.save(1, {}, ['checkpoint.pth'])
     path = str(tmp_path / 'a' / 'checkpoint.pth')
-    ids = [checkpoint.describe_identity(checkpoint.checkpoint_identity(checkpoint.load_checkpoint_file(p), p))
+    ids = [checkpoint_io.describe_identity(checkpoint_io.checkpoint_identity(checkpoint_io.load_checkpoint_file(p), p))
            for p in (path, str(tmp_path / 'b' / 'checkpoint.pth'))]
     world = ThreadWorld(2, monkeypatch)
-    real = checkpoint.load_checkpoint_file
+    real = checkpoint_io.load_checkpoint_file
     monkeypatch.setattr(checkpoint, 'load_checkpoint_file', lambda p, **kw: real(
         p.replace('/a/', '/b/') if world.rank() == 1 else p, **kw))  # rank 1's node holds another file there
     results = world.run(lambda rank: _tiny_run(tmp_path / 'a').resume(path))
@@ -158,7 +159,7 @@ def test_a_rank_that_cannot_read_the_resumed_checkpoint_stops_every_rank(tmp_pat
     _tiny_run(tmp_path).save(0, {}, ['checkpoint.pth'])
     path = str(tmp_path / 'checkpoint.pth')
     world = ThreadWorld(2, monkeypatch)
-    real = checkpoint.load_checkpoint_file
+    real = checkpoint_io.load_checkpoint_file
 
     def load(p, **kw):
         if world.rank() == 1:

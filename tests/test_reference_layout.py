@@ -11,7 +11,7 @@ from reference_impl import read_keys, reference_forward
 
 import checkpoint
 import main
-from models import weights
+import weights
 from models.nalaformer import checkpoint_filter_fn, from_reference_layout, is_reference_layout, to_reference_layout
 from tools import analyze_attention, predict, release
 

@@ -1,4 +1,4 @@
-"""Weights into a model (models/weights.py): the one rule by which every single-weights loader takes its
+"""Weights into a model (weights.py, models/weights.py): the one rule by which every single-weights loader takes its
 weights, and the one-line diagnosis of files and weights that do not fit the model."""
 import fractions
 from argparse import Namespace
@@ -10,7 +10,7 @@ from conftest import build_xt, load
 from test_checkpoint import _same, _Tiny, _xt
 
 import errors
-from models import weights
+import weights
 from tools import analyze_attention as aa
 
 

@@ -34,6 +34,7 @@ from image_folders import make_imagefolder
 from PIL import Image
 
 import checkpoint
+import checkpoint_io
 import engine
 import errors
 import image_folder
@@ -74,7 +75,7 @@ def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_p
         line = f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host '
         assert err and line in err
         # the holder's checkpoint being written: a refused job must not clean it away
-        saving = tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.x1')
+        saving = tmp_path / (checkpoint_io.TMP_PREFIX + 'checkpoint.pth.x1')
         saving.write_bytes(b'half a checkpoint')
         with pytest.raises(errors.UserError, match='is in use by another run'):
             run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
@@ -373,8 +374,8 @@ def test_pil_large_image_warning_names_the_file(tmp_path, monkeypatch):
 def test_a_deleted_output_dir_is_reported_as_gone(tmp_path):
     out = tmp_path / 'out'
     out.mkdir()
-    checkpoint.save_atomic({'epoch': 0}, str(out / 'checkpoint.pth'))
+    checkpoint_io.save_atomic({'epoch': 0}, str(out / 'checkpoint.pth'))
     shutil.rmtree(out)  # the whole run directory deleted while the run goes on
     with pytest.raises(checkpoint.CheckpointWriteError) as e:
-        checkpoint.save_atomic({'epoch': 1}, str(out / 'checkpoint.pth'))
+        checkpoint_io.save_atomic({'epoch': 1}, str(out / 'checkpoint.pth'))
     assert f'the output directory {out} is gone' in str(e.value) and 'is kept' not in str(e.value)

@@ -54,11 +54,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import timm
 
 import checkpoint
+import checkpoint_io
 import datasets
 import image_folder
 import models  # noqa: F401  (registers the variants)
 from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms
-from models.weights import load_weights_into, select_weights
+from weights import load_weights_into, select_weights
 
 METHODS = ('nala', 'softmax', 'relu', 'nala_p45')
 METHOD_LABELS = {'nala': 'NaLa (as implemented)', 'softmax': 'softmax(q·k/√d)',
@@ -449,7 +450,7 @@ def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 
                num_classes: Optional[int] = None, seed: int = 0) -> Tuple[nn.Module, Dict[str, Any]]:
     """Build ``name``; load ``checkpoint_path`` (training dict or bare state dict) with strict=True.
 
-    ``weights`` picks the weights as models.weights.select_weights does: 'default' is the one loader rule
+    ``weights`` picks the weights as weights.select_weights does: 'default' is the one loader rule
     (the EMA when the file has one, as timm's checkpoint_path loader), 'model' or 'model_ema' ask for
     those. The number of classes comes from the checkpoint's ``head.weight``, the input size from its
     ``args`` (``input_size``, and ``crop_pct`` from ``eval_crop_ratio``). Without a checkpoint the weights
@@ -459,7 +460,7 @@ def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 
         torch.manual_seed(seed)
         model = timm.create_model(name, num_classes=num_classes or 1000)
         return model.eval(), meta
-    ckpt = checkpoint.load_checkpoint_file(checkpoint_path)
+    ckpt = checkpoint_io.load_checkpoint_file(checkpoint_path)
     key, state = select_weights(ckpt, checkpoint_path, weights)
     if 'head.weight' not in state:
         raise checkpoint.CheckpointError(f'{checkpoint_path}: no head.weight; not a NaLaFormer checkpoint')

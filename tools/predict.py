@@ -29,13 +29,14 @@ from PIL import Image, UnidentifiedImageError
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import checkpoint
+import checkpoint_io
 import datasets
 import image_folder
 import models  # noqa: F401  (registers the variants)
 from errors import CheckpointError, UserError, first_line
 from models.nalaformer import from_reference_layout
-from models.weights import describe_mismatch
 from tools.release import WEIGHT_CHOICES, select_weights
+from weights import describe_mismatch
 
 
 def list_images(paths: Sequence[str]) -> List[str]:
@@ -85,7 +86,7 @@ def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.T
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f'{path} is not a readable safetensors file ({first_line(e)})') from e
         return sd, _run_info(meta, 'crop_pct')
-    ckpt = checkpoint.load_checkpoint_file(path)
+    ckpt = checkpoint_io.load_checkpoint_file(path)
     sd, _ = select_weights(ckpt, weights, path)
     return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio')
 

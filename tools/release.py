@@ -36,10 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import timm
 
 import datasets
-import models.weights  # registers the variants too
-from checkpoint import load_checkpoint_file, saved_args
+import models  # noqa: F401  (registers the variants)
+from checkpoint import saved_args
+from checkpoint_io import load_checkpoint_file
 from errors import CheckpointError, UserError
 from models.nalaformer import to_reference_layout
+from weights import describe_mismatch
+from weights import select_weights as select_state_dict
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 #: The model card's line for each key layout a release can have.
@@ -50,8 +53,8 @@ LAYOUTS = {'nalaformer': "this repository's (each stage holds the downsample tha
 
 def select_weights(ckpt: Any, which: str, path: str) -> Tuple[Dict[str, torch.Tensor], str]:
     """The state dict to release and the checkpoint entry it came from, by the repo's one loader rule
-    (models.weights.select_weights): ``default`` takes the EMA weights when the checkpoint has them."""
-    key, sd = models.weights.select_weights(ckpt, path, which)
+    (weights.select_weights): ``default`` takes the EMA weights when the checkpoint has them."""
+    key, sd = select_state_dict(ckpt, path, which)
     return sd, key or 'state dict'
 
 
@@ -175,7 +178,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
     model = timm.create_model(model_name, num_classes=num_classes)
-    msg = models.weights.describe_mismatch(model, sd, model_name, checkpoint)
+    msg = describe_mismatch(model, sd, model_name, checkpoint)
     if msg:
         raise CheckpointError(msg)
     model.load_state_dict(sd, strict=True)

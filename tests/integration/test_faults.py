@@ -33,7 +33,7 @@ from conftest import (
 )
 from image_folders import make_imagefolder
 
-import checkpoint
+import checkpoint_io
 import run_dir
 import utils
 
@@ -75,17 +75,17 @@ def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, dat
     line = error_line(p, only=False)
     assert f'could not write checkpoint {ck}' in line and 'previous checkpoint.pth' in line
     assert open(ck, 'rb').read() == before
-    assert not [f for f in os.listdir(out) if f.startswith(checkpoint.TMP_PREFIX)]
+    assert not [f for f in os.listdir(out) if f.startswith(checkpoint_io.TMP_PREFIX)]
 
 
 def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
     script = (
-        'import sys, torch, checkpoint\n'
+        'import sys, torch, checkpoint_io\n'
         'state = {"model": {"w%d" % i: torch.randn(256, 256) for i in range(16)}}\n'
         'print("ready", flush=True)\n'
         'e = 0\n'
         'while True:\n'
-        '    state["epoch"] = e; checkpoint.save_atomic(state, sys.argv[1]); e += 1\n')
+        '    state["epoch"] = e; checkpoint_io.save_atomic(state, sys.argv[1]); e += 1\n')
     path = tmp_path / 'checkpoint.pth'
     for delay in (0.3, 0.77):
         proc = subprocess.Popen([PY, '-c', script, str(path)], cwd=REPO, env=env(), stdout=subprocess.PIPE, text=True)
@@ -95,7 +95,7 @@ def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
         proc.wait()
         ck = load(path)  # whatever moment the kill hit, the file is a complete checkpoint
         assert ck['model']['w15'].shape == (256, 256)
-        checkpoint.remove_stale_tmp(str(tmp_path))
+        checkpoint_io.remove_stale_tmp(str(tmp_path))
         assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 
