@@ -9,14 +9,12 @@ import os
 import shutil
 import socket
 import uuid
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 import timm
-import torch
 from PIL import Image
 from timm.data import auto_augment, create_transform
-from timm.data.random_erasing import RandomErasing
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
@@ -36,7 +34,7 @@ from models.weights import small_input_eval
 
 __all__ = [
     "INatDataset", "build_dataset", "build_transform", "data_config", "eval_transform", "default_data_path",
-    "prepare_digits", "DATA_SETS", "INAT_CATEGORIES", "DeviceLoader", "device_loader", "batch_random_erasing",
+    "prepare_digits", "DATA_SETS", "INAT_CATEGORIES",
 ]
 
 DEIT_DEFAULT_DATA_PATH = "/datasets01/imagenet_full_size/061417/"
@@ -385,85 +383,4 @@ def build_transform(is_train: bool, args: Any, uint8: bool = False) -> Callable:
 
 
 
-# --------------------------------------------------------------------------------------------
-# Batches on the device: normalisation and random erasing of uint8 batches
-# --------------------------------------------------------------------------------------------
-def batch_random_erasing(args: Any, device: Any) -> Optional[Callable]:
-    """The train transform's random erasing (``--reprob``, ``--remode``, ``--recount``) for a normalised
-    batch on ``device``: timm's RandomErasing, each image erased or not on its own, as in the CPU transform;
-    None when ``--reprob`` is 0."""
-    if not args.reprob:
-        return None
-    return RandomErasing(args.reprob, mode=args.remode, max_count=args.recount, device=device)
 
-
-class DeviceLoader:
-    """The batches of ``loader`` (uint8 images first, then targets and anything else, such as eval_sets.WithIndex's
-    indices) on ``device``, the images as float32 normalised with ``mean``/``std`` (of the 0..1 scale, as
-    a data config gives them): the same operations, in the same order, as ToTensor and Normalize in a CPU
-    transform, so the values are those of the CPU transform bit for bit.
-
-    On a GPU with loader workers, each batch is copied (from pinned memory: ``pin_memory=True``) and
-    normalised on a side stream while the previous batch is in use. Elsewhere each batch is prepared when
-    it is asked for: with no workers the main process loads the images, and loading ahead would draw its
-    random augmentations out of turn (a resumed epoch replays them from the random state of the stop).
-    ``len``, ``batch_size``, ``dataset`` and ``sampler`` are the loader's."""
-
-    def __init__(self, loader: Any, device: Any, mean: Sequence[float], std: Sequence[float]) -> None:
-        self.loader, self.device = loader, torch.device(device)
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1).to(self.device)
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1).to(self.device)
-        self._stream = None
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    @property
-    def batch_size(self) -> Optional[int]:
-        return self.loader.batch_size
-
-    @property
-    def dataset(self) -> Any:
-        return self.loader.dataset
-
-    @property
-    def sampler(self) -> Any:
-        return self.loader.sampler
-
-    def _prepare(self, batch: Sequence[Any]) -> tuple:
-        images, *rest = batch
-        if images.dtype != torch.uint8:
-            raise TypeError(f"DeviceLoader takes batches of uint8 images, got {images.dtype} (build the data "
-                            f"set with uint8=True)")
-        images = images.to(self.device, non_blocking=True).float().div_(255).sub_(self.mean).div_(self.std)
-        return (images, *(t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t for t in rest))
-
-    def __iter__(self) -> Iterator[tuple]:
-        if self.device.type != "cuda" or not getattr(self.loader, "num_workers", 0):
-            for batch in self.loader:
-                yield self._prepare(batch)
-            return
-        # timm's PrefetchLoader scheme: the side stream waits for the work queued so far before it writes
-        # (blocks freed by that work may be handed to its allocations), the consumer for the side stream
-        # before it uses a batch
-        if self._stream is None:  # one stream for good: the allocator pools blocks per stream
-            self._stream = torch.cuda.Stream(device=self.device)
-        ready = None
-        for batch in self.loader:
-            consumer = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(consumer)
-            with torch.cuda.stream(self._stream):
-                upcoming = self._prepare(batch)
-            if ready is not None:
-                yield ready
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            ready = upcoming
-        if ready is not None:
-            yield ready
-
-
-def device_loader(loader: Any, args: Any, device: Any) -> DeviceLoader:
-    """``loader`` (of a data set built with ``uint8=True``) as a ``DeviceLoader`` normalising with the mean and
-    std of ``data_config(args.model, ...)``, those the CPU transform would use."""
-    cfg = data_config(args.model, args.input_size, args.eval_crop_ratio)
-    return DeviceLoader(loader, device, cfg["mean"], cfg["std"])

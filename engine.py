@@ -2,25 +2,24 @@
 a graceful stop at optimizer-step boundaries, mid-epoch resume and a bounded number of skipped non-finite
 steps that leave the model exactly as it was).
 
-`OptimizerStep` turns micro-batches into optimizer steps (main.py trains with it, tools/benchmark.py times
-it); `TrainSettings` holds the loop's settings for a run; `EpochState` is where training stands inside an
-epoch, which `train_one_epoch` takes and returns and `epoch_state_entries` turns into checkpoint entries, with
-the random-number state (`get_rng_state`) that makes a resumed epoch replay its batches."""
-import math
+`train_one_epoch` runs a optim_step.OptimizerStep per window of micro-batches; `TrainSettings` holds the loop's
+settings for a run; `EpochState` is where training stands inside an epoch, which `train_one_epoch` takes and
+returns and `epoch_state_entries` turns into checkpoint entries, with the random-number state
+(`get_rng_state`) that makes a resumed epoch replay its batches; `evaluate_models` scores several models
+(the model and its EMA) in one pass over the validation set."""
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 import torch
-from timm.utils import ModelEmaV3, dispatch_clip_grad, unwrap_model
+from timm.utils import unwrap_model
 
 from distributed import get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
-from models.compat import set_tf32_flags, total_norm
+from optim_step import OptimizerStep, autocast
 
 
 # --------------------------------------------------------------------------------------------------
@@ -79,49 +78,6 @@ def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# The EMA of the weights
-# --------------------------------------------------------------------------------------------------
-class ModelEma(ModelEmaV3):
-    """timm's ModelEmaV3 (the EMA of parameters and buffers, on the model's device or `device`) whose update
-    walks the modules' own tensor dicts instead of building two state dicts per step, which costs the host
-    several milliseconds a step. The same tensors in the same order as the state dicts (each module's
-    parameters, then its persistent buffers), the same foreach lerp: the same numbers. The module lists are
-    gathered once per model; the tensors are looked up at every update, so moving a model (`.to()` replaces
-    its buffers) is fine. Off the multi-tensor path (an EMA on another device than the model) timm's own
-    update runs."""
-
-    def __init__(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
-        super().__init__(model, *args, **kwargs)
-        self._ema_modules = list(self.module.modules())
-        self._model_modules: tuple = (None, [])  # (the model, its modules), for the model last updated from
-
-    @staticmethod
-    def _state_tensors(modules: List[torch.nn.Module]) -> List[torch.Tensor]:
-        """The tensors of the modules' state dict, in its order (module attributes: state_dict() would spend
-        milliseconds on names, hooks and detached copies)."""
-        tensors = []
-        for m in modules:
-            tensors += [p for p in m._parameters.values() if p is not None]
-            tensors += [b for k, b in m._buffers.items() if b is not None and k not in m._non_persistent_buffers_set]
-        return tensors
-
-    def apply_update_(self, model: torch.nn.Module, decay: float) -> None:
-        if not self.foreach:
-            super().apply_update_(model, decay)
-            return
-        if self._model_modules[0] is not model:
-            self._model_modules = (model, list(model.modules()))
-        ema_values = self._state_tensors(self._ema_modules)
-        model_values = self._state_tensors(self._model_modules[1])
-        lerp_ema, lerp_model = [], []
-        for ema_v, model_v in zip(ema_values, model_values):
-            if ema_v.is_floating_point():
-                lerp_ema.append(ema_v)
-                lerp_model.append(model_v)
-            else:
-                ema_v.copy_(model_v)
-        self._foreach_lerp_(lerp_ema, lerp_model, weight=1. - decay)
 
 
 @dataclass
@@ -169,149 +125,6 @@ class TrainSettings:
     print_freq: int = 10         # a progress line every print_freq steps
     max_bad_steps: int = 20      # more consecutive skipped optimizer steps raise NonFiniteLossError
     train_mode: bool = True      # model.train(train_mode) for the epoch (DeiT's --train-mode)
-
-
-@dataclass
-class StepOutcome:
-    """What one optimizer step did (`OptimizerStep` returns it at the last micro-batch of a window).
-    `non_finite` is set when a non-finite loss skipped the step: this rank's loss, or 'on another rank'.
-    The tensors stay on the device, so that returning them makes the host wait for nothing."""
-    losses: torch.Tensor  # this rank's loss of every micro-batch of the window (a 1-d tensor on the device)
-    non_finite: Union[float, str, None] = None
-    overflow: bool = False  # fp16: inf/NaN gradients (finite losses); the optimizer step was skipped
-    grad_norm: Optional[torch.Tensor] = None  # L2 norm of the gradients before clipping (when asked for)
-    stop: bool = False  # a stop was requested (on any rank)
-
-
-def autocast(device: Union[str, torch.device], amp_dtype: Optional[torch.dtype]):
-    """torch.autocast on `device`'s type to `amp_dtype`; nothing with None (fp32)."""
-    if amp_dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=amp_dtype)
-
-
-def set_tf32(device, enabled: bool = True) -> bool:
-    """Let fp32 matmuls and convolutions use TF32 tensor cores on CUDA (as the reference trained), or force
-    full fp32 (`enabled=False`). Does nothing off CUDA; returns whether the flags were set."""
-    if torch.device(device).type != 'cuda':
-        return False
-    set_tf32_flags(enabled)
-    return True
-
-
-def _no_sync(model, skip_sync: bool):
-    """DDP's no_sync() on the micro-steps of an accumulation window that do not end it."""
-    if skip_sync and hasattr(model, 'no_sync'):  # a DDP model (compiled or not); a bare module has none
-        return model.no_sync()
-    return nullcontext()
-
-
-class OptimizerStep:
-    """One optimizer step from `accum_steps` consecutive micro-batches.
-
-    Each micro-batch runs `criterion(samples, model(samples), targets)` under autocast (`amp_dtype`) and
-    the backward of loss / window length, scaled by the fp16 `scaler` (a torch.amp.GradScaler) when there
-    is one; the micro-batches that do not end the window run under DDP's no_sync(), so gradients are
-    exchanged once per optimizer step. Every micro-batch runs its backward, also after a non-finite loss
-    (whose gradients come out non-finite), so every rank issues the same collectives in the same order
-    (SyncBatchNorm's backward all-reduces even under no_sync()) and no DDP forward is left without its
-    backward.
-
-    The host waits for the device once per optimizer step, after the window's last backward is queued: one
-    small tensor built on the device says whether all losses of the window were finite, whether the fp16
-    gradients overflowed and whether a stop was requested, agreed over the ranks by one all-reduce. Then the
-    gradients are unscaled, clipped (timm's dispatch_clip_grad, `clip_grad`/`clip_mode`) and the optimizer
-    steps. A window with a non-finite loss on any rank is skipped: no optimizer step, the loss scale as it
-    was, and every buffer of the bare model (BatchNorm running statistics) put back as it was before the
-    window. An fp16 overflow skips the optimizer step and lowers the loss scale, as GradScaler.step and
-    update do. The epoch's last window may be shorter. `model` may be DDP-wrapped and/or compiled."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, device: Union[str, torch.device],
-                 amp_dtype: Optional[torch.dtype] = None, scaler: Optional[torch.amp.GradScaler] = None,
-                 clip_grad: Optional[float] = None, clip_mode: str = 'norm', accum_steps: int = 1):
-        self.optimizer, self.device = optimizer, torch.device(device)
-        self.amp_dtype, self.scaler = amp_dtype, scaler
-        self.clip_grad, self.clip_mode = clip_grad, clip_mode
-        self.accum_steps = max(1, int(accum_steps))
-        self._window_end: Optional[int] = None  # the open window's end; None between windows
-        self._window_len = 1
-        self._buffers: List[torch.Tensor] = []
-        self._losses: List[torch.Tensor] = []
-
-    def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
-                 index: int = 0, n_steps: Optional[int] = None, stop_flag: Any = None,
-                 grad_norm: bool = False) -> Optional[StepOutcome]:
-        """Run micro-batch `index` of an epoch of `n_steps` (None: no end). Returns None inside a window,
-        the StepOutcome at its last micro-batch. `stop_flag` (a utils.StopFlag) is read once per optimizer
-        step; `grad_norm` asks for the gradient norm in the outcome."""
-        if self._window_end is None:  # the first micro-batch of a window
-            end = (index // self.accum_steps + 1) * self.accum_steps
-            self._window_end = end if n_steps is None else min(end, n_steps)
-            self._window_len = self._window_end - index
-            # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
-            self._buffers = [b.detach().clone() for b in unwrap_model(model).buffers()]
-            self._losses = []
-            self.optimizer.zero_grad(set_to_none=True)
-        last = index + 1 >= self._window_end
-        # DDP decides at forward time whether the backward all-reduces: the micro-batches that do not end the
-        # window run forward and backward under no_sync()
-        with _no_sync(model, not last):
-            with autocast(self.device, self.amp_dtype):
-                loss = criterion(samples, model(samples), targets)
-            self._losses.append(loss.detach())
-            self._backward(loss)
-        if not last:
-            return None
-        self._window_end = None
-        return self._step(model, stop_flag, grad_norm)
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        scaled = loss / self._window_len
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-
-    def _step(self, model, stop_flag, grad_norm: bool) -> StepOutcome:
-        losses, self._losses = torch.stack(self._losses), []
-        buffers, self._buffers = self._buffers, []
-        grads = [p.grad for p in model.parameters() if p.grad is not None] if self.scaler is not None or grad_norm \
-            else []
-        # this rank's flags, on the device: a non-finite loss, non-finite (scaled fp16) gradients - GradScaler's
-        # own test, which its step would read back by itself - and a stop request
-        flags = torch.stack([
-            ~torch.isfinite(losses).all(),
-            ~torch.isfinite(total_norm(grads, math.inf)) if self.scaler is not None and grads
-            else torch.zeros((), dtype=torch.bool, device=losses.device),
-            torch.full((), stop_flag is not None and stop_flag.requested, dtype=torch.bool, device=losses.device),
-        ]).float()
-        agreed = flags.clone()
-        if is_dist_avail_and_initialized():
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-        # the step's one wait for the device
-        bad_here, bad, overflow, stop = (v > 0 for v in torch.cat([flags[:1], agreed]).tolist())
-        outcome = StepOutcome(losses=losses, stop=stop)
-        if bad:
-            self.optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for b, saved in zip(unwrap_model(model).buffers(), buffers):
-                    b.copy_(saved)
-            # a skipped window is rare: naming its loss may read the losses back once more
-            outcome.non_finite = (next(v for v in losses.tolist() if not math.isfinite(v)) if bad_here
-                                  else 'on another rank')
-            return outcome
-        if self.scaler is not None:
-            # the device-side unscale also records the overflow test for update(); GradScaler.step would repeat
-            # that test on the host, so the optimizer steps directly when the test above found no overflow
-            self.scaler.unscale_(self.optimizer)
-        if grad_norm:
-            outcome.grad_norm = total_norm(grads) if grads else torch.zeros((), device=self.device)
-        if overflow:
-            outcome.overflow = True
-        else:
-            if self.clip_grad is not None:
-                dispatch_clip_grad(model.parameters(), self.clip_grad, mode=self.clip_mode)
-            self.optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update()  # backs off after an overflow, grows after enough finite steps
-        return outcome
 
 
 class _StepValues:

@@ -1,18 +1,19 @@
 """The training process and its operating system: stop signals (the main process and its data-loader workers),
-data-loader workers that stay from one epoch to the next, and the CPU memory allocator.
+the CPUs a process may count on (and so its default
+number of workers), and the CPU memory allocator.
 
 The rest of the engine's helpers: distributed.py (process group, collectives), metrics.py (progress lines,
-log.txt), errors.py (one-line errors), checkpoint.py (checkpoint format, RNG state).
+log.txt), errors.py (one-line errors), checkpoint.py (checkpoint format).
 """
-import atexit
 import contextlib
-import random
+import os
+import re
 import signal
-import weakref
-from typing import Any, Iterator, Optional, Tuple
+from typing import Iterator, Tuple
 
-import numpy as np
 import torch.utils.data
+
+import distributed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -82,93 +83,60 @@ class DataLoader(torch.utils.data.DataLoader):
             return super().__iter__()
 
 
+
+
 # --------------------------------------------------------------------------------------------------
-# Workers that stay from one epoch to the next, seeded per epoch
+# CPUs per process and the default number of data-loader workers
 # --------------------------------------------------------------------------------------------------
-def seed_worker(base_seed: int, worker_id: int) -> None:
-    """Seed this process's python, torch and numpy generators as torch seeds a worker it starts: python and
-    torch with base_seed + worker_id, numpy with the SeedSequence of (worker_id, base_seed) torch uses."""
-    seed = base_seed + worker_id
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(np.random.SeedSequence([worker_id, base_seed & 0xFFFFFFFF, base_seed >> 32, 0]).generate_state(4))
+#: data-loader workers per process when --num_workers is not given: enough for a GPU's input pipeline
+#: (docs/performance.md), capped by this process's share of the node's CPUs
+DEFAULT_NUM_WORKERS = 10
 
 
-class _EpochSeeded(torch.utils.data.Dataset):
-    """`dataset` indexed by (epoch seed, index): a loader worker reseeds itself (`seed_worker`) at its first
-    item of each epoch, then returns dataset[index]. In the main process (no workers) nothing is reseeded."""
-
-    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
-        self.dataset = dataset
-        self._seed: Optional[int] = None
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: Tuple[int, int]) -> Any:
-        seed, index = key
-        worker = torch.utils.data.get_worker_info()
-        if worker is not None and seed != self._seed:
-            seed_worker(seed, worker.id)
-            self._seed = seed
-        return self.dataset[index]
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: what taskset, cgroups cpusets and SLURM allow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this OS (macOS)
+        return os.cpu_count() or 1
 
 
-class _WithEpochSeed(torch.utils.data.Sampler):
-    """`sampler`'s indices, each paired with the seed of the epoch being iterated: (seed, index)."""
-
-    def __init__(self, sampler: torch.utils.data.Sampler) -> None:
-        self.sampler, self.seed = sampler, 0
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[Tuple[int, int]]:
-        seed = self.seed
-        return ((seed, index) for index in self.sampler)
+def _leading_int(text: str) -> int:
+    m = re.match(r'\d+', text or '')
+    return int(m.group()) if m else 0
 
 
-class PersistentDataLoader(DataLoader):
-    """DataLoader (workers ignore the stop signals) over `sampler`'s indices whose worker processes stay from
-    one epoch to the next (persistent workers, when there are workers) and are still seeded per epoch as
-    torch seeds the workers it starts for an epoch: from a seed drawn from the main process's torch
-    generator when the epoch's iterator is made. So each epoch's random augmentations follow from the
-    random state at its start, which a checkpoint holds (a resumed epoch replays them), and equal those of
-    workers started anew every epoch, without starting processes every epoch. The draw is the one torch
-    makes for every new iterator, so the main process's random stream advances as with a plain DataLoader.
-    `dataset` is the wrapped data set (len() as the original; `.dataset` is the original)."""
-
-    def __init__(self, dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler, num_workers: int = 0,
-                 **kwargs: Any) -> None:
-        self.epoch_sampler = _WithEpochSeed(sampler)
-        # torch draws a new iterator's worker seed from this generator (unused here), not from the main stream
-        super().__init__(_EpochSeeded(dataset), sampler=self.epoch_sampler, num_workers=num_workers,
-                         persistent_workers=num_workers > 0, generator=torch.Generator(), **kwargs)
-        if num_workers > 0:
-            if not _LIVE_LOADERS:
-                atexit.register(_close_live_loaders)
-            _LIVE_LOADERS.add(self)
-
-    def __iter__(self):
-        # the draw torch makes for a new iterator's worker seed, from the same (main) generator
-        self.epoch_sampler.seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        return super().__iter__()
-
-    def close(self) -> None:
-        """Stop the worker processes now. They ignore SIGTERM, which is how the interpreter's exit stops the
-        child processes it finds still running: a loader left alive to the end (say, by an exception's
-        traceback) would make the exit wait for them forever, so every loader still alive is closed first."""
-        iterator, self._iterator = self._iterator, None
-        if iterator is not None:
-            iterator._shutdown_workers()
+def cpus_per_process() -> Tuple[int, str]:
+    """(CPUs this process may count on, how that share was found). The training processes of a node share its
+    CPUs: torchrun starts LOCAL_WORLD_SIZE processes that all inherit its CPU set; SLURM gives each srun task
+    SLURM_CPUS_PER_TASK CPUs (binding them or not), else the tasks on the node share the step's CPUs."""
+    cpus = available_cpus()
+    _, _, _, launcher = distributed.launch_env()
+    env = os.environ
+    if launcher == 'torchrun':
+        n = max(1, _leading_int(env.get('LOCAL_WORLD_SIZE', '')) or 1)
+        if n > 1:
+            return cpus // n, f'the {cpus} CPUs of this process shared by the {n} processes on this node'
+    elif launcher == 'slurm':
+        per_task = _leading_int(env.get('SLURM_CPUS_PER_TASK', ''))
+        if per_task:
+            return min(cpus, per_task), f'SLURM_CPUS_PER_TASK={per_task}, {cpus} CPUs available to this process'
+        n = max(1, _leading_int(env.get('SLURM_NTASKS_PER_NODE') or env.get('SLURM_STEP_TASKS_PER_NODE')
+                                or env.get('SLURM_TASKS_PER_NODE', '')))
+        if n > 1:
+            return cpus // n, f'the {cpus} CPUs of this process shared by the {n} SLURM tasks on this node'
+    return cpus, f'the {cpus} CPUs available to this process'
 
 
-_LIVE_LOADERS: 'weakref.WeakSet[PersistentDataLoader]' = weakref.WeakSet()
-
-
-def _close_live_loaders() -> None:
-    for loader in list(_LIVE_LOADERS):
-        loader.close()
+def default_num_workers() -> Tuple[int, str]:
+    """(--num_workers when not given, why): this process's share of the node's CPUs less one for the training
+    process itself, at most DEFAULT_NUM_WORKERS and at least 1 (loading then overlaps the step even with a
+    single CPU per process; --num_workers 0 loads in the training process). More workers than CPUs only
+    compete for them (and PyTorch warns about it)."""
+    share, how = cpus_per_process()
+    n = max(1, min(DEFAULT_NUM_WORKERS, share - 1))
+    return n, (f'{share} CPU(s) per process ({how}), one of them left to the training process; at most '
+               f'{DEFAULT_NUM_WORKERS}, at least 1')
 
 
 # --------------------------------------------------------------------------------------------------

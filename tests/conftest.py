@@ -12,6 +12,7 @@ import pytest
 import torch
 from image_folders import make_imagefolder
 
+import cli
 import main
 
 
@@ -27,12 +28,12 @@ def one_thread():
 
 def build_xt(num_classes=3):
     """NALAFORMER_XT as main.py builds it."""
-    return main.build_model(main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT']), num_classes)
+    return main.build_model(cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT']), num_classes)
 
 
 def parse(*argv):
     """main.py's arguments for `argv` (parsed, not validated)."""
-    return main.get_args_parser().parse_args(list(argv))
+    return cli.get_args_parser().parse_args(list(argv))
 
 
 # --------------------------------------------------------------------------------------- real processes

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from PIL import Image
 
-import main
+import cli
 from tools.synthetic import write_imagefolder
 
 
@@ -20,7 +20,7 @@ def make_args(**kw):
              aa="rand-m9-mstd0.5-inc1", train_interpolation="bicubic", reprob=0.25, remode="pixel",
              recount=1, inat_category="name", strict_data=False)
     a.update(kw)
-    return main.get_args_parser().parse_args([], namespace=SimpleNamespace(**a))
+    return cli.get_args_parser().parse_args([], namespace=SimpleNamespace(**a))
 
 
 def save_img(path, color=(255, 0, 0), size=6, fmt=None):

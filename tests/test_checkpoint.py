@@ -17,9 +17,9 @@ from conftest import parse
 
 import checkpoint
 import checkpoint_io
+import cli
 import engine
 import errors
-import main
 import metrics
 import run_dir
 
@@ -44,12 +44,12 @@ class _Tiny(torch.nn.Module):
 def _run(tmp_path, argv=(), model=None, with_state=False):
     """A TrainingCheckpoints for a tiny model and the optimizer/schedule main.py builds from `argv`."""
     from timm.optim import create_optimizer_v2
-    args = main.get_args_parser().parse_args(['--output_dir', str(tmp_path), '--epochs', '4', *argv])
+    args = cli.get_args_parser().parse_args(['--output_dir', str(tmp_path), '--epochs', '4', *argv])
     model = model or _Tiny()
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                               momentum=args.momentum, eps=args.opt_eps,
                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
-    run = checkpoint.TrainingCheckpoints(args, model, None, opt, main.build_lr_scheduler(args, opt), None, 7, 'cpu')
+    run = checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 7, 'cpu')
     if with_state:
         model.norm(model.fc(torch.randn(2, 4))).sum().backward()
         opt.step()  # the optimizer has its moments

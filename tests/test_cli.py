@@ -8,8 +8,10 @@ import pytest
 import torch
 from conftest import parse, run_main
 
+import cli
 import datasets
 import main
+import utils
 
 LAUNCH_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID')
 
@@ -22,9 +24,9 @@ def plain_process(monkeypatch):
 
 
 def parse_and_validate(argv):
-    parser = main.get_args_parser()
+    parser = cli.get_args_parser()
     args = parser.parse_args(argv + ['--data-path', '/nonexistent'])
-    main.validate_args(args, parser)
+    cli.validate_args(args, parser)
     return args
 
 
@@ -73,7 +75,7 @@ def test_bad_flag_is_an_argparse_error_naming_it(argv, flag, plain_process, caps
 def test_good_flags_pass(argv, plain_process):
     args = parse_and_validate(argv)
     args.drop_path = None  # "the variant's own rate" is valid too
-    main.validate_args(args, main.get_args_parser())
+    cli.validate_args(args, cli.get_args_parser())
 
 
 @pytest.mark.parametrize('name, dest', [('model-ema', 'model_ema'), ('repeated-aug', 'repeated_aug'),
@@ -81,13 +83,13 @@ def test_good_flags_pass(argv, plain_process):
                                         ('pin-mem', 'pin_mem'), ('tf32', 'tf32'), ('sync-bn', 'sync_bn')])
 def test_paired_switches_default_on_and_the_last_one_wins(name, dest):
     """--x / --no-x: on by default; a later one overrides an earlier one (tools/smoke.py appends --model-ema to
-    base flags holding --no-model-ema), and only --x carries the help text."""
-    parser = main.get_args_parser()
+    base flags holding --no-model-ema), and the pair has one help text."""
+    parser = cli.get_args_parser()
     value = lambda *argv: getattr(parser.parse_args(list(argv)), dest)  # noqa: E731
     assert value() is True and value(f'--{name}') is True and value(f'--no-{name}') is False
     assert value(f'--no-{name}', f'--{name}') is True and value(f'--{name}', f'--no-{name}') is False
-    helps = {a.option_strings[0]: a.help for a in parser._actions if a.dest == dest}
-    assert helps[f'--{name}'] and helps[f'--no-{name}'] is None
+    helps = {tuple(a.option_strings): a.help for a in parser._actions if a.dest == dest}
+    assert list(helps) == [(f'--{name}', f'--no-{name}')] and helps[f'--{name}', f'--no-{name}']
 
 
 @pytest.mark.parametrize('argv, expected', [
@@ -99,7 +101,7 @@ def test_paired_switches_default_on_and_the_last_one_wins(name, dest):
 ])
 def test_train_mode_defaults_to_the_reference_rule(argv, expected):
     args = parse(*argv)
-    reason = main.resolve_train_mode(args)
+    reason = cli.resolve_train_mode(args)
     assert args.train_mode is expected
     assert reason.startswith('on' if expected else 'off')
     assert ('--finetune' in reason) == (argv == ['--finetune', 'x.pth'])  # the default for a fine-tune says why
@@ -148,7 +150,7 @@ def test_reference_flag_spellings_are_accepted():
 
 
 def test_layer_decay_out_of_range_is_an_argument_error(capsys):
-    parser = main.get_args_parser()
+    parser = cli.get_args_parser()
     with pytest.raises(SystemExit) as e:
         parser.parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '1.5'])
     assert e.value.code == 2 and '--layer-decay: expected a number > 0 and <= 1, got 1.5' in capsys.readouterr().err
@@ -163,9 +165,9 @@ def test_layer_decay_out_of_range_is_an_argument_error(capsys):
     (['--src'], r'--src \(DeiT III\) is not supported'),
 ])
 def test_refused_recipe_flags_fail_like_argparse(argv, message, capsys):
-    parser = main.get_args_parser()
+    parser = cli.get_args_parser()
     with pytest.raises(SystemExit) as ei:
-        main.validate_args(parser.parse_args(argv), parser)
+        cli.validate_args(parser.parse_args(argv), parser)
     assert ei.value.code == 2
     assert re.search(message, capsys.readouterr().err)
 
@@ -177,10 +179,10 @@ def test_tf32_is_on_by_default_and_can_be_turned_off():
 
 def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, 'tensorboard', None)  # as if it were not installed
-    parser = main.get_args_parser()
+    parser = cli.get_args_parser()
     args = parser.parse_args(['--model', 'NALAFORMER_XT', '--log-dir', 'runs/x'])
     with pytest.raises(SystemExit) as e:
-        main.validate_args(args, parser)
+        cli.validate_args(args, parser)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and 'pip install tensorboard' in err[-1] and '--log-dir' in err[-1]
 
@@ -270,7 +272,7 @@ def test_pasted_reference_flags_are_accepted_and_change_nothing(data, tmp_path, 
     for flags in (['--resplit'], ['--patience-epochs', '10'], ['--distributed']):
         changed = {k for k, v in vars(parse(*argv, *flags)).items() if v != getattr(plain, k)}
         assert changed <= {'resplit', 'patience_epochs', 'compat_distributed'}, changed
-    assert not main.compatibility_notes(plain)
+    assert not cli.compatibility_notes(plain)
 
 
 LAUNCHERS = {'plain': {}, 'torchrun x8': {'RANK': '3', 'WORLD_SIZE': '16', 'LOCAL_WORLD_SIZE': '8'},
@@ -292,7 +294,7 @@ def test_default_num_workers_is_the_cpus_per_process_less_one(launcher, cpus, ex
     for k, v in LAUNCHERS[launcher].items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(main.os, 'sched_getaffinity', lambda pid: set(range(cpus)), raising=False)
-    assert main.default_num_workers()[0] == expected
+    assert utils.default_num_workers()[0] == expected
     assert parse().num_workers is None and parse('--num-workers', '12').num_workers == 12  # given: taken as is
 
 
@@ -310,7 +312,7 @@ def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_pa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         assert main.run(_eval_argv(data, tmp_path)) == 0
-    n, cpus = main.default_num_workers()[0], main.available_cpus()
+    n, cpus = utils.default_num_workers()[0], utils.available_cpus()
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Data loader:')]
     assert line == [f'Data loader: {n} workers per process (the default: {cpus} CPU(s) per process (the {cpus} CPUs '
                     f'available to this process), one of them left to the training process; at most 10, at least 1; '

@@ -10,6 +10,7 @@ from PIL import Image
 
 import datasets as D
 import image_folder as IF
+import loaders
 
 
 # ---------------------------------------------------------------------------- builders
@@ -415,11 +416,11 @@ def test_uint8_batches_normalised_by_the_device_loader_equal_the_cpu_transform(t
     crops = torch.stack([_seeded(uint8, img, i) for i, img in enumerate(images)])
     assert crops.dtype == torch.uint8
     batch = [(crops, torch.tensor([0, -100, 2, 1]), torch.arange(4))]  # an undecodable image's target, ReaL indices
-    (got, target, index), = list(D.device_loader(batch, args, "cpu"))
+    (got, target, index), = list(loaders.device_loader(batch, args, "cpu"))
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert target.tolist() == [0, -100, 2, 1] and index.tolist() == [0, 1, 2, 3]
     with pytest.raises(TypeError, match="uint8"):
-        list(D.device_loader([(want, target)], args, "cpu"))
+        list(loaders.device_loader([(want, target)], args, "cpu"))
 
 
 def test_random_erasing_on_the_device_has_the_cpu_transforms_distribution():
@@ -429,8 +430,8 @@ def test_random_erasing_on_the_device_has_the_cpu_transforms_distribution():
     from scipy.stats import ks_2samp
     args = make_args(input_size=32)
     cpu = [t for t in D.build_transform(True, args).transforms if type(t).__name__ == "RandomErasing"][0]
-    device = D.batch_random_erasing(args, "cpu")
-    assert D.batch_random_erasing(make_args(reprob=0.0), "cpu") is None
+    device = loaders.batch_random_erasing(args, "cpu")
+    assert loaders.batch_random_erasing(make_args(reprob=0.0), "cpu") is None
     n = 3000
     torch.manual_seed(0)
     import random

@@ -7,6 +7,7 @@ import argparse
 import pytest
 import torch
 
+import cli
 import distributed
 import errors
 
@@ -180,12 +181,11 @@ def test_more_processes_per_node_than_gpus_is_refused_in_one_line(monkeypatch):
 def test_bf16_is_checked_natively_on_the_process_own_gpu(monkeypatch):
     """--amp bf16 on a GPU that only emulates bfloat16 is refused, and no GPU is touched before the process
     has made its own GPU current."""
-    import main
     single_process(monkeypatch)
     cuda = FakeCuda(monkeypatch, 2)
-    parser = main.get_args_parser()
+    parser = cli.get_args_parser()
     args = parser.parse_args(['--model', 'NALAFORMER_XT', '--amp', 'bf16', '--device', 'cuda:1', '--data-path', '/d'])
-    main.validate_args(args, parser)
+    cli.validate_args(args, parser)
     assert cuda.bf16_asked == []  # not before set_device (it would set up a context on GPU 0)
     distributed.init_distributed_mode(argparse.Namespace(device='cuda:1', local_rank=None, dist_url='env://',
                                                          dist_timeout=60))

@@ -14,6 +14,7 @@ import checkpoint_io
 import engine
 import errors
 import metrics
+import optim_step
 import utils
 
 
@@ -87,7 +88,7 @@ def test_non_finite_loss_is_skipped_then_stops_with_epoch_and_step():
     loader = Loader([(torch.ones(4, 2), torch.zeros(4, dtype=torch.long))] * 6)
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
     with pytest.raises(errors.NonFiniteLossError) as ei:
-        engine.train_one_epoch(model, crit, loader, engine.OptimizerStep(opt, 'cpu'), epoch=3,
+        engine.train_one_epoch(model, crit, loader, optim_step.OptimizerStep(opt, 'cpu'), epoch=3,
                                settings=engine.TrainSettings(max_bad_steps=2, print_freq=100))
     assert 'epoch 3 step 2' in str(ei.value) and '--max-bad-steps 2' in str(ei.value)
     for k, v in model.state_dict().items():  # skipped steps never touched the weights
@@ -101,7 +102,7 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
     flag = utils.StopFlag()
     flag.signum = 15
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    res = engine.train_one_epoch(model, crit, loader, engine.OptimizerStep(opt, 'cpu'), epoch=0, stop_flag=flag,
+    res = engine.train_one_epoch(model, crit, loader, optim_step.OptimizerStep(opt, 'cpu'), epoch=0, stop_flag=flag,
                                  settings=engine.TrainSettings(print_freq=100))
     st = res.state
     assert res.stopped and st.step == 1 and st.rng_state is not None and st.epoch_rng_state is not None
@@ -148,7 +149,7 @@ def train(model, loader, epoch=0, max_bad_steps=20, state=None, ema=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema = ema or ModelEmaV3(model, decay=0.5)
     settings = engine.TrainSettings(print_freq=1000, max_bad_steps=max_bad_steps)
-    res = engine.train_one_epoch(model, ce, Loader(loader), engine.OptimizerStep(opt, 'cpu'), epoch, settings,
+    res = engine.train_one_epoch(model, ce, Loader(loader), optim_step.OptimizerStep(opt, 'cpu'), epoch, settings,
                                  model_ema=ema, state=state)
     return res, ema
 
@@ -222,19 +223,19 @@ def tf32_restored():
 
 def test_set_tf32_leaves_the_backend_alone_off_cuda(tf32_restored):
     flags = tf32_reads()
-    assert engine.set_tf32('cpu', True) is False
-    assert engine.set_tf32(torch.device('cpu'), False) is False
+    assert optim_step.set_tf32('cpu', True) is False
+    assert optim_step.set_tf32(torch.device('cpu'), False) is False
     assert tf32_reads() == flags
 
 
 def test_set_tf32_on_cuda_keeps_every_precision_read_working(tf32_restored):
     # the flags are plain settings: they can be set (and are restored) without a GPU; mixing the
     # older and newer setting APIs would make the older reads raise RuntimeError
-    assert engine.set_tf32('cuda', True) is True
+    assert optim_step.set_tf32('cuda', True) is True
     on = tf32_reads()
     assert on['matmul precision'] == 'high' and on['matmul allow_tf32'] and on['cudnn allow_tf32']
     assert on.get('matmul fp32_precision', 'tf32') == 'tf32' and on.get('conv fp32_precision', 'tf32') == 'tf32'
-    engine.set_tf32('cuda:0', False)
+    optim_step.set_tf32('cuda:0', False)
     off = tf32_reads()
     assert off['matmul precision'] == 'highest' and not off['matmul allow_tf32'] and not off['cudnn allow_tf32']
     assert off.get('matmul fp32_precision', 'ieee') == 'ieee' and off.get('conv fp32_precision') != 'tf32'
@@ -264,7 +265,7 @@ def run_accum(batch_list, accum_steps, stop_flag=None):
     model = linear_model()
     opt = CountingSGD(model.parameters(), lr=0.5, momentum=0.9)  # SGD: a wrong loss scale would show
     ema = ModelEmaV3(model, decay=0.5)
-    step = engine.OptimizerStep(opt, 'cpu', accum_steps=accum_steps)
+    step = optim_step.OptimizerStep(opt, 'cpu', accum_steps=accum_steps)
     res = engine.train_one_epoch(model, ce, Loader(batch_list), step, 0, engine.TrainSettings(print_freq=1000),
                                  model_ema=ema, stop_flag=stop_flag)
     return model, ema, res, opt
@@ -334,7 +335,7 @@ class SyncRecorder(torch.nn.Module):
 def test_only_the_last_micro_step_of_a_window_synchronises(one_thread):
     model = SyncRecorder()
     opt = CountingSGD(model.parameters(), lr=0.1)
-    engine.train_one_epoch(model, ce, Loader(batches(5)), engine.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+    engine.train_one_epoch(model, ce, Loader(batches(5)), optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
                            engine.TrainSettings(print_freq=1000))
     # windows (0, 1), (2, 3), (4): forward and backward of 0 and 2 under no_sync, the rest synchronised
     assert model.forwards == [False, True, False, True, True]
@@ -466,7 +467,7 @@ def host_reads_per_epoch(monkeypatch, n_windows, accum, fp16, logger):
     model = Recorded(events)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # SGD's own step reads nothing back
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10) if fp16 else None
-    step = engine.OptimizerStep(opt, 'cpu', torch.float16 if fp16 else None, scaler, clip_grad=1.0,
+    step = optim_step.OptimizerStep(opt, 'cpu', torch.float16 if fp16 else None, scaler, clip_grad=1.0,
                                 accum_steps=accum)
     loader = Loader(batches(n_windows * accum))
     recorder = HostReads(monkeypatch)
@@ -517,8 +518,8 @@ def test_fp16_overflow_steps_match_gradscalers_own_loop(one_thread):
     plain_fp16_training(ref_model, good, ref_scaler, clip=1.0)
     model, eng_scaler = bn_model(), scaler()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    res = engine.train_one_epoch(model, ce, Loader(good), engine.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler,
-                                                                               clip_grad=1.0),
+    res = engine.train_one_epoch(model, ce, Loader(good),
+                                 optim_step.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler, clip_grad=1.0),
                                  0, engine.TrainSettings(print_freq=1000))
     assert res.stats['skipped_steps'] > 0  # overflow steps happened
     assert eng_scaler.get_scale() == ref_scaler.get_scale()
@@ -526,7 +527,7 @@ def test_fp16_overflow_steps_match_gradscalers_own_loop(one_thread):
     # a non-finite loss is not an overflow: the window is skipped with the scale as it was
     before = eng_scaler.get_scale()
     res = engine.train_one_epoch(model, ce, Loader([poisoned(good[0])]),
-                                 engine.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler), 1,
+                                 optim_step.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler), 1,
                                  engine.TrainSettings(print_freq=1000))
     assert res.stats['skipped_steps'] == 1 and eng_scaler.get_scale() == before
 
@@ -556,7 +557,7 @@ def _ddp_rank(rank, init_file, out):
     data = batches(6, seed=10 + rank)
     if rank == 1:
         data[2] = poisoned(data[2])  # the first micro-batch of the second of three windows
-    res = engine.train_one_epoch(ddp, criterion, Loader(data), engine.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+    res = engine.train_one_epoch(ddp, criterion, Loader(data), optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
                                  engine.TrainSettings(print_freq=1000))
     reduced_at = list(allreduces)
     reads = {}
@@ -564,7 +565,7 @@ def _ddp_rank(rank, init_file, out):
         for n in (2, 6):
             recorder = HostReads(monkeypatch)
             engine.train_one_epoch(ddp, ce, Loader(batches(2 * n, seed=20 + rank)),
-                                   engine.OptimizerStep(opt, 'cpu', accum_steps=2), 1,
+                                   optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 1,
                                    engine.TrainSettings(print_freq=1000))
             reads[n] = recorder.reads
             monkeypatch.undo()
@@ -612,7 +613,7 @@ def test_progress_lines_and_epoch_loss_are_those_of_every_micro_batch_loss(one_t
     model = linear_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     capsys.readouterr()
-    res = engine.train_one_epoch(model, ce, Loader(data), engine.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+    res = engine.train_one_epoch(model, ce, Loader(data), optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
                                  engine.TrainSettings(print_freq=3))
     lines = re.findall(r'\[ ?(\d+)/10\].*?loss: ([\d.]+) \(([\d.]+)\)', capsys.readouterr().out)
     assert [int(i) for i, _, _ in lines] == [3, 6, 9]  # (the line after micro-batch 0 has no loss yet)
@@ -624,12 +625,12 @@ def test_progress_lines_and_epoch_loss_are_those_of_every_micro_batch_loss(one_t
 
 # ------------------------------------------------------------------------------ the EMA update
 def test_ema_update_equals_timms_state_dict_update_without_building_state_dicts(monkeypatch, one_thread):
-    """engine.ModelEma walks the modules' tensors instead of two state_dict() calls per step: the same numbers
+    """optim_step.ModelEma walks the modules' tensors instead of two state_dict() calls per step: the same numbers
     as timm's ModelEmaV3 (parameters and BatchNorm statistics averaged, the step counter copied), also after
     the EMA was moved (.to() replaces buffers, as an EMA evaluated on another device is)."""
     from timm.utils import ModelEmaV3
     model = bn_model()
-    ours, timms = engine.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
+    ours, timms = optim_step.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i, (x, y) in enumerate(batches(4)):
         opt.zero_grad()

@@ -10,8 +10,11 @@ import timm
 import torch
 from conftest import parse
 
+import cli
+import loaders
 import main
 import models
+from models.flops import count_flops
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -25,11 +28,16 @@ def test_drop_path_dropout_and_classes_reach_the_model():
     assert drops and max(drops) == pytest.approx(0.2)
 
 
+def last_block_drop_prob(model):
+    """The stochastic-depth rate main.py prints: the highest in the model, its last block's."""
+    return max((m.drop_prob for m in model.modules() if hasattr(m, 'drop_prob')), default=0.0)
+
+
 def test_main_build_uses_the_variant_rate_unless_drop_path_is_given(capsys):
-    assert main.drop_path_rate(main.build_model(parse('--model', 'NALAFORMER_S'), 10)) == pytest.approx(0.15)
+    assert last_block_drop_prob(main.build_model(parse('--model', 'NALAFORMER_S'), 10)) == pytest.approx(0.15)
     a = parse('--model', 'NALAFORMER_S', '--drop-path', '0.05')
-    assert main.drop_path_rate(main.build_model(a, 10)) == pytest.approx(0.05)
-    assert main.drop_path_rate(main.build_model(parse('--model', 'NALAFORMER_XT', '--drop-path', '0'), 10)) == 0.0
+    assert last_block_drop_prob(main.build_model(a, 10)) == pytest.approx(0.05)
+    assert last_block_drop_prob(main.build_model(parse('--model', 'NALAFORMER_XT', '--drop-path', '0'), 10)) == 0.0
 
 
 # -------------------------------------------------------------------------------------------- optimizer
@@ -49,16 +57,16 @@ def _depth(name):
 
 
 def test_layer_decay_scales_lr_by_depth(one_thread):
-    args = main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.5', '--lr', '1e-3',
+    args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.5', '--lr', '1e-3',
                                               '--warmup-epochs', '0', '--epochs', '10'])
     model = timm.create_model('NALAFORMER_XT', num_classes=10)
-    optimizer = main.build_optimizer(args, model)
-    scheduler = main.build_lr_scheduler(args, optimizer)
+    optimizer = cli.build_optimizer(args, model)
+    scheduler = cli.build_lr_scheduler(args, optimizer)
     scheduler.step(3)
     # the schedule's LR at epoch 3, from the same flags without layer decay
     args.layer_decay = None
-    plain = main.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
-    main.build_lr_scheduler(args, plain).step(3)
+    plain = cli.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    cli.build_lr_scheduler(args, plain).step(3)
     sched_lr = plain.param_groups[0]['lr']
     assert sched_lr < 1e-3
     group_of = {id(p): g for g in optimizer.param_groups for p in g['params']}
@@ -73,21 +81,21 @@ def test_layer_decay_scales_lr_by_depth(one_thread):
 
 
 def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
-    args = main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--lr', '1e-3'])
-    optimizer = main.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--lr', '1e-3'])
+    optimizer = cli.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
     assert {g['lr'] for g in optimizer.param_groups} == {1e-3}
     assert all(g.get('lr_scale', 1.0) == 1.0 for g in optimizer.param_groups)
 
 
 def test_adam_and_adamw_take_the_fused_kernel_when_every_parameter_is_on_a_gpu(monkeypatch):
     model = torch.nn.Linear(4, 3)
-    adamw = main.get_args_parser().parse_args(['--opt', 'adamw'])
-    cpu = main.build_optimizer(adamw, model)
+    adamw = cli.get_args_parser().parse_args(['--opt', 'adamw'])
+    cpu = cli.build_optimizer(adamw, model)
     assert not cpu.defaults.get('fused')  # on the CPU: torch's default, the multi-tensor kernel
     monkeypatch.setattr(torch.Tensor, 'is_cuda', property(lambda self: True))  # the parameters "on a GPU"
-    gpu = main.build_optimizer(adamw, model)
-    adam = main.build_optimizer(main.get_args_parser().parse_args(['--opt', 'adam']), model)
-    sgd = main.build_optimizer(main.get_args_parser().parse_args(['--opt', 'sgd']), model)
+    gpu = cli.build_optimizer(adamw, model)
+    adam = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'adam']), model)
+    sgd = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'sgd']), model)
     monkeypatch.undo()
     assert gpu.defaults['fused'] and adam.defaults['fused'] and not sgd.defaults.get('fused')
     # a checkpoint keeps the kernel of the run that loads it, not that of the run that wrote it
@@ -109,7 +117,7 @@ def _expected_lr(e, lr, epochs, warmup, warmup_lr, min_lr):
 def test_lr_of_every_epoch_is_the_intended_one():
     a = parse('--epochs', '30', '--lr', '1e-3', '--warmup-epochs', '5')
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched = main.build_lr_scheduler(a, opt)
+    sched = cli.build_lr_scheduler(a, opt)
     for e in range(a.epochs):
         sched.step(e)  # as main.py does at the start of epoch e
         assert opt.param_groups[0]['lr'] == pytest.approx(_expected_lr(e, 1e-3, 30, 5, 1e-6, 1e-5), rel=1e-9), e
@@ -123,11 +131,11 @@ def test_lr_of_every_epoch_is_the_intended_one():
 def test_scheduler_state_round_trip_keeps_lr():
     a = parse('--epochs', '10')
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched = main.build_lr_scheduler(a, opt)
+    sched = cli.build_lr_scheduler(a, opt)
     sched.step(3)
     sd = sched.state_dict()
     opt2 = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched2 = main.build_lr_scheduler(a, opt2)
+    sched2 = cli.build_lr_scheduler(a, opt2)
     sched2.load_state_dict(sd)
     for e in range(4, 10):
         sched.step(e)
@@ -182,7 +190,7 @@ def draws(loader) -> list:
 
 def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     torch.manual_seed(0)
-    sampler, train, _ = main.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler, train, _ = loaders.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
     sampler.set_epoch(0)
     draws(train)                         # epoch 0
     state = torch.get_rng_state()        # what a checkpoint after epoch 0 holds
@@ -190,7 +198,7 @@ def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     epoch1 = draws(train)
 
     torch.set_rng_state(state)           # a resumed run: fresh loaders, the saved state
-    sampler2, train2, _ = main.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler2, train2, _ = loaders.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
     sampler2.set_epoch(1)
     assert draws(train2) == epoch1
 
@@ -211,7 +219,7 @@ def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch(
     workers that torch starts for that epoch (a plain DataLoader), from the same random state at its start."""
     args = loader_args(2)
     torch.manual_seed(0)
-    sampler, train, _ = main.build_loaders(args, WorkerDraws(), WorkerDraws())
+    sampler, train, _ = loaders.build_loaders(args, WorkerDraws(), WorkerDraws())
     persistent = []
     for epoch in range(2):
         sampler.set_epoch(epoch)
@@ -231,10 +239,10 @@ def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch(
 
 
 LOADER_LEFT_ALIVE = """
-import sys, torch, main
+import sys, torch, loaders
 sys.path.insert(0, 'tests')
 from test_main import WorkerDraws, loader_args
-_, train, _ = main.build_loaders(loader_args(1), WorkerDraws(), WorkerDraws())
+_, train, _ = loaders.build_loaders(loader_args(1), WorkerDraws(), WorkerDraws())
 keep = [next(iter(train))]  # a loader alive to the end, its worker waiting for work
 print('loaded', flush=True)
 """
@@ -252,7 +260,7 @@ def test_a_loader_left_alive_does_not_hold_up_the_exit():
 
 def test_no_workers_loads_in_process():
     data = torch.utils.data.TensorDataset(torch.arange(8.0))
-    _, train, val = main.build_loaders(loader_args(0), data, data)
+    _, train, val = loaders.build_loaders(loader_args(0), data, data)
     assert train.num_workers == 0 and not train.persistent_workers
     assert len(list(val)) == 2
 
@@ -262,7 +270,7 @@ def test_start_of_run_flops_match_the_reference_count():
     # docs/method.md#variants: NALAFORMER_XT, fvcore at 1x3x224x224 in eval mode = 0.652 G
     # (also with the fast attention path)
     m = main.build_model(parse('--model', 'NALAFORMER_XT'), 1000)
-    assert main.count_flops(m, 224) / 1e9 == pytest.approx(0.652, abs=0.001)
+    assert count_flops(m, 224) / 1e9 == pytest.approx(0.652, abs=0.001)
     assert m.training  # the count leaves the model as it found it
 
 
@@ -322,7 +330,7 @@ def test_the_eval_transform_is_the_checkpoints_unless_the_command_line_names_one
     path = _saved(tmp_path, args={'model': 'NALAFORMER_XT', **recorded}) if recorded else \
         _saved(tmp_path) if recorded == {} else ''
     args = parse('--model', 'NALAFORMER_XT', *argv)
-    main.resolve_eval_transform(args, path)
+    cli.resolve_eval_transform(args, path)
     assert (args.input_size, args.eval_crop_ratio) == expected
     out = capsys.readouterr().out
     assert printed.replace('CK', path) in out if printed else out == ''

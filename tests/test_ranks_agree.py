@@ -17,6 +17,7 @@ from torchvision.datasets import ImageFolder
 import checkpoint
 import checkpoint_io
 import distributed
+import loaders
 import main
 import run_dir
 from errors import CheckpointError, UserError
@@ -188,7 +189,7 @@ def test_a_rank_that_sees_other_data_stops_every_rank(world, data, tmp_path):
         root = data if rank == 0 else other
         train, val = ImageFolder(os.path.join(root, 'train')), ImageFolder(os.path.join(root, 'val'))
         loader = torch.utils.data.DataLoader(train, batch_size=4, drop_last=True)
-        distributed.check_same_everywhere(main.data_facts(train, val, loader), 'cpu', 'use the same data')
+        distributed.check_same_everywhere(loaders.data_facts(train, val, loader), 'cpu', 'use the same data')
     assert_rank_failed(world.run(facts), 1, f'rank 1 on host {HOST} sees training images 27, rank 0 sees 24: '
                                             f'use the same data')
 
@@ -196,6 +197,6 @@ def test_a_rank_that_sees_other_data_stops_every_rank(world, data, tmp_path):
 def test_ranks_that_see_the_same_data_go_on(world, data):
     train, val = ImageFolder(os.path.join(data, 'train')), ImageFolder(os.path.join(data, 'val'))
     loader = torch.utils.data.DataLoader(train, batch_size=4, drop_last=True)
-    facts = main.data_facts(train, val, loader)
+    facts = loaders.data_facts(train, val, loader)
     assert facts['classes'].startswith('3 (sha256 ') and facts['training batches per epoch'] == 6
     assert world.run(lambda rank: distributed.check_same_everywhere(facts, 'cpu', 'fix')) == [None, None]

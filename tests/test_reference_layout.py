@@ -10,7 +10,7 @@ from conftest import REPO
 from reference_impl import read_keys, reference_forward
 
 import checkpoint
-import main
+import cli
 import weights
 from models.nalaformer import checkpoint_filter_fn, from_reference_layout, is_reference_layout, to_reference_layout
 from tools import analyze_attention, predict, release
@@ -88,7 +88,7 @@ def test_every_loader_takes_a_reference_layout_checkpoint(tmp_path, one_thread, 
         'predict': predict.build_model('NALAFORMER_XT', predict.load_weights(path)[0], path),
         '--finetune': finetuned, '--teacher-path': teacher,
     }
-    args = main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--output_dir', str(tmp_path / 'run')])
+    args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--output_dir', str(tmp_path / 'run')])
     evaluated = _xt(9)                                                       # main.py --eval --resume
     run = checkpoint.TrainingCheckpoints(args, evaluated, None, None, None, None, 7, 'cpu')
     run.resume(path, eval_only=True)
@@ -114,11 +114,11 @@ def _step(model, optimizer, seed):
 def test_training_resumes_bit_exactly_from_a_reference_layout_checkpoint(tmp_path, one_thread, capsys):
     """A checkpoint whose weights have the reference layout (optimizer state keyed by parameter order, with
     layer decay's parameter groups): the resumed run's next step is the uninterrupted run's, bit for bit."""
-    args = main.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.75', '--epochs', '4',
+    args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.75', '--epochs', '4',
                                               '--output_dir', str(tmp_path / 'run')])
     model = _xt(0, drop_path_rate=0.0).train()
-    optimizer = main.build_optimizer(args, model)
-    scheduler = main.build_lr_scheduler(args, optimizer)
+    optimizer = cli.build_optimizer(args, model)
+    scheduler = cli.build_lr_scheduler(args, optimizer)
     _step(model, optimizer, 1)
     path = str(tmp_path / 'old.pth')
     torch.save({'model': to_reference_layout(model.state_dict()), 'optimizer': optimizer.state_dict(),
@@ -126,8 +126,8 @@ def test_training_resumes_bit_exactly_from_a_reference_layout_checkpoint(tmp_pat
                 'args': checkpoint.args_to_dict(args)}, path)
 
     resumed = _xt(5, drop_path_rate=0.0).train()
-    resumed_opt = main.build_optimizer(args, resumed)
-    run = checkpoint.TrainingCheckpoints(args, resumed, None, resumed_opt, main.build_lr_scheduler(args, resumed_opt),
+    resumed_opt = cli.build_optimizer(args, resumed)
+    run = checkpoint.TrainingCheckpoints(args, resumed, None, resumed_opt, cli.build_lr_scheduler(args, resumed_opt),
                                          None, 7, 'cpu')
     assert run.resume(path).start_epoch == 1
     _step(model, optimizer, 2)

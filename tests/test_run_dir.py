@@ -10,6 +10,7 @@ import pytest
 from conftest import build_xt
 
 import checkpoint
+import cli
 import errors
 import main
 import run_dir
@@ -17,7 +18,7 @@ import run_dir
 
 # ------------------------------------------------------------------------------------------ output directory
 def _args(tmp_path, *argv):
-    return main.get_args_parser().parse_args(['--output_dir', str(tmp_path), *argv])
+    return cli.get_args_parser().parse_args(['--output_dir', str(tmp_path), *argv])
 
 
 def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
@@ -110,10 +111,10 @@ def test_a_resume_is_announced_only_once_the_output_dir_can_take_the_run(data, t
     out = tmp_path / 'out'
     out.mkdir()
     argv = RUN + ['--data-path', data, '--output_dir', str(out)]
-    args = main.get_args_parser().parse_args(argv)
+    args = cli.get_args_parser().parse_args(argv)
     model = build_xt(3)
-    opt = main.build_optimizer(args, model)
-    run = checkpoint.TrainingCheckpoints(args, model, None, opt, main.build_lr_scheduler(args, opt), None, 0, 'cpu')
+    opt = cli.build_optimizer(args, model)
+    run = checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 0, 'cpu')
     run.save(0, {}, ['checkpoint.pth'])  # epoch 0 of a run that the same command resumes at epoch 1
     before = (out / 'checkpoint.pth').read_bytes()
     for problem, error in (('read-only', r'cannot write to --output_dir .*: Read-only file system'),

@@ -6,6 +6,7 @@ import subprocess
 import pytest
 from conftest import REPO
 
+import cli
 import main
 import models
 
@@ -31,7 +32,7 @@ def test_pretrain_sh_holds_each_variant_recipe(variant, tmp_path):
     # the variant's drop path is main.py's default; the reference trained in fp32 (+TF32), no --amp
     assert '--drop-path' not in ran and '--amp' not in ran
     assert ran.endswith('--epochs 7')  # extra flags come last and override
-    args = main.get_args_parser().parse_args(ran.split(' main.py ', 1)[1].split())
+    args = cli.get_args_parser().parse_args(ran.split(' main.py ', 1)[1].split())
     assert args.drop_path is None and args.amp is None and args.epochs == 7 and args.lr == 5e-4
 
 
@@ -54,7 +55,7 @@ def test_eval_sh_passes_an_input_size_only_when_size_is_set(size):
                        check=True)
     argv = p.stdout.splitlines()[1].split()  # what echo printed: main.py and its flags
     assert argv[0] == 'main.py'
-    args = main.get_args_parser().parse_args(argv[1:])
+    args = cli.get_args_parser().parse_args(argv[1:])
     assert args.input_size == (int(size) if size else None) and args.eval and args.resume == '/c.pth'
 
 
@@ -91,9 +92,9 @@ def test_finetune_sh_dry_run_prints_a_valid_384_command(tmp_path, model, layer_d
     cmd = _dry_run('finetune.sh', {'MODEL': model, 'CKPT': str(ckpt), 'MAX_RESTARTS': '2'}, '--epochs', '7')
     assert cmd[1:3] == ['-m', 'torch.distributed.run'] and '--max-restarts=2' in cmd
     argv = cmd[cmd.index('main.py') + 1:]
-    parser = main.get_args_parser()
+    parser = cli.get_args_parser()
     args = parser.parse_args(argv)
-    main.validate_args(args, parser)  # every flag exists and the combination is accepted
+    cli.validate_args(args, parser)  # every flag exists and the combination is accepted
     assert (args.model, args.finetune, args.input_size, args.eval_crop_ratio) == (model, str(ckpt), 384, 1.0)
     assert args.layer_decay == float(layer_decay) and args.lr == 5e-5 and args.epochs == 7
     assert args.drop_path == models.VARIANTS[model]['drop_path']

@@ -3,7 +3,7 @@ rules and report (tests/integration/test_smoke_runs.py runs it)."""
 
 import pytest
 
-import main
+import cli
 from tools import smoke
 
 
@@ -15,9 +15,9 @@ def test_every_row_is_a_valid_main_command_line(row, monkeypatch):
         monkeypatch.setenv('RANK', '0')
         monkeypatch.setenv('WORLD_SIZE', '1')
     for extra in [row.flags] + ([row.flags + row.then] if row.then is not None else []):
-        parser = main.get_args_parser()
+        parser = cli.get_args_parser()
         args = parser.parse_args(smoke.base_flags('cpu', '/data', '/out') + extra)
-        main.validate_args(args, parser)
+        cli.validate_args(args, parser)
 
 
 def test_unknown_row_is_an_argparse_error(capsys):

@@ -35,10 +35,11 @@ from PIL import Image
 
 import checkpoint
 import checkpoint_io
+import cli
 import engine
 import errors
+import exits
 import image_folder
-import main
 import run_dir
 
 
@@ -153,7 +154,7 @@ def _tiny_run(tmp_path, argv=(), classes=None, n_train_images=None):
     args = parse('--output_dir', str(tmp_path), '--epochs', '4', '--no-model-ema', *argv)
     model = torch.nn.Linear(4, 3)
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay)
-    return checkpoint.TrainingCheckpoints(args, model, None, opt, main.build_lr_scheduler(args, opt), None, 15, 'cpu',
+    return checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 15, 'cpu',
                                           classes=classes, n_train_images=n_train_images)
 
 
@@ -313,14 +314,14 @@ def test_a_killed_loader_worker_ends_in_one_line(data, tmp_path):
 
 
 def test_dead_loader_worker_messages_of_torch_are_recognised():
-    assert main._dead_loader_worker(RuntimeError('DataLoader worker (pid 812) is killed by signal: Killed. ')) \
+    assert exits._dead_loader_worker(RuntimeError('DataLoader worker (pid 812) is killed by signal: Killed. ')) \
         == 'a data-loader worker (pid 812) was killed by signal Killed'
     wrapped = RuntimeError('DataLoader worker (pid(s) 812, 813) exited unexpectedly')
     try:
         raise ValueError('while loading') from wrapped
     except ValueError as e:
-        assert main._dead_loader_worker(e) == 'a data-loader worker (pid 812, 813) exited unexpectedly'
-    assert main._dead_loader_worker(RuntimeError('something else')) == ''
+        assert exits._dead_loader_worker(e) == 'a data-loader worker (pid 812, 813) exited unexpectedly'
+    assert exits._dead_loader_worker(RuntimeError('something else')) == ''
 
 
 def test_a_dead_worker_that_first_shows_as_a_reset_connection_is_still_named(monkeypatch):
@@ -335,13 +336,13 @@ def test_a_dead_worker_that_first_shows_as_a_reset_connection_is_still_named(mon
     monkeypatch.setattr(handling, '_error_if_any_worker_fails', dead)
     previous = signal.signal(signal.SIGCHLD, lambda *a: dead())
     try:
-        assert main._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
+        assert exits._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
             == 'a data-loader worker (pid 812) was killed by signal Killed'
         assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGCHLD, previous)
     monkeypatch.setattr(handling, '_error_if_any_worker_fails', lambda: None)
-    assert main._dead_loader_worker_after(ValueError('a bug')) == ''
+    assert exits._dead_loader_worker_after(ValueError('a bug')) == ''
 
 
 # ------------------------------------------------------------------------------ notes in flag terms

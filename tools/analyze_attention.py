@@ -496,7 +496,7 @@ def digits_images(cfg: Dict[str, Any], limit: int, data_path: Optional[str],
     """The first ``limit`` images of the DIGITS validation split, through datasets.build_dataset with
     ``model``'s data config at the input size and crop of ``cfg`` (written once under ``data_path``,
     default ./data/digits)."""
-    from main import get_args_parser
+    from cli import get_args_parser
     args = get_args_parser().parse_args(['--data-set', 'DIGITS'], namespace=Namespace(
         data_path=data_path, model=model, input_size=cfg['input_size'][-1], eval_crop_ratio=cfg['crop_pct']))
     ds, _ = datasets.build_dataset(False, args)

@@ -10,7 +10,7 @@
     python tools/benchmark.py --make-jpegs /tmp/jpegs --data-loading /tmp/jpegs
 
 A measurement: warm-up steps, then timed steps (median step time). ``train`` times main.py's optimizer
-step (``engine.OptimizerStep``: zero_grad(set_to_none), forward under autocast, the loss check, backward,
+step (``optim_step.OptimizerStep``: zero_grad(set_to_none), forward under autocast, the loss check, backward,
 AdamW step, fp16 loss scaling); ``inference`` times a no-grad forward in eval mode. MACs are fvcore's
 count of the model at batch 1 (the figure ``tools/flops.py`` prints) times the batch, times 3 for a
 training step (forward, input gradient, weight gradient). The efficiency divides the achieved MAC/s by
@@ -59,6 +59,7 @@ from timm.models import get_pretrained_cfg
 
 import engine
 import models  # noqa: F401  (registers the variants)
+import optim_step
 import utils
 from models import VARIANTS
 from tools.published import published_top1
@@ -157,16 +158,16 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str
         model.eval()
 
         def step() -> None:
-            with torch.no_grad(), engine.autocast(device, amp_dtype(dtype)):
+            with torch.no_grad(), optim_step.autocast(device, amp_dtype(dtype)):
                 fwd(x)
         return step, None
 
     model.train()
-    # main.py's AdamW: the fused kernel on a GPU (main.build_optimizer)
+    # main.py's AdamW: the fused kernel on a GPU (cli.build_optimizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05,
                                   **({'fused': True} if device.type == 'cuda' else {}))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    optimizer_step = engine.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
+    optimizer_step = optim_step.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
     cross_entropy = nn.CrossEntropyLoss()
 
     def criterion(samples: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -528,7 +529,7 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
     import contextlib
     import io
 
-    from main import build_optimizer, get_args_parser
+    from cli import build_optimizer, get_args_parser
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
     model = create_any(name, device, True, x.shape[-2:]).train()
@@ -536,14 +537,14 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
 
     def bare() -> None:
         model.zero_grad(set_to_none=True)
-        with engine.autocast(device, amp_dtype(dtype)):
+        with optim_step.autocast(device, amp_dtype(dtype)):
             loss = cross_entropy(model(x), target)
         loss.backward()
     bare_s = statistics.median(time_call(bare, device, args.steps, args.warmup))
     optimizer = build_optimizer(get_args_parser().parse_args(['--model', name]), model)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    step = engine.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
-    ema = engine.ModelEma(model, decay=0.9999)
+    step = optim_step.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
+    ema = optim_step.ModelEma(model, decay=0.9999)
 
     def epoch(n: int) -> None:
         with contextlib.redirect_stdout(io.StringIO()):  # the epoch's progress lines
@@ -573,7 +574,8 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: List[Dict]) -> Dict
     from torchvision.datasets import ImageFolder
 
     import datasets
-    from main import available_cpus, get_args_parser
+    from cli import get_args_parser
+    from utils import available_cpus
     workers = (args.data_workers or [available_cpus()])[0]
     recipe = get_args_parser().parse_args(['--input-size', str(args.input_size[0])])
     with tempfile.TemporaryDirectory(prefix='nalaformer-photos-') as root:
@@ -732,7 +734,7 @@ def data_loading(args: argparse.Namespace) -> Dict:
     from torchvision.datasets import ImageFolder
 
     import datasets
-    from main import get_args_parser
+    from cli import get_args_parser
     recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
     dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe, uint8=True))
     torch.manual_seed(0)
@@ -767,13 +769,13 @@ def data_loading(args: argparse.Namespace) -> Dict:
     return result
 
 
-# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against engine.ModelEma -------------
+# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against optim_step.ModelEma -------------
 EMA_MODELS = ('NALAFORMER_XT', 'NALAFORMER_L')
 
 
 def ema_update_times(args: argparse.Namespace) -> List[Dict]:
     """ms per EMA update of each model (default XT and L) on ``args.device``: timm's ModelEmaV3 and main.py's
-    engine.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
+    optim_step.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
     ``args.warmup``."""
     from timm.utils import ModelEmaV3
     device = torch.device(args.device)
@@ -781,7 +783,7 @@ def ema_update_times(args: argparse.Namespace) -> List[Dict]:
     for name in args.preset_models or EMA_MODELS:
         model = create_any(name, device, args.fast_path)
         emas = {'timm ModelEmaV3': ModelEmaV3(model, decay=0.9999),
-                'engine.ModelEma': engine.ModelEma(model, decay=0.9999)}
+                'optim_step.ModelEma': optim_step.ModelEma(model, decay=0.9999)}
         times: Dict[str, List[float]] = {k: [] for k in emas}
         for i in range(args.warmup + args.steps):
             for label, ema in emas.items():
@@ -832,12 +834,12 @@ def sweep(args: argparse.Namespace) -> Dict:
                 sin, cos = rope((side, side))
                 if args.mode == 'train':
                     block.train()
-                    with engine.autocast(device, amp_dtype(dtype)):
+                    with optim_step.autocast(device, amp_dtype(dtype)):
                         out = block(x, sin, cos)
                     out.float().sum().backward()
                 else:
                     block.eval()
-                    with torch.no_grad(), engine.autocast(device, amp_dtype(dtype)):
+                    with torch.no_grad(), optim_step.autocast(device, amp_dtype(dtype)):
                         block(x, sin, cos)
             # small sizes take milliseconds: repeat them for >= 1 s and keep the fastest step, the
             # best estimate of the block's own cost on a machine shared with other processes
@@ -952,7 +954,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--tiny', action='store_true',
                         help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--ema-update', action='store_true',
-                        help="ms per EMA update, timm's ModelEmaV3 against main.py's engine.ModelEma "
+                        help="ms per EMA update, timm's ModelEmaV3 against main.py's optim_step.ModelEma "
                              '(--preset-models, default XT and L)')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
@@ -1005,7 +1007,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         torch.set_num_threads(args.threads)
     # main.py's fp32 setting (TF32 on CUDA unless --no-tf32), so that fp32 figures are those training runs at;
     # None off CUDA, where there is no TF32
-    args.tf32_applied = args.tf32 if engine.set_tf32(args.device, args.tf32) else None
+    args.tf32_applied = args.tf32 if optim_step.set_tf32(args.device, args.tf32) else None
     if not args.device.startswith('cuda') and args.cpu_malloc == 'retain':
         args.cpu_malloc = 'retain' if utils.retain_freed_cpu_memory() else 'system'
     if args.sweep:

@@ -10,8 +10,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-import engine
 import main
+import optim_step
 
 calls = {'loss': 0, 'backward': 0}
 
@@ -35,11 +35,11 @@ def counted_backward(self, loss):
     optimizer_step_backward(self, loss)
 
 
-main_build_criterion, optimizer_step_backward = main.build_criterion, engine.OptimizerStep._backward
+main_build_criterion, optimizer_step_backward = main.build_criterion, optim_step.OptimizerStep._backward
 
 if __name__ == '__main__':
     main.build_criterion = faulty_criterion
-    engine.OptimizerStep._backward = counted_backward
+    optim_step.OptimizerStep._backward = counted_backward
     code = main.run(sys.argv[1:])
     sys.stderr.write(f"[rank {os.environ.get('RANK', 0)}] backward passes: {calls['backward']} of "
                      f"{calls['loss']} micro-batches\n")

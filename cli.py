@@ -1,0 +1,501 @@
+"""main.py's command line: the flags in groups, their types and ranges, the checks of flags against each
+other, the settings resolved from them once the run starts (the evaluation transform a checkpoint records, the
+train mode), and what the optimizer and schedule flags build. Every process of a launched job parses the same
+command line; a bad one ends in one error line (and a pointer to --help) before anything starts.
+"""
+import argparse
+import math
+import os
+
+import timm
+import torch
+
+import checkpoint
+import checkpoint_io
+import datasets
+import distributed
+import metrics
+import run_dir
+from errors import first_line
+from models.nalaformer import VARIANTS
+from utils import DEFAULT_NUM_WORKERS
+
+
+def ranged(kind=float, lo=None, hi=None, lo_open=False, hi_open=False):
+    """argparse `type=`: a finite number of type `kind` within [lo, hi] (an end excluded when `*_open`).
+    Out-of-range values end in argparse's `error: argument --flag: ...` (exit 2)."""
+    what = 'an integer' if kind is int else 'a number'
+    bounds = []
+    if lo is not None:
+        bounds.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        bounds.append(f"{'<' if hi_open else '<='} {hi}")
+    expected = what + (' ' + ' and '.join(bounds) if bounds else '')
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'expected {expected}, got {text!r}') from None
+        ok = math.isfinite(value)
+        if ok and lo is not None:
+            ok = value > lo if lo_open else value >= lo
+        if ok and hi is not None:
+            ok = value < hi if hi_open else value <= hi
+        if not ok:
+            raise argparse.ArgumentTypeError(f'expected {expected}, got {text}')
+        return value
+
+    return parse
+
+
+PROBABILITY = ranged(float, 0, 1)
+RATE = ranged(float, 0, 1, hi_open=True)  # dropout, drop path, label smoothing, EMA decay: 1 would be degenerate
+NON_NEGATIVE = ranged(float, 0)
+NON_NEGATIVE_INT = ranged(int, 0)
+POSITIVE = ranged(float, 0, lo_open=True)
+POSITIVE_INT = ranged(int, 1)
+
+
+# the schedules of timm's create_scheduler_v2 that fit a per-epoch step without a metric: 'plateau' needs a
+# validation metric at every step, is deprecated by timm and cannot save its state in a checkpoint (a resumed
+# run would restart it); 'none' builds no scheduler at all
+SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 'rsqrt')
+
+
+class LauncherArgumentParser(argparse.ArgumentParser):
+    """argparse whose bad command line ends in two lines instead of the page-long usage: a pointer to --help
+    and the error, with the closest flag for a mistyped one (exit status 2, as argparse). Every process of a
+    torchrun or srun job parses the same command line: rank 0 prints the two lines, the others exit silently."""
+
+    def error(self, message: str):
+        rank, world, _, _ = distributed.launch_env()
+        if world > 1 and rank != 0:
+            self.exit(2)
+        self.exit(2, f'usage: {self.prog} [options]  (--help lists them)\n'
+                     f'{self.prog}: error: {message}{self.did_you_mean(message)}\n')
+
+    def did_you_mean(self, message: str) -> str:
+        """' (did you mean --output_dir?)' when argparse's 'unrecognized arguments' names a flag close to a known
+        one (several: 'did you mean --a for --x, --b for --y?'), else ''."""
+        import difflib
+        if not message.startswith('unrecognized arguments: '):
+            return ''
+        known = [s for a in self._actions for s in a.option_strings if s.startswith('--')]
+        pairs = []
+        for word in message.split(': ', 1)[1].split():
+            flag = word.split('=', 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith('--') else []
+            if close:
+                pairs.append((close[0], flag))
+        if len(pairs) == 1:
+            return f' (did you mean {pairs[0][0]}?)'
+        return f" (did you mean {', '.join(f'{a} for {b}' for a, b in pairs)}?)" if pairs else ''
+
+
+def get_args_parser() -> LauncherArgumentParser:
+    """main.py's command line: DeiT's flags and meanings, in groups as in timm's train.py."""
+    p = LauncherArgumentParser(prog='main.py', description='NaLaFormer training and evaluation (DeiT command line)')
+    g = p.add_argument_group('Training')
+    g.add_argument('--batch-size', default=128, type=POSITIVE_INT, help='batch size per process (recipe: 128 x 8)')
+    g.add_argument('--epochs', default=300, type=int)
+    g.add_argument('--bce-loss', action='store_true',
+                   help="binary cross-entropy on the (mixed, smoothed) soft targets instead of soft-target CE")
+    g.add_argument('--bce-target-thresh', type=float, default=None, metavar='T',
+                   help='with --bce-loss: binarise the targets at this threshold (1 where target > T)')
+    g.add_argument('--accum-steps', type=POSITIVE_INT, default=1, metavar='K',
+                   help='accumulate the gradients of K batches per optimizer step (global batch = '
+                        'batch x processes x K, for the LR and EMA scaling)')
+    g.add_argument('--unscale-lr', action='store_true', help='do not scale --lr by global batch / 512')
+
+    g = p.add_argument_group('Model')
+    g.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
+    # None: not given; main() sets it (resolve_eval_transform): a checkpoint's recorded size, else the model's
+    g.add_argument('--input-size', default=None, type=ranged(int, 8),
+                   help="image size (default: 224, the model's; evaluating or resuming a checkpoint: the size "
+                        "it records)")
+    g.add_argument('--drop', type=RATE, default=0.0, metavar='PCT', help='dropout rate')
+    g.add_argument('--drop-path', type=RATE, default=None, metavar='PCT',
+                   help="drop path (stochastic depth) rate; default: the variant's own rate "
+                        "(XT 0.1, T 0.1, S 0.15, B 0.4, L 0.55)")
+    g.add_argument('--model-ema', action=argparse.BooleanOptionalAction, default=True,
+                   help='keep an EMA of the weights')
+    g.add_argument('--model-ema-decay', type=RATE, default=0.99996,
+                   help='EMA decay at global batch 512; the decay used is this ** (global batch / 512)')
+    g.add_argument('--model-ema-force-cpu', action='store_true')
+
+    g = p.add_argument_group('Optimizer')
+    g.add_argument('--opt', default='adamw', type=str, metavar='OPTIMIZER')
+    g.add_argument('--opt-eps', default=1e-8, type=float, metavar='EPSILON')
+    g.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA')
+    g.add_argument('--clip-grad', type=POSITIVE, default=None, metavar='NORM')
+    g.add_argument('--clip-mode', type=str, default='norm', choices=['norm', 'value', 'agc'])
+    g.add_argument('--momentum', type=float, default=0.9, metavar='M')
+    g.add_argument('--weight-decay', type=NON_NEGATIVE, default=0.05)
+    g.add_argument('--layer-decay', type=ranged(float, 0, 1, lo_open=True), default=None,
+                   help='layer-wise LR decay for fine-tuning: block i of n gets LR x decay^(n - i) (head: x1)')
+
+    g = p.add_argument_group('Learning rate schedule')
+    g.add_argument('--sched', default='cosine', type=str, choices=SCHEDULERS)
+    g.add_argument('--lr', type=POSITIVE, default=5e-4, metavar='LR', help='base LR at global batch 512')
+    g.add_argument('--lr-noise', type=float, nargs='+', default=None, metavar='pct, pct')
+    g.add_argument('--lr-noise-pct', type=float, default=0.67)
+    g.add_argument('--lr-noise-std', type=float, default=1.0)
+    g.add_argument('--warmup-lr', type=NON_NEGATIVE, default=1e-6)
+    g.add_argument('--min-lr', type=NON_NEGATIVE, default=1e-5)
+    g.add_argument('--decay-epochs', type=float, default=30)
+    g.add_argument('--warmup-epochs', type=NON_NEGATIVE_INT, default=5)
+    g.add_argument('--cooldown-epochs', type=int, default=10)
+    g.add_argument('--decay-rate', '--dr', type=float, default=0.1)
+
+    g = p.add_argument_group('Augmentation')
+    g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
+    g.add_argument('--aa', type=str, default='rand-m9-mstd0.5-inc1', metavar='NAME')
+    g.add_argument('--smoothing', type=RATE, default=0.1)
+    g.add_argument('--train-interpolation', type=str, default='bicubic')
+    g.add_argument('--repeated-aug', action=argparse.BooleanOptionalAction, default=True,
+                   help='repeated augmentation x3 (RASampler)')
+    g.add_argument('--train-mode', action=argparse.BooleanOptionalAction, default=None,
+                   help='model.train() while training (default: on, but off with --finetune, as the '
+                        'reference fine-tunes)')
+    g.add_argument('--ThreeAugment', action='store_true', help="DeiT III's three-augment (not supported, refused)")
+    g.add_argument('--src', action='store_true', help="DeiT III's simple random crop (not supported, refused)")
+    g.add_argument('--reprob', type=PROBABILITY, default=0.25, metavar='PCT')
+    g.add_argument('--remode', type=str, default='pixel')
+    g.add_argument('--recount', type=int, default=1)
+    g.add_argument('--mixup', type=NON_NEGATIVE, default=0.8)
+    g.add_argument('--cutmix', type=NON_NEGATIVE, default=1.0)
+    g.add_argument('--cutmix-minmax', type=PROBABILITY, nargs=2, default=None, metavar=('MIN', 'MAX'),
+                   help='CutMix box size range as fractions of the image side (overrides --cutmix alpha)')
+    g.add_argument('--mixup-prob', type=PROBABILITY, default=1.0)
+    g.add_argument('--mixup-switch-prob', type=PROBABILITY, default=0.5)
+    g.add_argument('--mixup-mode', type=str, default='batch', choices=['batch', 'pair', 'elem'])
+
+    g = p.add_argument_group('Distillation')
+    g.add_argument('--teacher-model', default='regnety_160', type=str, metavar='MODEL')
+    g.add_argument('--teacher-path', type=str, default='')
+    g.add_argument('--distillation-type', default='none', choices=['none', 'soft', 'hard'], type=str)
+    g.add_argument('--distillation-alpha', default=0.5, type=float)
+    g.add_argument('--distillation-tau', default=1.0, type=float)
+    g.add_argument('--cosub', action='store_true', help='DeiT III cosub (not supported, refused)')
+
+    g = p.add_argument_group('Fine-tuning')
+    g.add_argument('--finetune', default='', help='start from this checkpoint, re-initialising a mismatched classifier')
+    g.add_argument('--attn-only', action='store_true')
+
+    g = p.add_argument_group('Data')
+    g.add_argument('--data-path', default=None, type=str, help='dataset root (DIGITS: ./data/digits)')
+    g.add_argument('--data-set', default='IMNET', choices=datasets.DATA_SETS, type=str)
+    g.add_argument('--inat-category', default='name', choices=datasets.INAT_CATEGORIES)
+    g.add_argument('--eval-crop-ratio', default=None, type=ranged(float, 0, 1, lo_open=True),
+                   help="evaluation: resize to input-size / ratio, then center-crop input-size "
+                        "(default: the model's crop_pct, 0.875; evaluating or resuming a checkpoint: the "
+                        "ratio it records)")
+    g.add_argument('--strict-data', action='store_true', help='an undecodable image stops the run')
+    g.add_argument('--follow-links', action='store_true',
+                   help='follow directory links inside class folders (never loops)')
+    g.add_argument('--eval-sets', nargs='+', default=[], metavar='[NAME=]PATH',
+                   help='with --eval, also evaluate these sets '
+                        '(class folders, ImageNet-V2 0..999 folders, or flat + label file)')
+    g.add_argument('--real-labels', nargs='?', const='', default=None, metavar='REAL_JSON',
+                   help="with --eval, also print ImageNet-ReaL accuracy (timm's bundled labels, or this real.json)")
+
+    g = p.add_argument_group('Run')
+    g.add_argument('--output_dir', '--output-dir', dest='output_dir', default='',
+                   help='where checkpoints and log.txt go (empty: save nothing)')
+    g.add_argument('--device', default='cuda', help='cuda, cuda:N or cpu (cuda falls back to cpu without a GPU)')
+    g.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain',
+                   help='on the CPU, keep freed memory for reuse (retain: much faster steps, the process '
+                        'keeps its peak memory) or use glibc as configured (system)')
+    g.add_argument('--seed', default=0, type=ranged(int, 0, 2 ** 32 - 1))
+    g.add_argument('--resume', default='',
+                   help='resume from this checkpoint (default: output_dir/checkpoint.pth if present)')
+    g.add_argument('--auto-resume', action=argparse.BooleanOptionalAction, default=True,
+                   help='resume from output_dir/checkpoint.pth when it exists')
+    g.add_argument('--start_epoch', '--start-epoch', dest='start_epoch', default=0, type=NON_NEGATIVE_INT, metavar='N')
+    g.add_argument('--eval', action='store_true', help='evaluation only')
+    g.add_argument('--dist-eval', action=argparse.BooleanOptionalAction, default=None,
+                   help='split the validation set over the processes (exact: every image counted once); '
+                        'default on with several processes, --no-dist-eval: every process evaluates the whole set')
+    g.add_argument('--num_workers', '--num-workers', dest='num_workers', default=None, type=NON_NEGATIVE_INT,
+                   help=f'data-loader workers per process (default: the CPUs of each process, the node\'s '
+                        f'divided by the processes on it, less one, at most {DEFAULT_NUM_WORKERS}, at least 1)')
+    g.add_argument('--pin-mem', action=argparse.BooleanOptionalAction, default=True,
+                   help='pin CPU memory in the data loader (GPU runs)')
+    g.add_argument('--print-freq', default=10, type=POSITIVE_INT)
+    g.add_argument('--log-dir', default='', help='also write TensorBoard events here (rank 0; needs tensorboard)')
+    g.add_argument('--save-freq', default=50, type=NON_NEGATIVE_INT,
+                   help='keep a backup checkpoint every N epochs (0: none)')
+    g.add_argument('--no-flops', dest='flops', action='store_false', help='skip the fvcore FLOPs count at start')
+    g.add_argument('--max-bad-steps', default=20, type=NON_NEGATIVE_INT,
+                   help='consecutive non-finite steps skipped before the run stops')
+
+    g = p.add_argument_group('Precision and speed')
+    g.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'],
+                   help='mixed precision: fp16 (with GradScaler, the default of a bare --amp) or bf16')
+    g.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True,
+                   help='let fp32 matmuls/convolutions use TF32 on CUDA, as the reference trained '
+                        '(--no-tf32: full fp32)')
+    g.add_argument('--channels-last', action='store_true')
+    g.add_argument('--compile', action='store_true', help='torch.compile the model')
+    g.add_argument('--sync-bn', action=argparse.BooleanOptionalAction, default=True,
+                   help='SyncBatchNorm in multi-GPU runs')
+
+    g = p.add_argument_group('Distributed')
+    g.add_argument('--world_size', '--world-size', dest='world_size', default=1, type=POSITIVE_INT,
+                   help='number of processes; set by the launcher (torchrun, srun), checked against it')
+    g.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
+    g.add_argument('--dist-timeout', default=1800, type=POSITIVE,
+                   help='seconds a collective waits for a silent peer before the run stops')
+    g.add_argument('--local_rank', '--local-rank', dest='local_rank', default=None, type=int,
+                   help=argparse.SUPPRESS)
+
+    g = p.add_argument_group('Output directory')
+    g.add_argument('--overwrite', action='store_true',
+                   help='start a new run in an --output_dir that holds one: its checkpoints and log.txt are '
+                        'deleted (without it such a run is refused; relaunching without flags resumes it)')
+    g.add_argument('--no-lock', dest='lock', action='store_false',
+                   help='do not lock --output_dir (by default a second training job in the same directory is '
+                        'refused while the first runs; for filesystems whose locks misbehave)')
+
+    compat = p.add_argument_group('compatibility', 'flags of the reference and DeiT command lines, accepted so '
+                                                   'that those run; each changes nothing here (a note says why)')
+    for flag, (dest, kwargs, why) in COMPATIBILITY_FLAGS.items():
+        compat.add_argument(flag, dest=dest, help=why, **kwargs)
+    return p
+
+
+#: accepted flags that change nothing here: flag -> (dest, argparse settings, why it changes nothing)
+COMPATIBILITY_FLAGS = {
+    '--resplit': ('resplit', dict(action='store_true'),
+                  "random erasing's clean split of timm's --aug-splits, which neither the reference nor DeiT "
+                  'implements, so nothing read it there either'),
+    '--patience-epochs': ('patience_epochs', dict(type=int, default=None, metavar='N'),
+                          "only timm's plateau schedule reads it, and --sched plateau is refused here"),
+    '--distributed': ('compat_distributed', dict(action='store_true'),
+                      "DeiT's flag, which its init_distributed_mode overwrote too; the launcher (torchrun, "
+                      'srun or none) decides'),
+}
+
+
+def compatibility_notes(args: argparse.Namespace) -> list:
+    """One note for each flag of COMPATIBILITY_FLAGS the command line gave."""
+    return [f'Note: {flag} is accepted but changes nothing here: {why}'
+            for flag, (dest, _, why) in COMPATIBILITY_FLAGS.items() if getattr(args, dest) not in (None, False)]
+
+
+def validate_args(args, parser):
+    """Incompatible or impossible flags: argparse-style error before any process group or data loader.
+    (Ranges of single flags are their argparse types.)"""
+    if not timm.is_model(args.model):
+        parser.error(f"unknown model '{args.model}'; known NaLaFormer variants: {', '.join(sorted(VARIANTS))} "
+                     f"(any timm model name also works)")
+    if args.distillation_type != 'none':
+        if args.finetune and not args.eval:
+            parser.error('--distillation-type with --finetune is not supported '
+                         '(DeiT: "Finetuning with distillation not yet supported")')
+        if not args.teacher_path:
+            parser.error('--distillation-type needs --teacher-path: a local teacher checkpoint (nothing is downloaded)')
+        if not timm.is_model(args.teacher_model):
+            parser.error(f"unknown teacher model '{args.teacher_model}'")
+    for flag, on in (('--cosub', args.cosub), ('--ThreeAugment', args.ThreeAugment), ('--src', args.src)):
+        if on:
+            parser.error(f'{flag} (DeiT III) is not supported by this engine (the recipe is DeiT\'s: --aa)')
+    _, world, _, _ = distributed.launch_env()
+    if args.dist_eval is None:  # exact, so the default whenever there are several processes
+        args.dist_eval = world > 1
+    mixup_active = mixup_is_active(args) and not args.eval
+    if mixup_active and args.mixup_mode in ('batch', 'pair') and args.batch_size % 2:
+        parser.error(f'--batch-size {args.batch_size} is odd; mixup/cutmix in {args.mixup_mode} mode needs an even '
+                     f'per-process batch (or --mixup 0 --cutmix 0)')
+    if args.epochs < 1 and not args.eval:
+        parser.error('--epochs must be at least 1')
+    # files: rank 0 checks them here (all ranks would print the same line); a file that another node does not
+    # see stops every rank with one line once they load it (run_dir.agree_on_resume_path, distributed.on_every_rank)
+    rank0 = distributed.launch_env()[0] == 0
+    for flag, path in (('--resume', args.resume), ('--finetune', args.finetune), ('--teacher-path', args.teacher_path)):
+        if path and rank0 and not os.path.isfile(path):
+            parser.error(f'{flag} {path}: ' + ('checkpoints must be local files: downloading is disabled'
+                                               if checkpoint_io.is_url(path) else 'no such file'))
+    if args.real_labels is not None and args.data_set != 'IMNET':
+        parser.error(f'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set (--data-set IMNET), '
+                     f'not --data-set {args.data_set}; drop --real-labels')
+    if args.eval and not args.finetune and not run_dir.find_resume_path(args):
+        parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
+    if args.resume and args.finetune:
+        parser.error('--resume and --finetune exclude each other (resume continues a run; finetune starts a new one)')
+    if args.log_dir:
+        if metrics.tensorboard_missing():
+            parser.error(metrics.tensorboard_missing())
+    if args.compile and not hasattr(torch, 'compile'):
+        parser.error('--compile needs torch >= 2.0')
+    if args.world_size not in (1, world):  # 1, the default, takes the launcher's count
+        parser.error(f'--world_size {args.world_size} disagrees with the launcher ({world} processes)' if world > 1
+                     else f'--world_size {args.world_size} without a launcher would run one process; start '
+                          f'{args.world_size} with torchrun --nproc_per_node={args.world_size} main.py ... (or srun)')
+    if args.bce_target_thresh is not None and not args.bce_loss:
+        parser.error('--bce-target-thresh needs --bce-loss')
+    if args.seed + world - 1 > 2 ** 32 - 1:  # every rank seeds numpy with --seed + rank
+        parser.error(f'--seed {args.seed} + rank exceeds 2**32 - 1 on {world} processes; use a smaller --seed')
+    if args.cutmix_minmax is not None and not 0 < args.cutmix_minmax[0] < args.cutmix_minmax[1]:
+        parser.error(f'--cutmix-minmax needs 0 < MIN < MAX <= 1, got {args.cutmix_minmax[0]} {args.cutmix_minmax[1]}')
+    check_device(args.device, world, parser)
+    check_optimizer(args, parser)
+    check_scheduler(args, parser)
+    check_auto_augment(args.aa, parser)
+
+
+def check_device(device, world, parser):
+    """--device: cpu, cuda or cuda:N; an existing GPU index when a GPU is present (a launcher assigns one GPU
+    per process itself). cuda without a GPU falls back to the CPU (and says so)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ('cpu', 'cuda'):
+        parser.error(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == 'cuda' and dev.index is not None and world == 1 and torch.cuda.is_available() \
+            and dev.index >= torch.cuda.device_count():
+        parser.error(f'--device {device}: this machine has {torch.cuda.device_count()} GPU(s) '
+                     f'(cuda:0 .. cuda:{torch.cuda.device_count() - 1})')
+
+
+def check_optimizer(args, parser):
+    """--opt against timm's optimizer registry (an optional `lookahead_` prefix, as timm allows), then built
+    once on a dummy parameter so that missing packages and bad --opt-betas/--opt-eps/--momentum show here."""
+    import difflib
+
+    from timm.optim import create_optimizer_v2, list_optimizers
+    known = list_optimizers()
+    name = args.opt.lower()
+    base = name.removeprefix('lookahead_')
+    if base not in known:
+        close = difflib.get_close_matches(base, known, n=3)
+        parser.error(f"--opt {args.opt}: unknown optimizer" + (f"; did you mean {', '.join(close)}?" if close else '')
+                     + f" ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)")
+    try:
+        create_optimizer_v2(torch.nn.Linear(1, 1), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                            momentum=args.momentum, eps=args.opt_eps,
+                            **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+    except Exception as e:  # any failure here is a bad flag or a missing optional package
+        parser.error(f'--opt {args.opt}: cannot build it with these flags ({first_line(e)})')
+
+
+def check_scheduler(args, parser):
+    """Build the --sched schedule once on a dummy optimizer: timm checks its flag combinations
+    (e.g. wsd's --decay-epochs against --epochs) only when it is built."""
+    try:
+        build_lr_scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr))
+    except (ValueError, AssertionError, TypeError) as e:
+        parser.error(f'--sched {args.sched}: {first_line(e)}')
+
+
+def check_auto_augment(aa, parser):
+    """--aa through timm's own policy parsers, dispatched on the prefix as timm's create_transform does."""
+    from timm.data import auto_augment
+    if aa in (None, '', 'none', 'None'):
+        return
+    build = (auto_augment.rand_augment_transform if aa.startswith('rand') else
+             auto_augment.augment_and_mix_transform if aa.startswith('augmix') else auto_augment.auto_augment_transform)
+    try:
+        build(aa, {})
+    except (AssertionError, ValueError, KeyError, IndexError) as e:
+        detail = first_line(e) if str(e).strip() else 'not a valid policy string'
+        parser.error(f"--aa {aa}: {detail}; use a timm policy such as rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
+                     f"original, v0, 3a, or none")
+
+
+#: the flags that decide the evaluation transform; a checkpoint records them in its args
+EVAL_TRANSFORM_FLAGS = ('input_size', 'eval_crop_ratio')
+
+
+def resolve_eval_transform(args: argparse.Namespace, path: str) -> None:
+    """--input-size and --eval-crop-ratio (None when not given): the command line's when given, else those the
+    checkpoint `path` records (the one --eval measures or a run resumes: evaluated as it was trained), else the
+    model's. A given value that differs from the recorded one is printed with both. The checkpoint's args are
+    read without loading its weights."""
+    recorded = checkpoint.recorded_args(path) if path else {}
+    taken, notes = [], []
+    for key in EVAL_TRANSFORM_FLAGS:
+        if key not in recorded:
+            continue
+        flag, given, saved = '--' + key.replace('_', '-'), getattr(args, key), recorded[key]
+        try:
+            saved = None if saved is None else (int if key == 'input_size' else float)(saved)
+        except (TypeError, ValueError):
+            continue
+        if given is None:
+            setattr(args, key, saved)
+            if saved is not None:
+                taken.append(f'{flag} {saved}')
+        else:
+            notes.append(datasets.override_note(flag, given, "none (the model's crop_pct)" if saved is None
+                                                else saved, path))
+    if args.input_size is None:
+        args.input_size = datasets.data_config(args.model)['input_size'][-1]
+    if taken:
+        print(f"{' and '.join(taken)}: as recorded in {path} (pass the flag to choose another)")
+    for note in filter(None, notes):
+        print(note)
+
+
+def resolve_train_mode(args: argparse.Namespace) -> str:
+    """Set `args.train_mode` when neither --train-mode nor --no-train-mode was given, and say why it is what
+    it is. The reference trains with model.train(not finetune): a fine-tune runs in eval mode throughout
+    (BatchNorm statistics frozen, drop path and dropout off); a run from scratch in train mode."""
+    if args.train_mode is not None:
+        return f"{'on' if args.train_mode else 'off'} ({'--train-mode' if args.train_mode else '--no-train-mode'})"
+    args.train_mode = not args.finetune
+    if args.train_mode:
+        return 'on'
+    return ('off: --finetune runs in eval mode as the reference does (BatchNorm statistics frozen, no drop path '
+            'or dropout); --train-mode trains in train mode')
+
+
+def mixup_is_active(args: argparse.Namespace) -> bool:
+    """Whether training mixes images (Mixup or CutMix): then targets are soft and the batch must be even."""
+    return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+
+
+#: the --opt names whose torch optimizer has a fused CUDA kernel (torch.optim.Adam and AdamW)
+FUSED_OPTIMIZERS = ('adam', 'adamw')
+
+
+def build_optimizer(args, model):
+    """timm optimizer with the command line's settings; --layer-decay scales each parameter group's LR by
+    decay^(layers above it), layers as the model's group_matcher defines them.
+
+    Adam/AdamW with every parameter on a GPU use torch's fused kernel: one kernel for all parameters, step
+    counts kept on the GPU (the multi-tensor kernel reads each parameter's back to the host every step);
+    its results differ from the multi-tensor kernel's by rounding only (docs/performance.md). Elsewhere
+    torch's default, the multi-tensor kernel. A checkpoint's parameter groups carry the kernel choice of the
+    run that wrote it; loading one keeps this run's choice."""
+    from timm.optim import create_optimizer_v2
+    fused = (args.opt.lower().removeprefix('lookahead_') in FUSED_OPTIMIZERS
+             and all(p.is_cuda for p in model.parameters()))
+    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                    momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
+                                    **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}),
+                                    **({'fused': True} if fused else {}))
+    optimizer.register_load_state_dict_pre_hook(_keep_kernel_choice)
+    return optimizer
+
+
+def _keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Optimizer load_state_dict pre-hook: the loaded parameter groups take this optimizer's kernel
+    settings (fused, foreach) instead of those of the run that saved them."""
+    kernel = {k: optimizer.defaults[k] for k in ('fused', 'foreach') if k in optimizer.defaults}
+    return {**state_dict, 'param_groups': [{**group, **kernel} for group in state_dict['param_groups']]}
+
+
+def build_lr_scheduler(args, optimizer):
+    """timm scheduler stepped per epoch; call `.step(epoch)` at the START of epoch `epoch`, so that
+    epoch e runs at the LR of epoch e (warmup from --warmup-lr over --warmup-epochs, then cosine)."""
+    from timm.scheduler import create_scheduler_v2
+    lr_scheduler, _ = create_scheduler_v2(
+        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
+        cooldown_epochs=args.cooldown_epochs, decay_rate=args.decay_rate,
+        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
+        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
+    return lr_scheduler
+
