@@ -365,7 +365,7 @@ def check_optimizer(args, parser):
     once on a dummy parameter so that missing packages and bad --opt-betas/--opt-eps/--momentum show here."""
     import difflib
 
-    from timm.optim import create_optimizer_v2, list_optimizers
+    from timm.optim import list_optimizers
     known = list_optimizers()
     name = args.opt.lower()
     base = name.removeprefix('lookahead_')
@@ -374,9 +374,7 @@ def check_optimizer(args, parser):
         parser.error(f"--opt {args.opt}: unknown optimizer" + (f"; did you mean {', '.join(close)}?" if close else '')
                      + f" ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)")
     try:
-        create_optimizer_v2(torch.nn.Linear(1, 1), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                            momentum=args.momentum, eps=args.opt_eps,
-                            **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
+        build_optimizer(args, torch.nn.Linear(1, 1))
     except Exception as e:  # any failure here is a bad flag or a missing optional package
         parser.error(f'--opt {args.opt}: cannot build it with these flags ({first_line(e)})')
 
@@ -477,7 +475,8 @@ def build_optimizer(args, model):
                                     momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
                                     **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}),
                                     **({'fused': True} if fused else {}))
-    optimizer.register_load_state_dict_pre_hook(_keep_kernel_choice)
+    # timm's Lookahead (--opt lookahead_*) loads its state through the optimizer it wraps, which holds the hooks
+    getattr(optimizer, '_base_optimizer', optimizer).register_load_state_dict_pre_hook(_keep_kernel_choice)
     return optimizer
 
 

@@ -289,6 +289,15 @@ def build_dataset(is_train: bool, args: Any, uint8: bool = False) -> tuple[Datas
     raise layout_error(str(data_set), "unknown data set", "one of " + ", ".join(DATA_SETS))
 
 
+def data_classes(dataset: Any) -> Optional[list]:
+    """The class names of `dataset` in label order; None where its labels carry no names (a flat val/ labelled
+    by class index) or it has none."""
+    if getattr(dataset, 'numeric_labels', False):
+        return None
+    return getattr(dataset, 'classes', None)
+
+
+
 def _posterize(img: Image.Image, bits_to_keep: int, **kwargs: Any) -> Image.Image:
     """timm's posterize, also for 0 bits: nothing kept, a black image, as Pillow < 13 gave."""
     if bits_to_keep <= 0:

@@ -37,16 +37,6 @@ from errors import FlagError, UserError, first_line
 from models.flops import count_flops
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
 
-# --------------------------------------------------------------------------------------------------
-
-
-def data_classes(dataset: Any) -> Optional[list]:
-    """The class names of `dataset` in label order; None where its labels carry no names (a flat val/ labelled
-    by class index) or it has none."""
-    if getattr(dataset, 'numeric_labels', False):
-        return None
-    return getattr(dataset, 'classes', None)
-
 
 def build_model(args, nb_classes):
     """The model with the number of classes and dropout of the command line; drop path from --drop-path,
@@ -95,15 +85,6 @@ def build_criterion(args, mixup_active: bool) -> torch.nn.Module:
     if args.smoothing:
         return LabelSmoothingCrossEntropy(smoothing=args.smoothing)
     return torch.nn.CrossEntropyLoss()
-
-
-def tensorboard_logger(args: argparse.Namespace, device: Any) -> Any:
-    """Rank 0's TensorBoard writer with --log-dir (None on the other ranks and without it). Every rank calls
-    this: a writer that cannot start stops them all with one line instead of leaving them waiting for rank 0."""
-    if not args.log_dir:
-        return None
-    return distributed.on_rank0(lambda: metrics.TensorBoardLogger(args.log_dir), device,
-                                f'--log-dir {args.log_dir}: cannot write TensorBoard events there')
 
 
 def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') -> str:
@@ -318,7 +299,7 @@ def main(args, parser):
     checkpoints = checkpoint.TrainingCheckpoints(
         args, model_without_ddp, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
         # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
-        classes=data_classes(dataset_val if args.eval else dataset_train),
+        classes=datasets.data_classes(dataset_val if args.eval else dataset_train),
         n_train_images=len(dataset_train) if dataset_train is not None else None)
     resumed = checkpoints.resume(resume_path, eval_only=args.eval)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
@@ -348,7 +329,7 @@ def main(args, parser):
                                     max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
     random_erasing = loaders.batch_random_erasing(args, device)  # the train transform's, on the device
 
-    tb = tensorboard_logger(args, device)
+    tb = metrics.tensorboard_logger(args.log_dir, device)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+import distributed
 from distributed import all_reduce_sum, is_dist_avail_and_initialized
 
 
@@ -191,3 +192,13 @@ class TensorBoardLogger:
     def close(self) -> None:
         """Flush and close the event file (safe to call twice)."""
         self.writer.close()
+
+
+def tensorboard_logger(log_dir: str, device: Any) -> Optional['TensorBoardLogger']:
+    """Rank 0's TensorBoard writer for --log-dir `log_dir` (None on the other ranks and without one). Every rank
+    calls this: a writer that cannot start stops them all with one line instead of leaving them waiting."""
+    if not log_dir:
+        return None
+    return distributed.on_rank0(lambda: TensorBoardLogger(log_dir), device,
+                                f'--log-dir {log_dir}: cannot write TensorBoard events there')
+

@@ -107,6 +107,19 @@ def test_adam_and_adamw_take_the_fused_kernel_when_every_parameter_is_on_a_gpu(m
     assert all(g['fused'] for g in gpu.param_groups) and not any(g['fused'] for g in cpu.param_groups)
 
 
+def test_a_lookahead_optimizer_is_built_and_resumed_with_the_kernel_of_its_run():
+    """timm's Lookahead wraps the optimizer without the hooks of torch's Optimizer: the kernel choice rides on
+    the optimizer it wraps, which loads the state."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'lookahead_adamw']), model)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved['param_groups'] = [{**g, 'foreach': True} for g in saved['param_groups']]  # another run's kernel
+    optimizer.load_state_dict(saved)
+    assert all(g['foreach'] is optimizer.defaults['foreach'] for g in optimizer.param_groups)
+
+
 # ------------------------------------------------------------------------------------------ LR schedule
 def _expected_lr(e, lr, epochs, warmup, warmup_lr, min_lr):
     if e < warmup:

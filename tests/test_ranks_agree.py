@@ -18,7 +18,7 @@ import checkpoint
 import checkpoint_io
 import distributed
 import loaders
-import main
+import metrics
 import run_dir
 from errors import CheckpointError, UserError
 
@@ -98,7 +98,7 @@ def test_a_tensorboard_writer_that_cannot_start_stops_every_rank(world, tmp_path
     pytest.importorskip('tensorboard', reason='optional: pip install -r requirements-optional.txt')
     blocked = tmp_path / 'tb'
     blocked.write_text('a file where the event directory should be')
-    results = world.run(lambda rank: main.tensorboard_logger(parse('--log-dir', str(blocked)), 'cpu'))
+    results = world.run(lambda rank: metrics.tensorboard_logger(str(blocked), 'cpu'))
     line = one_line_errors(results)[0]
     assert line.startswith(f'--log-dir {blocked}: cannot write TensorBoard events there: '), line
     assert_rank_failed(results, 0, line)
