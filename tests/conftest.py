@@ -36,6 +36,16 @@ def parse(*argv):
     return cli.get_args_parser().parse_args(list(argv))
 
 
+def untrained_eval_argv(data, tmp_path):
+    """main.py --eval of an untrained 3-class XT on the tiny ImageFolder, without --num_workers."""
+    import timm
+    ck = tmp_path / 'ck.pth'
+    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=3).state_dict()}, ck)
+    return ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--no-flops',
+            '--eval', '--resume', str(ck), '--data-path', data]
+
+
+
 # --------------------------------------------------------------------------------------- real processes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable

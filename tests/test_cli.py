@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import parse, run_main
+from conftest import parse, untrained_eval_argv
 
 import cli
 import datasets
@@ -262,7 +262,7 @@ def test_help_shows_the_defaults_and_the_compatibility_flags(capsys):
 def test_pasted_reference_flags_are_accepted_and_change_nothing(data, tmp_path, plain_process, capsys):
     """A command line copied from the reference's or DeiT's scripts (--resplit, --patience-epochs, --distributed)
     runs: here an evaluation, with one note per flag saying why it changes nothing."""
-    argv = _eval_argv(data, tmp_path) + ['--num_workers', '0']
+    argv = untrained_eval_argv(data, tmp_path) + ['--num_workers', '0']
     assert main.run(argv + ['--resplit', '--patience-epochs', '10', '--distributed']) == 0
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if 'changes nothing here' in line]
@@ -298,20 +298,11 @@ def test_default_num_workers_is_the_cpus_per_process_less_one(launcher, cpus, ex
     assert parse().num_workers is None and parse('--num-workers', '12').num_workers == 12  # given: taken as is
 
 
-def _eval_argv(data, tmp_path):
-    """main.py --eval of an untrained 3-class XT on the tiny ImageFolder, without --num_workers."""
-    import timm
-    ck = tmp_path / 'ck.pth'
-    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=3).state_dict()}, ck)
-    return ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--no-flops',
-            '--eval', '--resume', str(ck), '--data-path', data]
-
-
 def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_path, plain_process, capsys):
     import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        assert main.run(_eval_argv(data, tmp_path)) == 0
+        assert main.run(untrained_eval_argv(data, tmp_path)) == 0
     n, cpus = utils.default_num_workers()[0], utils.available_cpus()
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Data loader:')]
     assert line == [f'Data loader: {n} workers per process (the default: {cpus} CPU(s) per process (the {cpus} CPUs '
@@ -320,10 +311,3 @@ def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_pa
     assert not [w for w in caught if 'worker' in str(w.message)], [str(w.message) for w in caught]
 
 
-@pytest.mark.slow
-def test_under_torchrun_each_message_comes_once_and_every_rank_fails(data, tmp_path):
-    p = run_main(['--eval', '--data-path', data, '--device', 'cpu'], nproc=2, check=False)
-    assert p.returncode != 0 and 'exitcode  : 2' in p.stderr  # torchrun's report of the failed ranks
-    assert p.stderr.count('error: --eval needs a checkpoint') == 1 and p.stderr.count('usage:') == 1, p.stderr
-    p = run_main(_eval_argv(data, tmp_path) + ['--dist-eval'], nproc=2)
-    assert p.stdout.count('Data loader: ') == 1, p.stdout[-3000:]

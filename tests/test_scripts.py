@@ -36,7 +36,6 @@ def test_pretrain_sh_holds_each_variant_recipe(variant, tmp_path):
     assert args.drop_path is None and args.amp is None and args.epochs == 7 and args.lr == 5e-4
 
 
-@pytest.mark.slow
 def test_eval_sh_prints_and_runs_an_exact_evaluation():
     import subprocess
     e = dict(os.environ, PYTHON='echo', CKPT='/c.pth', DATA='/d', NPROC='2')
