@@ -32,7 +32,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ from weights import load_weights_into, select_weights
 FOLLOWED_OPTIMIZER_KEYS = ('weight_decay', 'betas', 'eps', 'momentum', 'lr_scale')
 
 
-def saved_args(ckpt: Any) -> Dict[str, Any]:
+def saved_args(ckpt: Any) -> dict[str, Any]:
     """The command line stored in a checkpoint as a dict (ours store a dict, the reference's a Namespace)."""
     args = ckpt.get('args') if isinstance(ckpt, dict) else None
     if isinstance(args, argparse.Namespace):
@@ -63,7 +63,7 @@ def saved_args(ckpt: Any) -> Dict[str, Any]:
     return dict(args) if isinstance(args, dict) else {}
 
 
-def recorded_args(path: str) -> Dict[str, Any]:
+def recorded_args(path: str) -> dict[str, Any]:
     """The command line the checkpoint file `path` records (saved_args), read before the run builds anything:
     memory-mapped, so its tensors are not read (the full load, checksum verified, comes later)."""
     return saved_args(load_checkpoint_file(path, verify=False, mmap=True))
@@ -100,7 +100,7 @@ def _to_plain(obj: Any) -> Any:
     return str(obj)
 
 
-def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
+def args_to_dict(args: argparse.Namespace) -> dict[str, Any]:
     """The command line as a plain dict (the checkpoint's ``args``)."""
     return _to_plain(dict(vars(args)))
 
@@ -108,14 +108,14 @@ def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # Saving and resuming a training run
 # --------------------------------------------------------------------------------------------------
-def _global_batch(a: Dict[str, Any]) -> Optional[int]:
+def _global_batch(a: dict[str, Any]) -> int | None:
     try:
         return int(a['batch_size']) * int(a.get('world_size', 1)) * int(a.get('accum_steps', 1))
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def _ema_decay(a: Dict[str, Any]) -> Optional[float]:
+def _ema_decay(a: dict[str, Any]) -> float | None:
     """The EMA decay a run used: --model-ema-decay ** (global batch / 512), None without an EMA."""
     gb = _global_batch(a)
     if not a.get('model_ema') or gb is None or a.get('model_ema_decay') is None:
@@ -141,7 +141,7 @@ def _differs(a: Any, b: Any) -> bool:
     return _comparable(a) != _comparable(b)
 
 
-def flag_changes(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+def flag_changes(saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """What a resumed run changes against the checkpoint's command line, in flag terms: the batch flags with
     the global batch, LR and EMA decay they give, then the LR-schedule flags. Empty when nothing changed or
     the checkpoint holds no command line."""
@@ -168,7 +168,7 @@ def flag_changes(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     return out
 
 
-def data_path_change(saved: Dict[str, Any], args: argparse.Namespace) -> str:
+def data_path_change(saved: dict[str, Any], args: argparse.Namespace) -> str:
     """The checkpoint's --data-path when the command line names another directory, else ''. Paths are compared
     absolute and normalised (a relative one from the current directory), and two names of one existing
     directory (a link) are the same path."""
@@ -186,7 +186,7 @@ def data_path_change(saved: Dict[str, Any], args: argparse.Namespace) -> str:
     return str(was)
 
 
-def data_order_changes(ckpt: Dict[str, Any], args: argparse.Namespace, n_train_images: Optional[int]) -> List[str]:
+def data_order_changes(ckpt: dict[str, Any], args: argparse.Namespace, n_train_images: int | None) -> list[str]:
     """What differs from the run that wrote a mid-epoch checkpoint among the things that decide which images
     each step of the epoch gets (processes, batch, accumulation, seed, sampler, training-set size)."""
     saved, now = saved_args(ckpt), vars(args)
@@ -225,7 +225,7 @@ class TrainingCheckpoints:
 
     def __init__(self, args: argparse.Namespace, model: torch.nn.Module, model_ema: Any, optimizer: Any,
                  lr_scheduler: Any, loss_scaler: Any, n_parameters: int, device: Any,
-                 classes: Optional[Sequence[str]] = None, n_train_images: Optional[int] = None):
+                 classes: Sequence[str] | None = None, n_train_images: int | None = None):
         self.args, self.model, self.model_ema = args, model, model_ema
         # the training data this run learns from, saved with every checkpoint and checked on resume
         self.classes = None if classes is None else [str(c) for c in classes]
@@ -234,11 +234,11 @@ class TrainingCheckpoints:
         self.n_parameters, self.device = n_parameters, device
         self.output_dir = args.output_dir
         self.max_accuracy = 0.0
-        self.best: Dict[str, Any] = {'best_weights': None, 'best_epoch': None, 'best_acc1': None}
-        self._acc1: Tuple[Optional[int], Optional[Dict[str, Any]]] = (None, None)
+        self.best: dict[str, Any] = {'best_weights': None, 'best_epoch': None, 'best_acc1': None}
+        self._acc1: tuple[int | None, dict[str, Any] | None] = (None, None)
 
     # ---- best accuracy
-    def record_accuracy(self, epoch: int, acc1: float, ema_acc1: Optional[float] = None) -> bool:
+    def record_accuracy(self, epoch: int, acc1: float, ema_acc1: float | None = None) -> bool:
         """Note epoch's accuracies (model, EMA); True when they beat the best so far."""
         acc = {'model': float(acc1), 'model_ema': None if ema_acc1 is None else float(ema_acc1)}
         self._acc1 = (epoch, acc)
@@ -251,7 +251,7 @@ class TrainingCheckpoints:
         return True
 
     # ---- writing
-    def state(self, epoch: int, names: Sequence[str], extra: Dict[str, Any]) -> Dict[str, Any]:
+    def state(self, epoch: int, names: Sequence[str], extra: dict[str, Any]) -> dict[str, Any]:
         state = {
             'model': self.model.state_dict(),
             'optimizer': self.optimizer.state_dict(),
@@ -275,7 +275,7 @@ class TrainingCheckpoints:
         state['checksum'] = {'sha256': checksums(state)}
         return state
 
-    def save(self, epoch: int, extra: Dict[str, Any], names: Sequence[str]) -> None:
+    def save(self, epoch: int, extra: dict[str, Any], names: Sequence[str]) -> None:
         """Write the run's state after `epoch` to the first of `names` in --output_dir (nothing without one),
         then copy that file (a reflink where the filesystem has them) to the others, in order. Rank 0 writes;
         whatever stops it (a full disk, an object that cannot be pickled) stops every rank with one line."""
@@ -296,7 +296,7 @@ class TrainingCheckpoints:
 
         distributed.on_rank0(write, self.device, f'could not write checkpoint {first}')
 
-    def append_log(self, record: Dict[str, Any]) -> None:
+    def append_log(self, record: dict[str, Any]) -> None:
         """Append the epoch's record to log.txt (rank 0; a failure stops every rank with one line). The record
         is also in the checkpoint, so a line lost to a crash or a full disk is written at the next resume."""
         if self.output_dir:
@@ -459,7 +459,7 @@ class TrainingCheckpoints:
             print(f'Note: the training set has {self.n_train_images} images, {n} when the checkpoint was written '
                   f'(same classes); continuing on the images there are now')
 
-    def _load_optimizer(self, ckpt: Dict[str, Any], path: str) -> None:
+    def _load_optimizer(self, ckpt: dict[str, Any], path: str) -> None:
         """Load the optimizer state, refusing one of another optimizer, then apply the command line's
         weight decay, betas, eps, momentum and layer-wise LR scale (as the LR schedule follows it)."""
         fresh = [{k: v for k, v in g.items() if k != 'params'} for g in self.optimizer.param_groups]
@@ -479,7 +479,7 @@ class TrainingCheckpoints:
         except (ValueError, KeyError) as e:
             raise CheckpointError(f'the optimizer state in {path} does not fit this run ({first_line(e)}); '
                                   f'were --opt/--attn-only different? use --finetune to start from its weights') from e
-        changed: Dict[str, List[Tuple[Any, Any]]] = {}
+        changed: dict[str, list[tuple[Any, Any]]] = {}
         for group, want in zip(self.optimizer.param_groups, fresh):
             for k in FOLLOWED_OPTIMIZER_KEYS:
                 if k in want and _comparable(group.get(k)) != _comparable(want[k]):

@@ -16,7 +16,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import torch
 
@@ -64,7 +64,7 @@ def _hash_into(h, obj: Any) -> None:
         h.update(repr(obj).encode())
 
 
-def checksums(state: Dict[str, Any]) -> Dict[str, str]:
+def checksums(state: dict[str, Any]) -> dict[str, str]:
     """sha256 of every top-level part of a checkpoint (tensor bytes, shapes, dtypes and plain values)."""
     out = {}
     for key in sorted(state):
@@ -200,7 +200,7 @@ def remove_stale_tmp(directory: str) -> None:
             pass
 
 
-def run_checkpoints(directory: str) -> List[str]:
+def run_checkpoints(directory: str) -> list[str]:
     """The checkpoint files of a run directory: checkpoint.pth, best.pth, then numbered ones, newest first."""
     numbered = sorted((p for p in glob.glob(os.path.join(glob.escape(directory), 'checkpoint_*.pth'))
                        if NUMBERED.search(p)), key=lambda p: -int(NUMBERED.search(p).group(1)))
@@ -267,7 +267,7 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     return ckpt
 
 
-def checkpoint_identity(ckpt: Any, path: str) -> Tuple[Any, Any, str]:
+def checkpoint_identity(ckpt: Any, path: str) -> tuple[Any, Any, str]:
     """(epoch, step, digest) of a loaded checkpoint: what ranks compare to know they read the same state. The
     digest covers the checksum the file carries (verified when it was loaded), else the file's bytes."""
     h = hashlib.sha256()
@@ -281,7 +281,7 @@ def checkpoint_identity(ckpt: Any, path: str) -> Tuple[Any, Any, str]:
     return epoch, step, h.hexdigest()[:16]
 
 
-def describe_identity(identity: Tuple[Any, Any, str]) -> str:
+def describe_identity(identity: tuple[Any, Any, str]) -> str:
     """'epoch 1 step 3, sha256 0123abcd...' for a checkpoint_identity."""
     epoch, step, digest = identity
     where = f'epoch {epoch}' + (f' step {step}' if step else '') + ', ' if epoch is not None else ''

@@ -100,7 +100,7 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--batch-size', default=128, type=POSITIVE_INT, help='batch size per process (recipe: 128 x 8)')
     g.add_argument('--epochs', default=300, type=int)
     g.add_argument('--bce-loss', action='store_true',
-                   help="binary cross-entropy on the (mixed, smoothed) soft targets instead of soft-target CE")
+                   help='binary cross-entropy on the (mixed, smoothed) soft targets instead of soft-target CE')
     g.add_argument('--bce-target-thresh', type=float, default=None, metavar='T',
                    help='with --bce-loss: binarise the targets at this threshold (1 where target > T)')
     g.add_argument('--accum-steps', type=POSITIVE_INT, default=1, metavar='K',
@@ -218,7 +218,7 @@ def get_args_parser() -> LauncherArgumentParser:
                    help='split the validation set over the processes (exact: every image counted once); '
                         'default on with several processes, --no-dist-eval: every process evaluates the whole set')
     g.add_argument('--num_workers', '--num-workers', dest='num_workers', default=None, type=NON_NEGATIVE_INT,
-                   help=f'data-loader workers per process (default: the CPUs of each process, the node\'s '
+                   help=f"data-loader workers per process (default: the CPUs of each process, the node's "
                         f'divided by the processes on it, less one, at most {DEFAULT_NUM_WORKERS}, at least 1)')
     g.add_argument('--pin-mem', action=argparse.BooleanOptionalAction, default=True,
                    help='pin CPU memory in the data loader (GPU runs)')
@@ -300,7 +300,7 @@ def validate_args(args, parser):
             parser.error(f"unknown teacher model '{args.teacher_model}'")
     for flag, on in (('--cosub', args.cosub), ('--ThreeAugment', args.ThreeAugment), ('--src', args.src)):
         if on:
-            parser.error(f'{flag} (DeiT III) is not supported by this engine (the recipe is DeiT\'s: --aa)')
+            parser.error(f"{flag} (DeiT III) is not supported by this engine (the recipe is DeiT's: --aa)")
     _, world, _, _ = distributed.launch_env()
     if args.dist_eval is None:  # exact, so the default whenever there are several processes
         args.dist_eval = world > 1
@@ -353,7 +353,7 @@ def check_device(device, world, parser):
     except (RuntimeError, ValueError):
         dev = None
     if dev is None or dev.type not in ('cpu', 'cuda'):
-        parser.error(f"--device {device!r}: expected cpu, cuda or cuda:N")
+        parser.error(f'--device {device!r}: expected cpu, cuda or cuda:N')
     if dev.type == 'cuda' and dev.index is not None and world == 1 and torch.cuda.is_available() \
             and dev.index >= torch.cuda.device_count():
         parser.error(f'--device {device}: this machine has {torch.cuda.device_count()} GPU(s) '
@@ -371,8 +371,8 @@ def check_optimizer(args, parser):
     base = name.removeprefix('lookahead_')
     if base not in known:
         close = difflib.get_close_matches(base, known, n=3)
-        parser.error(f"--opt {args.opt}: unknown optimizer" + (f"; did you mean {', '.join(close)}?" if close else '')
-                     + f" ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)")
+        parser.error(f'--opt {args.opt}: unknown optimizer' + (f"; did you mean {', '.join(close)}?" if close else '')
+                     + f' ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)')
     try:
         build_optimizer(args, torch.nn.Linear(1, 1))
     except Exception as e:  # any failure here is a bad flag or a missing optional package
@@ -399,8 +399,8 @@ def check_auto_augment(aa, parser):
         build(aa, {})
     except (AssertionError, ValueError, KeyError, IndexError) as e:
         detail = first_line(e) if str(e).strip() else 'not a valid policy string'
-        parser.error(f"--aa {aa}: {detail}; use a timm policy such as rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, "
-                     f"original, v0, 3a, or none")
+        parser.error(f'--aa {aa}: {detail}; use a timm policy such as rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, '
+                     f'original, v0, 3a, or none')
 
 
 #: the flags that decide the evaluation transform; a checkpoint records them in its args

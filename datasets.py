@@ -2,14 +2,12 @@
 iNaturalist 2018/2019) and ``build_transform`` from the model's data config. docs/usage.md describes the
 data sets, their layouts, the transforms and what happens to undecodable images; image_folder.py reads
 the folders, eval_sets.py the extra evaluation sets."""
-from __future__ import annotations
-
 import json
 import os
 import shutil
 import socket
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import timm
@@ -33,32 +31,32 @@ from image_folder import (
 from models.weights import small_input_eval
 
 __all__ = [
-    "INatDataset", "build_dataset", "build_transform", "data_config", "eval_transform", "default_data_path",
-    "prepare_digits", "DATA_SETS", "INAT_CATEGORIES",
+    'INatDataset', 'build_dataset', 'build_transform', 'data_config', 'eval_transform', 'default_data_path',
+    'prepare_digits', 'DATA_SETS', 'INAT_CATEGORIES',
 ]
 
-DEIT_DEFAULT_DATA_PATH = "/datasets01/imagenet_full_size/061417/"
-DIGITS_DEFAULT_PATH = os.path.join(".", "data", "digits")
-DIGITS_MARKER = "DIGITS_COMPLETE"
+DEIT_DEFAULT_DATA_PATH = '/datasets01/imagenet_full_size/061417/'
+DIGITS_DEFAULT_PATH = os.path.join('.', 'data', 'digits')
+DIGITS_MARKER = 'DIGITS_COMPLETE'
 DIGITS_SEED = 0
 DIGITS_SIZE = 32
 #: the --data-set names build_dataset knows
-DATA_SETS: tuple[str, ...] = ("CIFAR", "IMNET", "INAT", "INAT19", "DIGITS")
+DATA_SETS: tuple[str, ...] = ('CIFAR', 'IMNET', 'INAT', 'INAT19', 'DIGITS')
 #: the --inat-category choices: the fields of iNaturalist's categories.json a class can be named by
-INAT_CATEGORIES: tuple[str, ...] = ("kingdom", "phylum", "class", "order", "supercategory", "family", "genus", "name")
+INAT_CATEGORIES: tuple[str, ...] = ('kingdom', 'phylum', 'class', 'order', 'supercategory', 'family', 'genus', 'name')
 
 
-def _check_imagefolder_root(root: Optional[str], layout: str, is_train: bool) -> None:
+def _check_imagefolder_root(root: str | None, layout: str, is_train: bool) -> None:
     """Validate ``root/train`` and ``root/val`` before anything is decoded (one-line errors)."""
     if not root:
-        raise layout_error("--data-path", "missing (no data path given)", layout)
+        raise layout_error('--data-path', 'missing (no data path given)', layout)
     if not os.path.isdir(root):
-        raise layout_error(root, "data path does not exist or is not a directory", layout)
-    train_dir, val_dir = os.path.join(root, "train"), os.path.join(root, "val")
+        raise layout_error(root, 'data path does not exist or is not a directory', layout)
+    train_dir, val_dir = os.path.join(root, 'train'), os.path.join(root, 'val')
     # training needs both splits (the run evaluates every epoch); eval-only needs, and lists, only val/
     for d in ((train_dir, val_dir) if is_train else (val_dir,)):
         if not os.path.isdir(d):
-            raise layout_error(d, f"missing {os.path.basename(d)}/ folder", layout)
+            raise layout_error(d, f'missing {os.path.basename(d)}/ folder', layout)
     if is_train:  # the training build checks that val/ has the classes of train/
         tc, vc = set(list_classes(train_dir)), set(list_classes(val_dir))
         if tc and not vc and find_label_file(val_dir):  # flat val/ with a label file
@@ -74,7 +72,7 @@ def _check_imagefolder_root(root: Optional[str], layout: str, is_train: bool) ->
             if extra:
                 parts.append(f"{len(extra)} val class(es) not in train/ ({', '.join(extra[:5])}"
                              f"{', ...' if len(extra) > 5 else ''})")
-            raise layout_error(val_dir, "class folders differ from train/: " + "; ".join(parts),
+            raise layout_error(val_dir, 'class folders differ from train/: ' + '; '.join(parts),
                                layout)
 
 
@@ -90,52 +88,52 @@ class INatDataset(BadSampleMixin, Dataset):
     """
 
     def __init__(self, root: str, train: bool = True, year: int = 2018,
-                 transform: Optional[Callable] = None, category: str = "name",
+                 transform: Callable | None = None, category: str = 'name',
                  strict: bool = False, loader: Callable[[str], Any] = load_image) -> None:
-        layout = (f"<data-path>/train{year}.json, val{year}.json, categories.json and the image "
-                  f"folders named by their file_name entries (iNaturalist {year} layout)")
+        layout = (f'<data-path>/train{year}.json, val{year}.json, categories.json and the image '
+                  f'folders named by their file_name entries (iNaturalist {year} layout)')
         if category not in INAT_CATEGORIES:
-            raise layout_error(root, f"unknown iNat category {category!r}",
-                               "one of " + "/".join(INAT_CATEGORIES))
+            raise layout_error(root, f'unknown iNat category {category!r}',
+                               'one of ' + '/'.join(INAT_CATEGORIES))
         if not root or not os.path.isdir(root):
-            raise layout_error(root or "--data-path", "data path does not exist", layout)
+            raise layout_error(root or '--data-path', 'data path does not exist', layout)
         self.root, self.transform, self.target_transform, self.loader = root, transform, None, loader
 
         def read(name: str) -> Any:
             p = os.path.join(root, name)
             if not os.path.isfile(p):
-                raise layout_error(p, "missing annotation file", layout)
+                raise layout_error(p, 'missing annotation file', layout)
             try:
                 with open(p) as f:
                     return json.load(f)
             except (OSError, json.JSONDecodeError) as exc:
-                raise layout_error(p, f"unreadable JSON ({exc})", layout) from exc
+                raise layout_error(p, f'unreadable JSON ({exc})', layout) from exc
 
         split_json = read(f"{'train' if train else 'val'}{year}.json")
-        catg = read("categories.json")
-        train_json = split_json if train else read(f"train{year}.json")
-        by_id = {int(c["id"]): c for c in catg} if catg and "id" in catg[0] else None
+        catg = read('categories.json')
+        train_json = split_json if train else read(f'train{year}.json')
+        by_id = {int(c['id']): c for c in catg} if catg and 'id' in catg[0] else None
 
         def cat_value(cid: int) -> Any:
             return (by_id[cid] if by_id is not None else catg[cid])[category]
 
         targeter: dict[Any, int] = {}
-        for ann in train_json["annotations"]:
-            targeter.setdefault(cat_value(int(ann["category_id"])), len(targeter))
+        for ann in train_json['annotations']:
+            targeter.setdefault(cat_value(int(ann['category_id'])), len(targeter))
         self.nb_classes = len(targeter)
         self.classes = [str(c) for c in targeter]  # in label order
-        img_cat = {a["image_id"]: int(a["category_id"]) for a in split_json.get("annotations", [])}
+        img_cat = {a['image_id']: int(a['category_id']) for a in split_json.get('annotations', [])}
         self.samples = []
-        for im in split_json["images"]:
-            fname = im["file_name"]
-            cut = fname.split("/")
+        for im in split_json['images']:
+            fname = im['file_name']
+            cut = fname.split('/')
             path = os.path.join(root, fname)
             if not os.path.exists(path) and len(cut) >= 4:
                 path = os.path.join(root, cut[0], cut[2], cut[3])
-            cid = img_cat.get(im.get("id"), int(cut[2]) if len(cut) >= 3 else -1)
+            cid = img_cat.get(im.get('id'), int(cut[2]) if len(cut) >= 3 else -1)
             self.samples.append((path, targeter[cat_value(cid)]))
         if not self.samples:
-            raise layout_error(root, "no images listed in the annotation file", layout)
+            raise layout_error(root, 'no images listed in the annotation file', layout)
         self.targets = [t for _, t in self.samples]
         self._init_bad_tracking(train, strict)
 
@@ -146,10 +144,10 @@ class INatDataset(BadSampleMixin, Dataset):
 # --------------------------------------------------------------------------------------------
 # DIGITS writer
 # --------------------------------------------------------------------------------------------
-def default_data_path(data_set: str) -> Optional[str]:
+def default_data_path(data_set: str) -> str | None:
     """Default ``--data-path`` of a data set: ``./data/digits`` for DIGITS, None otherwise (``build_dataset``
     uses it when the data path is empty or DeiT's ImageNet default)."""
-    return DIGITS_DEFAULT_PATH if data_set == "DIGITS" else None
+    return DIGITS_DEFAULT_PATH if data_set == 'DIGITS' else None
 
 
 def _digits_complete(root: str) -> bool:
@@ -165,26 +163,26 @@ def _write_digits(dest: str) -> None:
     d = load_digits()  # bundled with scikit-learn, never downloads
     idx = np.arange(len(d.target))
     tr, va = train_test_split(idx, test_size=0.2, random_state=DIGITS_SEED, stratify=d.target)
-    for split, ids in (("train", tr), ("val", va)):
+    for split, ids in (('train', tr), ('val', va)):
         for c in range(10):
             os.makedirs(os.path.join(dest, split, str(c)), exist_ok=True)
         for i in sorted(ids.tolist()):
             a = (d.images[i] * (255.0 / 16.0)).round().clip(0, 255).astype(np.uint8)
-            im = Image.fromarray(a, mode="L").resize((DIGITS_SIZE, DIGITS_SIZE), Image.BICUBIC)
-            im.convert("RGB").save(os.path.join(dest, split, str(int(d.target[i])), f"{i:04d}.png"))
-    with open(os.path.join(dest, DIGITS_MARKER), "w") as f:
-        f.write(f"sklearn load_digits, {len(tr)} train / {len(va)} val, seed {DIGITS_SEED}, "
-                f"{DIGITS_SIZE}px bicubic RGB PNG\n")
+            im = Image.fromarray(a, mode='L').resize((DIGITS_SIZE, DIGITS_SIZE), Image.BICUBIC)
+            im.convert('RGB').save(os.path.join(dest, split, str(int(d.target[i])), f'{i:04d}.png'))
+    with open(os.path.join(dest, DIGITS_MARKER), 'w') as f:
+        f.write(f'sklearn load_digits, {len(tr)} train / {len(va)} val, seed {DIGITS_SEED}, '
+                f'{DIGITS_SIZE}px bicubic RGB PNG\n')
 
 
 def _cleanup_stale_tmp(parent: str, base: str) -> None:
     host = socket.gethostname()
     for e in os.scandir(parent):
-        if not e.name.startswith(f".{base}.tmp-"):
+        if not e.name.startswith(f'.{base}.tmp-'):
             continue
-        parts = e.name.split("-")  # .<base>.tmp-<host>-<pid>-<hex>
+        parts = e.name.split('-')  # .<base>.tmp-<host>-<pid>-<hex>
         try:
-            pid, h = int(parts[-2]), "-".join(parts[1:-2])
+            pid, h = int(parts[-2]), '-'.join(parts[1:-2])
         except (ValueError, IndexError):
             continue
         if h != host:
@@ -206,13 +204,13 @@ def prepare_digits(root: str) -> str:
     if _digits_complete(root):
         return root
     if os.path.isdir(root) and os.listdir(root):
-        if os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "val")):
+        if os.path.isdir(os.path.join(root, 'train')) and os.path.isdir(os.path.join(root, 'val')):
             return root  # a user-provided ImageFolder: read it as is
-        raise layout_error(root, "exists, is not empty and is not a digits data set",
-                           "an empty or absent directory to write the digits into, or "
+        raise layout_error(root, 'exists, is not empty and is not a digits data set',
+                           'an empty or absent directory to write the digits into, or '
                            + IMAGEFOLDER_LAYOUT)
     parent, base = os.path.split(os.path.abspath(root))
-    tmp = os.path.join(parent, f".{base}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(parent, f'.{base}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}')
     try:
         os.makedirs(parent, exist_ok=True)
         _write_digits(tmp)
@@ -223,8 +221,8 @@ def prepare_digits(root: str) -> str:
                 raise
         _cleanup_stale_tmp(parent, base)
     except OSError as exc:
-        raise layout_error(root, f"cannot write the digits data set ({exc})",
-                           "a writable --data-path for DIGITS") from exc
+        raise layout_error(root, f'cannot write the digits data set ({exc})',
+                           'a writable --data-path for DIGITS') from exc
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -234,9 +232,9 @@ def prepare_digits(root: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Builders
 # --------------------------------------------------------------------------------------------
-def _resolve_data_path(args: Any) -> Optional[str]:
+def _resolve_data_path(args: Any) -> str | None:
     data_set, path = args.data_set, args.data_path
-    if data_set == "DIGITS" and (not path or os.path.normpath(path) ==
+    if data_set == 'DIGITS' and (not path or os.path.normpath(path) ==
                                  os.path.normpath(DEIT_DEFAULT_DATA_PATH)):
         return default_data_path(data_set)
     return path
@@ -251,45 +249,45 @@ def build_dataset(is_train: bool, args: Any, uint8: bool = False) -> tuple[Datas
     root = _resolve_data_path(args)
     transform = build_transform(is_train, args, uint8)
 
-    if data_set == "CIFAR":
-        layout = "<data-path>/cifar-100-python/{train,test,meta} (CIFAR-100 python version; " \
-                 "nothing is downloaded)"
+    if data_set == 'CIFAR':
+        layout = '<data-path>/cifar-100-python/{train,test,meta} (CIFAR-100 python version; ' \
+                 'nothing is downloaded)'
         if not root:
-            raise layout_error("--data-path", "missing (no data path given)", layout)
-        if os.path.basename(os.path.normpath(root)) == "cifar-100-python":
+            raise layout_error('--data-path', 'missing (no data path given)', layout)
+        if os.path.basename(os.path.normpath(root)) == 'cifar-100-python':
             root = os.path.dirname(os.path.normpath(root))
         try:
             ds = datasets.CIFAR100(root, train=is_train, transform=transform, download=False)
         except RuntimeError as exc:
-            raise layout_error(root, "CIFAR-100 not found or corrupted", layout) from exc
+            raise layout_error(root, 'CIFAR-100 not found or corrupted', layout) from exc
         return ds, 100
 
-    if data_set in ("INAT", "INAT19"):
-        ds = INatDataset(root, train=is_train, year=2018 if data_set == "INAT" else 2019,
+    if data_set in ('INAT', 'INAT19'):
+        ds = INatDataset(root, train=is_train, year=2018 if data_set == 'INAT' else 2019,
                          category=args.inat_category, transform=transform, strict=strict)
         return ds, ds.nb_classes
 
-    if data_set in ("IMNET", "DIGITS"):
-        if data_set == "DIGITS":
+    if data_set in ('IMNET', 'DIGITS'):
+        if data_set == 'DIGITS':
             root = prepare_digits(root)
         _check_imagefolder_root(root, IMAGEFOLDER_LAYOUT, is_train)
-        val_dir = os.path.join(root, "val")
+        val_dir = os.path.join(root, 'val')
         if not is_train and not has_class_folders(val_dir):
             if not find_label_file(val_dir):
-                raise layout_error(val_dir, "no class folders and no label file",
-                                   IMAGEFOLDER_LAYOUT + ", or val/ as " + FLAT_LAYOUT)
+                raise layout_error(val_dir, 'no class folders and no label file',
+                                   IMAGEFOLDER_LAYOUT + ', or val/ as ' + FLAT_LAYOUT)
             ds = FlatLabelledFolder(val_dir, transform=transform, strict=strict)
             return ds, len(ds.classes)
-        ds = RobustImageFolder(os.path.join(root, "train" if is_train else "val"), transform=transform,
+        ds = RobustImageFolder(os.path.join(root, 'train' if is_train else 'val'), transform=transform,
                                is_train=is_train, strict=strict, follow_links=args.follow_links)
-        if data_set == "DIGITS" and len(ds.classes) != 10:
-            raise layout_error(root, f"{len(ds.classes)} class folders, not 10", IMAGEFOLDER_LAYOUT)
+        if data_set == 'DIGITS' and len(ds.classes) != 10:
+            raise layout_error(root, f'{len(ds.classes)} class folders, not 10', IMAGEFOLDER_LAYOUT)
         return ds, len(ds.classes)
 
-    raise layout_error(str(data_set), "unknown data set", "one of " + ", ".join(DATA_SETS))
+    raise layout_error(str(data_set), 'unknown data set', 'one of ' + ', '.join(DATA_SETS))
 
 
-def data_classes(dataset: Any) -> Optional[list]:
+def data_classes(dataset: Any) -> list | None:
     """The class names of `dataset` in label order; None where its labels carry no names (a flat val/ labelled
     by class index) or it has none."""
     if getattr(dataset, 'numeric_labels', False):
@@ -312,18 +310,18 @@ def allow_zero_bit_posterize(transform: Callable) -> Callable:
     0 bits; Pillow 13 raises ValueError for that (older Pillow returned a black image), which would
     end a training run a few times per thousand images. Returns ``transform``, changed in place.
     """
-    for step in getattr(transform, "transforms", []):
-        ops = list(getattr(step, "ops", []))
-        for sub_policy in getattr(step, "policy", []):
+    for step in getattr(transform, 'transforms', []):
+        ops = list(getattr(step, 'ops', []))
+        for sub_policy in getattr(step, 'policy', []):
             ops.extend(sub_policy)
         for op in ops:
-            if getattr(op, "aug_fn", None) is auto_augment.posterize:
+            if getattr(op, 'aug_fn', None) is auto_augment.posterize:
                 op.aug_fn = _posterize
     return transform
 
 
-def data_config(model: Any = None, input_size: Optional[int] = None,
-                crop_pct: Optional[float] = None) -> dict[str, Any]:
+def data_config(model: Any = None, input_size: int | None = None,
+                crop_pct: float | None = None) -> dict[str, Any]:
     """timm's data config (input_size, interpolation, mean, std, crop_pct, crop_mode) of ``model``.
 
     ``model`` is a model, a registered model name, or None (timm's default ``PretrainedCfg``, equal
@@ -333,16 +331,16 @@ def data_config(model: Any = None, input_size: Optional[int] = None,
     """
     overrides: dict[str, Any] = {}
     if input_size:
-        overrides["input_size"] = (3, int(input_size), int(input_size))
+        overrides['input_size'] = (3, int(input_size), int(input_size))
     if crop_pct:
-        overrides["crop_pct"] = float(crop_pct)
+        overrides['crop_pct'] = float(crop_pct)
     pretrained_cfg = None
     if isinstance(model, str):
         pretrained_cfg, model = timm.models.get_pretrained_cfg(model), None
     if model is None:
         pretrained_cfg = (pretrained_cfg or timm.models.PretrainedCfg()).to_dict()
     cfg = timm.data.resolve_data_config(overrides, pretrained_cfg=pretrained_cfg, model=model)
-    cfg.update(small_input_eval(cfg["input_size"][-1]))
+    cfg.update(small_input_eval(cfg['input_size'][-1]))
     return cfg
 
 
@@ -374,14 +372,14 @@ def build_transform(is_train: bool, args: Any, uint8: bool = False) -> Callable:
     cfg = data_config(args.model, args.input_size, args.eval_crop_ratio)
     if not is_train:
         return eval_transform(cfg, uint8)
-    input_size = cfg["input_size"][-1]
-    digits = args.data_set == "DIGITS"
-    aa = None if args.aa in (None, "", "none", "None") else args.aa
+    input_size = cfg['input_size'][-1]
+    digits = args.data_set == 'DIGITS'
+    aa = None if args.aa in (None, '', 'none', 'None') else args.aa
     t = create_transform(
         input_size=input_size, is_training=True,
         color_jitter=args.color_jitter, auto_augment=aa,
-        interpolation=args.train_interpolation or cfg["interpolation"],
-        mean=cfg["mean"], std=cfg["std"],
+        interpolation=args.train_interpolation or cfg['interpolation'],
+        mean=cfg['mean'], std=cfg['std'],
         re_prob=args.reprob, re_mode=args.remode, re_count=args.recount,
         scale=(0.25, 1.0) if digits else None, hflip=0.0 if digits else 0.5, use_prefetcher=uint8)
     if input_size <= 32:  # DeiT: random crop with padding; the resize is a no-op on CIFAR

@@ -7,7 +7,7 @@ import hashlib
 import os
 import socket
 import subprocess
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def launch_env() -> Tuple[int, int, int, str]:
+def launch_env() -> tuple[int, int, int, str]:
     """(rank, world_size, local_rank, launcher) read from the environment, without starting anything.
 
     torchrun and `torch.distributed.launch --use_env` set RANK/WORLD_SIZE/LOCAL_RANK; SLURM's srun
@@ -202,7 +202,7 @@ def moved_to(module: torch.nn.Module, device: Any) -> Iterator[torch.nn.Module]:
         module.to(home)
 
 
-def all_reduce_sum(values: Sequence[float], device: Any) -> List[float]:
+def all_reduce_sum(values: Sequence[float], device: Any) -> list[float]:
     """Sum a list of numbers over all processes (float64 so counts stay exact)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if is_dist_avail_and_initialized():
@@ -210,7 +210,7 @@ def all_reduce_sum(values: Sequence[float], device: Any) -> List[float]:
     return t.tolist()
 
 
-def all_reduce_max(values: Sequence[float], device: Any) -> List[float]:
+def all_reduce_max(values: Sequence[float], device: Any) -> list[float]:
     """Element-wise maximum of a list of numbers over all processes (flags: any rank set it)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if is_dist_avail_and_initialized():
@@ -227,11 +227,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def gather_objects(obj: Any) -> List[Any]:
+def gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank; [obj] without a process group."""
     if not is_dist_avail_and_initialized():
         return [obj]
-    out: List[Any] = [None] * get_world_size()
+    out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
@@ -241,7 +241,7 @@ def where() -> str:
     return f'rank {get_rank()} on host {socket.gethostname()}'
 
 
-def agree_on_errors(err: Union[BaseException, str, None], device: Any) -> None:
+def agree_on_errors(err: BaseException | str | None, device: Any) -> None:
     """Every rank calls this at the same point with its own error (None: none); when any rank has one, every
     rank raises a one-line UserError: its own error, or the first failing rank's message. Costs one small
     all-reduce, and one gather of the messages only when something failed: a rank that raised alone would
@@ -249,7 +249,7 @@ def agree_on_errors(err: Union[BaseException, str, None], device: Any) -> None:
     if isinstance(err, str):
         err = UserError(err)
     failed = err is not None
-    messages: List[Any] = []
+    messages: list[Any] = []
     if is_dist_avail_and_initialized():
         failed = all_reduce_max([1.0 if failed else 0.0], device)[0] > 0
         if failed:
@@ -267,7 +267,7 @@ def agree_on_errors(err: Union[BaseException, str, None], device: Any) -> None:
 T = TypeVar('T')
 
 
-def _agreed_call(action: Callable[[], T], device: Any, what: str, here: bool) -> Optional[T]:
+def _agreed_call(action: Callable[[], T], device: Any, what: str, here: bool) -> T | None:
     result, err = None, None
     if here:
         try:
@@ -281,7 +281,7 @@ def _agreed_call(action: Callable[[], T], device: Any, what: str, here: bool) ->
     return result
 
 
-def on_rank0(action: Callable[[], T], device: Any, what: str) -> Optional[T]:
+def on_rank0(action: Callable[[], T], device: Any, what: str) -> T | None:
     """Run `action` on rank 0 alone (writing log.txt, a checkpoint, the lock file, TensorBoard events), then
     agree: when it raised anything, every rank raises one line within a collective's time (`what` names the
     action for exceptions other than UserError). Every rank must call this at the same point. Returns the
@@ -289,12 +289,12 @@ def on_rank0(action: Callable[[], T], device: Any, what: str) -> Optional[T]:
     return _agreed_call(action, device, what, is_main_process())
 
 
-def on_every_rank(action: Callable[[], T], device: Any, what: str) -> Optional[T]:
+def on_every_rank(action: Callable[[], T], device: Any, what: str) -> T | None:
     """Run `action` on every rank (each reading its own files), then agree as `on_rank0` does."""
     return _agreed_call(action, device, what, True)
 
 
-def check_same_everywhere(facts: Dict[str, Any], device: Any, fix: str) -> None:
+def check_same_everywhere(facts: dict[str, Any], device: Any, fix: str) -> None:
     """Every rank compares its `facts` (name -> value) with rank 0's; a rank that sees other values stops every
     rank with one line naming the first difference and `fix`. Things each node reads from its own filesystem
     (the data set, a checkpoint) must be the same everywhere, or the ranks train different things together."""
@@ -308,7 +308,7 @@ def check_same_everywhere(facts: Dict[str, Any], device: Any, fix: str) -> None:
     agree_on_errors(err, device)
 
 
-def state_digest(state_dict: Dict[str, torch.Tensor]) -> str:
+def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
     """sha256 over the names and bytes of a state dict (compare weights across ranks/runs)."""
     h = hashlib.sha256()
     for k in sorted(state_dict):

@@ -10,7 +10,7 @@ returns and `epoch_state_entries` turns into checkpoint entries, with the random
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ class preserved_rng:
         return False
 
 
-def gather_rng(state: Dict[str, Any]) -> List[Dict[str, Any]]:
+def gather_rng(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's RNG state, in rank order (collective under torch.distributed)."""
     if not is_dist_avail_and_initialized():
         return [state]
@@ -86,9 +86,9 @@ class EpochState:
     and the skipped-step counts. train_one_epoch takes and returns it; epoch_state_entries and
     checkpoint.TrainingCheckpoints.resume save and load it (docs/usage.md#checkpoints)."""
     step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
-    rng_state: Optional[dict] = None        # RNG state at `step` (a mid-epoch stop)
-    epoch_rng_state: Optional[dict] = None  # RNG state before the epoch's data iterator was created
-    loss_meter: Optional[dict] = None       # the epoch's loss meter so far: {'total': ..., 'count': ...}
+    rng_state: dict | None = None        # RNG state at `step` (a mid-epoch stop)
+    epoch_rng_state: dict | None = None  # RNG state before the epoch's data iterator was created
+    loss_meter: dict | None = None       # the epoch's loss meter so far: {'total': ..., 'count': ...}
     bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
     skipped_steps: int = 0  # optimizer steps skipped so far in this epoch
 
@@ -97,7 +97,7 @@ class EpochState:
 SKIP_COUNTS_KEY = 'train_carry'
 
 
-def epoch_state_entries(state: EpochState) -> Dict[str, Any]:
+def epoch_state_entries(state: EpochState) -> dict[str, Any]:
     """The checkpoint entries of where training stands (collective: every rank calls it). Between epochs
     (``state.step`` 0): every rank's RNG state now; inside an epoch: ``step``, every rank's RNG state at
     the stop and before the epoch's data iterator, and the loss meter. Always the skipped-step counts."""
@@ -133,11 +133,11 @@ class _StepValues:
     back in one go and feeds the meter and the logger the same numbers, in the same order, as if each step had
     read its own."""
 
-    def __init__(self, metric_logger: MetricLogger, logger: Optional[Callable[[dict], None]]):
+    def __init__(self, metric_logger: MetricLogger, logger: Callable[[dict], None] | None):
         self.metric_logger, self.logger = metric_logger, logger
-        self.steps: List[tuple] = []  # (losses, whether the meter counts them, the logger's dict or None)
+        self.steps: list[tuple] = []  # (losses, whether the meter counts them, the logger's dict or None)
 
-    def add(self, losses: torch.Tensor, counted: bool, logged: Optional[dict]) -> None:
+    def add(self, losses: torch.Tensor, counted: bool, logged: dict | None) -> None:
         self.steps.append((losses, counted, logged))
 
     def flush(self) -> None:
@@ -159,17 +159,17 @@ class _StepValues:
                 self.logger({**logged, 'loss': sum(loss_values) / len(loss_values)})
 
 
-def _scale_of(scaler: torch.amp.GradScaler) -> Union[torch.Tensor, float]:
+def _scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor | float:
     """The loss scale now, as a copy of GradScaler's scale tensor (its get_scale() waits for the device)."""
     scale = scaler._get_scale_async()
     return scale.detach().clone() if scale is not None else scaler.get_scale()
 
 
 def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tensor], data_loader: Any,
-                    step: OptimizerStep, epoch: int, settings: Optional[TrainSettings] = None, model_ema: Any = None,
-                    mixup_fn: Optional[Callable] = None, state: Optional[EpochState] = None, stop_flag: Any = None,
-                    logger: Optional[Callable[[dict], None]] = None,
-                    random_erasing: Optional[Callable] = None) -> EpochResult:
+                    step: OptimizerStep, epoch: int, settings: TrainSettings | None = None, model_ema: Any = None,
+                    mixup_fn: Callable | None = None, state: EpochState | None = None, stop_flag: Any = None,
+                    logger: Callable[[dict], None] | None = None,
+                    random_erasing: Callable | None = None) -> EpochResult:
     """One pass over `data_loader`, one `step` (OptimizerStep) per window of micro-batches, on `step.device`
     with `step.optimizer`. `model` may be DDP-wrapped and/or compiled; `model_ema` follows the bare module.
     Each batch on the device goes through `random_erasing` (per image), then `mixup_fn`. `logger`, when given,
@@ -284,10 +284,10 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
 
 
 @torch.no_grad()
-def evaluate_models(data_loader: Any, models: Dict[str, torch.nn.Module], device: Any,
-                    amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False, print_freq: int = 10,
+def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device: Any,
+                    amp_dtype: torch.dtype | None = None, channels_last: bool = False, print_freq: int = 10,
                     header: str = 'Test:', sum_over_ranks: bool = False, stop_flag: Any = None,
-                    real: Any = None) -> Dict[str, dict]:
+                    real: Any = None) -> dict[str, dict]:
     """Top-1/top-5 and loss from exact counts of each of `models` (label -> model, e.g. the model and its EMA),
     from one pass over `data_loader`: each batch goes through every model, so the images are loaded and
     decoded once whatever the number of models. With `sum_over_ranks` (dist-eval) the counts of every rank

@@ -1,8 +1,6 @@
 """Extra evaluation sets of ``--eval-sets`` (class folders named as the training classes, ImageNet-V2's
 numbered folders, a flat folder with a label file) and ImageNet-ReaL labels (``--real-labels``), which
 ``engine.evaluate`` scores alongside the validation set. docs/usage.md describes the layouts."""
-from __future__ import annotations
-
 import json
 import os
 import pkgutil
@@ -21,10 +19,10 @@ from image_folder import (
     unwrap_dataset,
 )
 
-__all__ = ["EVAL_SET_LAYOUT", "build_eval_set", "build_eval_sets", "parse_eval_set", "WithIndex", "RealLabels"]
+__all__ = ['EVAL_SET_LAYOUT', 'build_eval_set', 'build_eval_sets', 'parse_eval_set', 'WithIndex', 'RealLabels']
 
-EVAL_SET_LAYOUT = ("NAME=PATH or PATH, PATH a folder of class folders (named as the training "
-                   "classes, or 0..N-1 as in ImageNet-V2) or " + FLAT_LAYOUT)
+EVAL_SET_LAYOUT = ('NAME=PATH or PATH, PATH a folder of class folders (named as the training '
+                   'classes, or 0..N-1 as in ImageNet-V2) or ' + FLAT_LAYOUT)
 
 
 def build_eval_set(path: str, classes: list[str], args: Any, uint8: bool = False) -> Dataset:
@@ -36,7 +34,7 @@ def build_eval_set(path: str, classes: list[str], args: Any, uint8: bool = False
     With ``uint8`` the images are uint8 tensors, to be normalised on the device (datasets.build_transform).
     """
     if not os.path.isdir(path):
-        raise layout_error(path, "evaluation set folder does not exist", EVAL_SET_LAYOUT)
+        raise layout_error(path, 'evaluation set folder does not exist', EVAL_SET_LAYOUT)
     class_to_idx = {c: i for i, c in enumerate(classes)}
     transform = build_transform(False, args, uint8)
     strict = args.strict_data
@@ -54,8 +52,8 @@ def build_eval_set(path: str, classes: list[str], args: Any, uint8: bool = False
                                f"{len(classes)} classes", EVAL_SET_LAYOUT)
     else:
         unknown = sorted(set(ds.classes) - set(classes))
-        raise layout_error(path, f"{len(unknown)} class folder(s) neither training classes nor "
-                           f"numbers (e.g. {unknown[0]})", EVAL_SET_LAYOUT)
+        raise layout_error(path, f'{len(unknown)} class folder(s) neither training classes nor '
+                           f'numbers (e.g. {unknown[0]})', EVAL_SET_LAYOUT)
     ds.samples = [(p, mapping[t]) for p, t in ds.samples]
     ds.targets = [t for _, t in ds.samples]
     ds.imgs = ds.samples
@@ -66,7 +64,7 @@ def build_eval_set(path: str, classes: list[str], args: Any, uint8: bool = False
 
 def parse_eval_set(spec: str) -> tuple[str, str]:
     """``NAME=PATH`` -> (NAME, PATH); a bare PATH is named after its last folder."""
-    name, sep, path = spec.partition("=")
+    name, sep, path = spec.partition('=')
     if not sep:
         name, path = os.path.basename(os.path.normpath(spec)), spec
     return name, path
@@ -76,7 +74,7 @@ def build_eval_sets(args: Any, dataset_val: Any, uint8: bool = False) -> list[tu
     """The extra evaluation sets of ``args.eval_sets`` (a list of ``NAME=PATH`` / ``PATH``), each
     labelled in the class order of ``dataset_val`` (the main validation set the model was built
     for); [] when none is asked for. ``uint8``: as ``build_eval_set``."""
-    classes = list(getattr(unwrap_dataset(dataset_val), "classes", None) or [])
+    classes = list(getattr(unwrap_dataset(dataset_val), 'classes', None) or [])
     out = []
     for spec in args.eval_sets:
         name, path = parse_eval_set(spec)
@@ -106,33 +104,33 @@ class RealLabels:
     of 50000 label lists in file-name order)."""
 
     def __init__(self, dataset: Any, path: str | None = None) -> None:
-        layout = "a real.json list of 50000 label lists and val images named ILSVRC2012_val_XXXXXXXX.JPEG"
+        layout = 'a real.json list of 50000 label lists and val images named ILSVRC2012_val_XXXXXXXX.JPEG'
         if path:
             try:
                 with open(path) as f:
                     table = json.load(f)
             except (OSError, json.JSONDecodeError) as exc:
-                raise layout_error(path, f"cannot read ReaL labels ({exc})", layout) from exc
+                raise layout_error(path, f'cannot read ReaL labels ({exc})', layout) from exc
         else:
-            table = json.loads(pkgutil.get_data("timm.data", "_info/imagenet_real_labels.json"))
+            table = json.loads(pkgutil.get_data('timm.data', '_info/imagenet_real_labels.json'))
         ds = unwrap_dataset(dataset)
         self.labels: list[list[int]] = []
         for p, _ in ds.samples:
             stem = os.path.splitext(os.path.basename(p))[0]
-            num = stem.rsplit("_", 1)[-1]
-            if not (stem.startswith("ILSVRC2012_val_") and num.isdigit() and 0 < int(num) <= len(table)):
-                raise layout_error(p, "not an image of the ImageNet validation set; ImageNet-ReaL labels exist only "
-                                   "for the 1000-class ImageNet validation set, so evaluate that set or drop "
-                                   "--real-labels",
-                                   f"val images named ILSVRC2012_val_XXXXXXXX.JPEG (1 to {len(table)})")
+            num = stem.rsplit('_', 1)[-1]
+            if not (stem.startswith('ILSVRC2012_val_') and num.isdigit() and 0 < int(num) <= len(table)):
+                raise layout_error(p, 'not an image of the ImageNet validation set; ImageNet-ReaL labels exist only '
+                                   'for the 1000-class ImageNet validation set, so evaluate that set or drop '
+                                   '--real-labels',
+                                   f'val images named ILSVRC2012_val_XXXXXXXX.JPEG (1 to {len(table)})')
             self.labels.append(table[int(num) - 1])
         # ReaL labels index the 1000 ImageNet classes in sorted-synset order: a model with fewer
         # classes would be scored against labels it cannot predict
-        n_classes = len(getattr(ds, "classes", []))
+        n_classes = len(getattr(ds, 'classes', []))
         top = max((max(labels) for labels in self.labels if labels), default=-1)
         if top >= n_classes:
-            raise layout_error(path or "timm's imagenet_real_labels.json", f"ReaL label {top} but the "
-                               f"validation set has {n_classes} classes", "the 1000 ImageNet classes")
+            raise layout_error(path or "timm's imagenet_real_labels.json", f'ReaL label {top} but the '
+                               f'validation set has {n_classes} classes', 'the 1000 ImageNet classes')
         # the label sets as one tensor, padded with -1 (never a class), so batches are scored on the device
         width = max((len(labels) for labels in self.labels), default=0) or 1
         self.table = torch.tensor([labels + [-1] * (width - len(labels)) for labels in self.labels],

@@ -1,11 +1,9 @@
 """Fault-tolerant image folders and image decoding: one-line layout errors, undecodable images replaced and
 recorded (or raised with ``--strict-data``), counted non-image files and refused directory links.
 docs/usage.md describes the layouts and the bad-sample rules."""
-from __future__ import annotations
-
 import os
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -17,21 +15,21 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 import distributed
 
 __all__ = [
-    "DataLayoutError", "BadSampleError", "BadSampleWarning", "IGNORE_TARGET", "IMAGE_EXTENSIONS",
-    "IMAGEFOLDER_LAYOUT", "LABEL_FILE_NAMES", "FLAT_LAYOUT", "layout_error", "load_image", "BadSampleMixin",
-    "RobustImageFolder", "FlatLabelledFolder", "find_label_file", "has_class_folders", "list_classes",
-    "unwrap_dataset", "bad_sample_paths", "bad_sample_count", "bad_sample_mask", "bad_sample_count_all_ranks",
+    'DataLayoutError', 'BadSampleError', 'BadSampleWarning', 'IGNORE_TARGET', 'IMAGE_EXTENSIONS',
+    'IMAGEFOLDER_LAYOUT', 'LABEL_FILE_NAMES', 'FLAT_LAYOUT', 'layout_error', 'load_image', 'BadSampleMixin',
+    'RobustImageFolder', 'FlatLabelledFolder', 'find_label_file', 'has_class_folders', 'list_classes',
+    'unwrap_dataset', 'bad_sample_paths', 'bad_sample_count', 'bad_sample_mask', 'bad_sample_count_all_ranks',
 ]
 
 #: the target of an undecodable evaluation image (CrossEntropyLoss's default ignore_index): not counted
 IGNORE_TARGET = -100
 
 IMAGE_EXTENSIONS: tuple[str, ...] = tuple(
-    e for e in IMG_EXTENSIONS + (".gif", ".jfif", ".pbm", ".pnm", ".avif")
+    e for e in IMG_EXTENSIONS + ('.gif', '.jfif', '.pbm', '.pnm', '.avif')
     if e in Image.registered_extensions())
-IMAGEFOLDER_LAYOUT = ("<data-path>/train/<class>/<image> and <data-path>/val/<class>/<image> "
-                      "with the same class folders in both and image files (" +
-                      "/".join(e.lstrip(".") for e in IMAGE_EXTENSIONS) + ")")
+IMAGEFOLDER_LAYOUT = ('<data-path>/train/<class>/<image> and <data-path>/val/<class>/<image> '
+                      'with the same class folders in both and image files (' +
+                      '/'.join(e.lstrip('.') for e in IMAGE_EXTENSIONS) + ')')
 
 
 class DataLayoutError(ValueError):
@@ -47,7 +45,7 @@ class BadSampleWarning(UserWarning):
 
 
 def layout_error(path: str, problem: str, layout: str) -> DataLayoutError:
-    return DataLayoutError(f"{path}: {problem}; expected {layout}".replace("\n", " "))
+    return DataLayoutError(f'{path}: {problem}; expected {layout}'.replace('\n', ' '))
 
 
 def is_image_name(name: str) -> bool:
@@ -59,13 +57,13 @@ def list_classes(split_dir: str, layout: str = IMAGEFOLDER_LAYOUT) -> list[str]:
     (dropping it would silently change the number of classes and every later label)."""
     classes = []
     for e in os.scandir(split_dir):
-        if e.name.startswith("."):
+        if e.name.startswith('.'):
             continue
         if e.is_dir():
             classes.append(e.name)
         elif e.is_symlink() and not os.path.exists(e.path):
-            raise layout_error(e.path, f"class folder is a broken link (-> {os.readlink(e.path)}); "
-                               "fix or remove the link", layout)
+            raise layout_error(e.path, f'class folder is a broken link (-> {os.readlink(e.path)}); '
+                               'fix or remove the link', layout)
     return sorted(classes)
 
 
@@ -78,34 +76,34 @@ def _to_8bit_rgb(img: Image.Image) -> Image.Image:
     """8-bit RGB of ``img``: 16/32-bit integer images are scaled from 0..65535 to 0..255 and float
     images mapped from [0, 1] (or kept if in [0, 255]); Pillow's own convert would clip them, turning
     almost every pixel white. Raises ValueError for values that fit neither range."""
-    if img.mode.startswith("I;16") or img.mode == "I":
+    if img.mode.startswith('I;16') or img.mode == 'I':
         a = np.asarray(img).astype(np.int64)
         if a.size and (a.min() < 0 or a.max() > 65535):
-            raise ValueError(f"{img.mode} image with values in [{a.min()}, {a.max()}], outside 16-bit "
-                             "0..65535; save it as 8 or 16 bits per channel")
-        img = Image.fromarray(((a + 128) // 257).astype(np.uint8), "L")
-    elif img.mode == "F":
+            raise ValueError(f'{img.mode} image with values in [{a.min()}, {a.max()}], outside 16-bit '
+                             '0..65535; save it as 8 or 16 bits per channel')
+        img = Image.fromarray(((a + 128) // 257).astype(np.uint8), 'L')
+    elif img.mode == 'F':
         a = np.asarray(img, dtype=np.float64)
         lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
         if not np.isfinite(a).all() or lo < 0 or hi > 255:
-            raise ValueError(f"float image with values in [{lo:g}, {hi:g}], neither [0, 1] nor "
-                             "[0, 255] (or not finite); save it as 8 or 16 bits per channel")
-        img = Image.fromarray(np.round(a * (255.0 if hi <= 1 else 1.0)).astype(np.uint8), "L")
-    return img if img.mode == "RGB" else img.convert("RGB")
+            raise ValueError(f'float image with values in [{lo:g}, {hi:g}], neither [0, 1] nor '
+                             '[0, 255] (or not finite); save it as 8 or 16 bits per channel')
+        img = Image.fromarray(np.round(a * (255.0 if hi <= 1 else 1.0)).astype(np.uint8), 'L')
+    return img if img.mode == 'RGB' else img.convert('RGB')
 
 
 def load_image(path: str) -> Image.Image:
     """Decode an image file as 8-bit RGB: EXIF orientation applied, the first frame of an animation,
     16-bit and float images scaled (see ``_to_8bit_rgb``)."""
-    with open(path, "rb") as f:
+    with open(path, 'rb') as f:
         # PIL's warning for a very large image (over Image.MAX_IMAGE_PIXELS, below twice that, where it
         # raises) does not say which file: say it here; other warnings pass through unchanged
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", Image.DecompressionBombWarning)
+            warnings.simplefilter('always', Image.DecompressionBombWarning)
             img = Image.open(f)
         for w in caught:
             if issubclass(w.category, Image.DecompressionBombWarning):
-                warnings.warn(f"{path}: {w.message}", Image.DecompressionBombWarning, stacklevel=2)
+                warnings.warn(f'{path}: {w.message}', Image.DecompressionBombWarning, stacklevel=2)
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         img.load()
@@ -138,18 +136,18 @@ class BadSampleMixin:
 
     def _mark_bad(self, index: int, path: str, exc: BaseException) -> None:
         if self.strict:
-            raise BadSampleError(f"cannot decode image {path}: {type(exc).__name__}: {exc} "
-                                 "(strict data mode; drop --strict-data to skip such files)") from exc
+            raise BadSampleError(f'cannot decode image {path}: {type(exc).__name__}: {exc} '
+                                 '(strict data mode; drop --strict-data to skip such files)') from exc
         if int(self._bad[index]) == 0:
             self._bad[index] = 1
-            what = "replaced by the next image" if self.is_train else \
-                "excluded from the evaluation count"
-            warnings.warn(f"cannot decode image {path} ({type(exc).__name__}: {exc}); {what}",
+            what = 'replaced by the next image' if self.is_train else \
+                'excluded from the evaluation count'
+            warnings.warn(f'cannot decode image {path} ({type(exc).__name__}: {exc}); {what}',
                           BadSampleWarning, stacklevel=3)
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         n = len(self.samples)
-        first_error: Optional[BaseException] = None
+        first_error: BaseException | None = None
         for k in range(n):
             i = (index + k) % n
             path, target = self.samples[i]
@@ -188,7 +186,7 @@ class RobustImageFolder(BadSampleMixin, datasets.ImageFolder):
     ancestor of it is refused. Refused links are listed in ``refused_links`` and in one warning.
     """
 
-    def __init__(self, root: str, transform: Optional[Callable] = None, is_train: bool = True,
+    def __init__(self, root: str, transform: Callable | None = None, is_train: bool = True,
                  strict: bool = False, layout: str = IMAGEFOLDER_LAYOUT,
                  loader: Callable[[str], Any] = load_image, follow_links: bool = False) -> None:
         self.layout = layout
@@ -202,8 +200,8 @@ class RobustImageFolder(BadSampleMixin, datasets.ImageFolder):
                           f"(e.g. {self.skipped_files[0]}); only "
                           f"{'/'.join(IMAGE_EXTENSIONS)} files are read", UserWarning, stacklevel=2)
         if self.refused_links:
-            fix = ("links into the data set or to its parents are never followed" if follow_links
-                   else "pass --follow-links to read linked directories")
+            fix = ('links into the data set or to its parents are never followed' if follow_links
+                   else 'pass --follow-links to read linked directories')
             warnings.warn(f"{root}: did not follow {len(self.refused_links)} directory link(s) inside "
                           f"class folders: {'; '.join(self.refused_links[:3])}"
                           f"{'; ...' if len(self.refused_links) > 3 else ''} ({fix})",
@@ -212,26 +210,26 @@ class RobustImageFolder(BadSampleMixin, datasets.ImageFolder):
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         classes = list_classes(directory, self.layout)
         if not classes:
-            raise layout_error(directory, "no class folders", self.layout)
+            raise layout_error(directory, 'no class folders', self.layout)
         split_real = os.path.realpath(directory)
         for c in classes:
             real = os.path.realpath(os.path.join(directory, c))
             if _inside(split_real, real):
-                raise layout_error(os.path.join(directory, c), f"class folder links to {real}, the "
-                                   "split folder or a parent of it (a loop)", self.layout)
+                raise layout_error(os.path.join(directory, c), f'class folder links to {real}, the '
+                                   'split folder or a parent of it (a loop)', self.layout)
         return classes, {c: i for i, c in enumerate(classes)}
 
-    def _refuse_link(self, link: str, here: str, roots: list[str]) -> Optional[str]:
+    def _refuse_link(self, link: str, here: str, roots: list[str]) -> str | None:
         """Why the directory link ``link`` (found in real directory ``here``) is not followed."""
         if not self.follow_links:
-            return "not followed by default"
+            return 'not followed by default'
         target = os.path.realpath(link)
         if _inside(here, target):
-            return f"loop: links to its parent {target}"
+            return f'loop: links to its parent {target}'
         if any(_inside(target, r) for r in roots):
-            return f"links back into the data set ({target})"
+            return f'links back into the data set ({target})'
         if target in self._visited:
-            return f"{target} already read"
+            return f'{target} already read'
         return None
 
     def make_dataset(self, directory: str, class_to_idx: dict[str, int], extensions=None,
@@ -249,17 +247,17 @@ class RobustImageFolder(BadSampleMixin, datasets.ImageFolder):
                 self._visited.add(here)
                 keep = []
                 for d in sorted(dirnames):
-                    if d.startswith("."):  # prune hidden
+                    if d.startswith('.'):  # prune hidden
                         continue
                     sub = os.path.join(dirpath, d)
                     why = self._refuse_link(sub, here, roots) if os.path.islink(sub) else None
                     if why:
-                        self.refused_links.append(f"{sub} ({why})" if self.follow_links else sub)
+                        self.refused_links.append(f'{sub} ({why})' if self.follow_links else sub)
                     else:
                         keep.append(d)
                 dirnames[:] = keep
                 for name in sorted(filenames):
-                    if name.startswith("."):
+                    if name.startswith('.'):
                         continue
                     path = os.path.join(dirpath, name)
                     if is_image_name(name):
@@ -267,16 +265,16 @@ class RobustImageFolder(BadSampleMixin, datasets.ImageFolder):
                     else:
                         self.skipped_files.append(path)
             if len(samples) == n_before:
-                raise layout_error(cls_dir, "empty class folder (no image file)", self.layout)
+                raise layout_error(cls_dir, 'empty class folder (no image file)', self.layout)
         return samples
 
 
 # --------------------------------------------------------------------------------------------
 # A flat folder with a label file (ImageNet's original validation layout)
 # --------------------------------------------------------------------------------------------
-LABEL_FILE_NAMES = ("val_labels.txt", "val_labels.csv", "labels.txt", "labels.csv",
-                    "LOC_val_solution.csv")
-FLAT_LAYOUT = ("a folder of image files plus a label file (" + ", ".join(LABEL_FILE_NAMES) +
+LABEL_FILE_NAMES = ('val_labels.txt', 'val_labels.csv', 'labels.txt', 'labels.csv',
+                    'LOC_val_solution.csv')
+FLAT_LAYOUT = ('a folder of image files plus a label file (' + ', '.join(LABEL_FILE_NAMES) +
                ", in the folder or its parent) with one 'filename label' line per image, label a "
                "class folder name (e.g. n01440764) or a class index")
 
@@ -298,14 +296,14 @@ def _read_label_file(path: str) -> list[tuple[str, str]]:
     with open(path) as f:
         for n, line in enumerate(f):
             line = line.strip()
-            if not line or line.startswith("#"):
+            if not line or line.startswith('#'):
                 continue
-            fields = line.split(",", 1) if "," in line else line.split(None, 1)
+            fields = line.split(',', 1) if ',' in line else line.split(None, 1)
             if len(fields) < 2 or not fields[1].split():
                 raise layout_error(path, f"line {n + 1} ({line[:60]!r}) is not 'filename label'",
                                    FLAT_LAYOUT)
             fname, label = fields[0].strip(), fields[1].split()[0]
-            if n == 0 and fname.lower() in ("imageid", "image_id", "filename", "file", "image", "path"):
+            if n == 0 and fname.lower() in ('imageid', 'image_id', 'filename', 'file', 'image', 'path'):
                 continue
             pairs.append((fname, label))
     return pairs
@@ -321,24 +319,24 @@ class FlatLabelledFolder(BadSampleMixin, Dataset):
                  strict: bool = False, loader: Callable[[str], Any] = load_image) -> None:
         label_file = label_file or find_label_file(root)
         if label_file is None:
-            raise layout_error(root, "no class folders and no label file", FLAT_LAYOUT)
+            raise layout_error(root, 'no class folders and no label file', FLAT_LAYOUT)
         self.root, self.transform, self.target_transform = root, transform, None
         self.loader = loader
         images = sorted(e.name for e in os.scandir(root)
-                        if e.is_file() and not e.name.startswith(".") and is_image_name(e.name))
+                        if e.is_file() and not e.name.startswith('.') and is_image_name(e.name))
         if not images:
-            raise layout_error(root, "no image files", FLAT_LAYOUT)
+            raise layout_error(root, 'no image files', FLAT_LAYOUT)
         by_name = {n: n for n in images} | {os.path.splitext(n)[0]: n for n in images}
         pairs = _read_label_file(label_file)
         unknown = [f for f, _ in pairs if f not in by_name]
         if unknown:
-            raise layout_error(label_file, f"{len(unknown)} listed file(s) not found in {root} "
-                               f"(e.g. {unknown[0]})", FLAT_LAYOUT)
+            raise layout_error(label_file, f'{len(unknown)} listed file(s) not found in {root} '
+                               f'(e.g. {unknown[0]})', FLAT_LAYOUT)
         label_of = {by_name[f]: lab for f, lab in pairs}
         unlabelled = [n for n in images if n not in label_of]
         if unlabelled:
-            raise layout_error(root, f"{len(unlabelled)} image(s) have no label in {label_file} "
-                               f"(e.g. {unlabelled[0]})", FLAT_LAYOUT)
+            raise layout_error(root, f'{len(unlabelled)} image(s) have no label in {label_file} '
+                               f'(e.g. {unlabelled[0]})', FLAT_LAYOUT)
         labels = set(label_of.values())
         self.numeric_labels = all(lab.isdigit() for lab in labels)
         if self.numeric_labels:
@@ -353,8 +351,8 @@ class FlatLabelledFolder(BadSampleMixin, Dataset):
             to_idx = {lab: class_to_idx.get(lab, -1) for lab in labels}
         bad = sorted(lab for lab, i in to_idx.items() if not 0 <= i < len(self.classes))
         if bad:
-            raise layout_error(label_file, f"{len(bad)} label(s) not among the {len(self.classes)} "
-                               f"classes (e.g. {bad[0]})", FLAT_LAYOUT)
+            raise layout_error(label_file, f'{len(bad)} label(s) not among the {len(self.classes)} '
+                               f'classes (e.g. {bad[0]})', FLAT_LAYOUT)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.samples = [(os.path.join(root, n), to_idx[label_of[n]]) for n in images]
         self.targets = [t for _, t in self.samples]
@@ -366,7 +364,7 @@ class FlatLabelledFolder(BadSampleMixin, Dataset):
 
 def has_class_folders(folder: str) -> bool:
     """Whether ``folder`` holds a (non-hidden) sub-folder."""
-    return any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(folder))
+    return any(e.is_dir() and not e.name.startswith('.') for e in os.scandir(folder))
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +372,7 @@ def has_class_folders(folder: str) -> bool:
 # --------------------------------------------------------------------------------------------
 def unwrap_dataset(dataset: Any) -> Any:
     """The data set under ``Subset``-like wrappers (those with a ``dataset`` attribute)."""
-    while not hasattr(dataset, "bad_sample_paths") and hasattr(dataset, "dataset"):
+    while not hasattr(dataset, 'bad_sample_paths') and hasattr(dataset, 'dataset'):
         dataset = dataset.dataset
     return dataset
 
@@ -382,13 +380,13 @@ def unwrap_dataset(dataset: Any) -> Any:
 def bad_sample_paths(dataset: Any) -> list[str]:
     """Paths found undecodable so far in ``dataset`` (any DataLoader worker); [] if not tracked."""
     ds = unwrap_dataset(dataset)
-    return ds.bad_sample_paths() if hasattr(ds, "bad_sample_paths") else []
+    return ds.bad_sample_paths() if hasattr(ds, 'bad_sample_paths') else []
 
 
 def bad_sample_count(dataset: Any) -> int:
     """Number of undecodable samples found so far in ``dataset``; 0 if not tracked."""
     ds = unwrap_dataset(dataset)
-    if not hasattr(ds, "_bad"):
+    if not hasattr(ds, '_bad'):
         return 0
     return int(ds._bad[: len(ds.samples)].sum())
 
@@ -396,12 +394,12 @@ def bad_sample_count(dataset: Any) -> int:
 def bad_sample_mask(dataset: Any) -> torch.Tensor:
     """Copy of the per-index flags (uint8, 1 = undecodable) of ``dataset``; empty if not tracked."""
     ds = unwrap_dataset(dataset)
-    if not hasattr(ds, "_bad"):
+    if not hasattr(ds, '_bad'):
         return torch.zeros(0, dtype=torch.uint8)
     return ds._bad[: len(ds.samples)].clone()
 
 
-def bad_sample_count_all_ranks(dataset: Any, device: Any = "cpu") -> int:
+def bad_sample_count_all_ranks(dataset: Any, device: Any = 'cpu') -> int:
     """Distinct undecodable files found by any rank (a collective when several processes run: call it on
     every rank; ``device`` must be CUDA under NCCL)."""
     mask = bad_sample_mask(dataset)

@@ -7,7 +7,7 @@ import argparse
 import atexit
 import random
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ import samplers
 from utils import DataLoader, worker_init_fn
 
 
-def build_loaders(args: argparse.Namespace, dataset_train: Any, dataset_val: Any) -> Tuple[Any, Any, Any]:
+def build_loaders(args: argparse.Namespace, dataset_train: Any, dataset_val: Any) -> tuple[Any, Any, Any]:
     """(train sampler, train loader, validation loader) of the flags: repeated augmentation (RASampler) or a
     seeded DistributedSampler for training (also for one process: reshuffled per epoch, resumable), exact
     dist-eval or the whole set for validation. No training set (evaluation only): None, None, loader."""
@@ -80,12 +80,12 @@ class _EpochSeeded(torch.utils.data.Dataset):
 
     def __init__(self, dataset: torch.utils.data.Dataset) -> None:
         self.dataset = dataset
-        self._seed: Optional[int] = None
+        self._seed: int | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: Tuple[int, int]) -> Any:
+    def __getitem__(self, key: tuple[int, int]) -> Any:
         seed, index = key
         worker = torch.utils.data.get_worker_info()
         if worker is not None and seed != self._seed:
@@ -103,7 +103,7 @@ class _WithEpochSeed(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[Tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, int]]:
         seed = self.seed
         return ((seed, index) for index in self.sampler)
 
@@ -154,7 +154,7 @@ def _close_live_loaders() -> None:
 # --------------------------------------------------------------------------------------------------
 # Batches on the device: normalisation and random erasing of uint8 batches
 # --------------------------------------------------------------------------------------------------
-def batch_random_erasing(args: Any, device: Any) -> Optional[Callable]:
+def batch_random_erasing(args: Any, device: Any) -> Callable | None:
     """The train transform's random erasing (``--reprob``, ``--remode``, ``--recount``) for a normalised
     batch on ``device``: timm's RandomErasing, each image erased or not on its own, as in the CPU transform;
     None when ``--reprob`` is 0."""
@@ -185,7 +185,7 @@ class DeviceLoader:
         return len(self.loader)
 
     @property
-    def batch_size(self) -> Optional[int]:
+    def batch_size(self) -> int | None:
         return self.loader.batch_size
 
     @property
@@ -199,13 +199,13 @@ class DeviceLoader:
     def _prepare(self, batch: Sequence[Any]) -> tuple:
         images, *rest = batch
         if images.dtype != torch.uint8:
-            raise TypeError(f"DeviceLoader takes batches of uint8 images, got {images.dtype} (build the data "
-                            f"set with uint8=True)")
+            raise TypeError(f'DeviceLoader takes batches of uint8 images, got {images.dtype} (build the data '
+                            f'set with uint8=True)')
         images = images.to(self.device, non_blocking=True).float().div_(255).sub_(self.mean).div_(self.std)
         return (images, *(t.to(self.device, non_blocking=True) if torch.is_tensor(t) else t for t in rest))
 
     def __iter__(self) -> Iterator[tuple]:
-        if self.device.type != "cuda" or not getattr(self.loader, "num_workers", 0):
+        if self.device.type != 'cuda' or not getattr(self.loader, 'num_workers', 0):
             for batch in self.loader:
                 yield self._prepare(batch)
             return
@@ -232,5 +232,5 @@ def device_loader(loader: Any, args: Any, device: Any) -> DeviceLoader:
     """``loader`` (of a data set built with ``uint8=True``) as a ``DeviceLoader`` normalising with the mean and
     std of ``data_config(args.model, ...)``, those the CPU transform would use."""
     cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)
-    return DeviceLoader(loader, device, cfg["mean"], cfg["std"])
+    return DeviceLoader(loader, device, cfg['mean'], cfg['std'])
 

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 import timm
 import torch
@@ -96,8 +96,8 @@ def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') ->
 
 
 def evaluate_with_ema(args: argparse.Namespace, loader_val: Any, eval_model: torch.nn.Module, model_ema: Any,
-                      eval_ema: Optional[torch.nn.Module], device: torch.device, amp_dtype: Optional[torch.dtype],
-                      sum_over_ranks: bool, stop_flag: Any) -> Tuple[dict, Optional[dict]]:
+                      eval_ema: torch.nn.Module | None, device: torch.device, amp_dtype: torch.dtype | None,
+                      sum_over_ranks: bool, stop_flag: Any) -> tuple[dict, dict | None]:
     """The validation stats of the model and of its EMA (None without one), from one pass over the validation
     set: each batch goes through both. `eval_ema` is the compiled EMA module (--compile), else None; an EMA
     kept on the CPU (--model-ema-force-cpu) is evaluated on `device`, where the data is."""
@@ -112,8 +112,8 @@ def evaluate_with_ema(args: argparse.Namespace, loader_val: Any, eval_model: tor
 
 
 def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: torch.nn.Module,
-                        eval_model: torch.nn.Module, loader_val: Any, extra_sets: Sequence[Tuple[str, Any]],
-                        real: Any, device: torch.device, amp_dtype: Optional[torch.dtype], stop_flag: Any) -> int:
+                        eval_model: torch.nn.Module, loader_val: Any, extra_sets: Sequence[tuple[str, Any]],
+                        real: Any, device: torch.device, amp_dtype: torch.dtype | None, stop_flag: Any) -> int:
     """--eval (or a run with nothing left to train): the accuracy of the loaded weights on the validation set,
     the --eval-sets and ImageNet-ReaL; a checkpoint `ckpt` with an EMA is measured twice, one labelled line per
     set of weights and data set, both from one pass over each set (the EMA weights in a copy of the model).
@@ -419,7 +419,7 @@ def main_or_clean_up(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return code
 
 
-def run(argv: Optional[Sequence[str]] = None) -> int:
+def run(argv: Sequence[str] | None = None) -> int:
     """main.py's entry point: parse the command line, run main() (removing an --output_dir it created when it
     fails before writing anything), and end as exits.finish says."""
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)

@@ -7,7 +7,7 @@ import json
 import math
 import time
 from collections import defaultdict, deque
-from typing import Any, Dict, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,7 +140,7 @@ def write_json_line(path: Any, obj: Any) -> None:
 INSTALL_HINT = '--log-dir needs TensorBoard, which is not installed: pip install tensorboard'
 
 
-def tensorboard_missing() -> Optional[str]:
+def tensorboard_missing() -> str | None:
     """None when TensorBoard can be used, else a one-line message that says how to install it."""
     try:
         import tensorboard  # noqa: F401
@@ -163,11 +163,11 @@ class TensorBoardLogger:
     def __init__(self, log_dir: str, flush_secs: int = 30) -> None:
         from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
-        self._last_time: Optional[float] = None
-        self._last_step: Optional[int] = None
+        self._last_time: float | None = None
+        self._last_step: int | None = None
         atexit.register(self.close)  # a stopped run still gets its last steps written
 
-    def __call__(self, metrics: Dict[str, Any]) -> None:
+    def __call__(self, metrics: dict[str, Any]) -> None:
         now = metrics.get('time', time.perf_counter())
         step = int(metrics.get('step', (self._last_step or 0) + 1))
         images = metrics.get('images')
@@ -181,7 +181,7 @@ class TensorBoardLogger:
                 self.writer.add_scalar(f'train/{key}', value, step)
         self._last_time, self._last_step = now, step
 
-    def log_epoch(self, stats: Dict[str, Any], epoch: int) -> None:
+    def log_epoch(self, stats: dict[str, Any], epoch: int) -> None:
         """The epoch's line of log.txt (finite numbers only), then flush."""
         for key, value in stats.items():
             numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -194,7 +194,7 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-def tensorboard_logger(log_dir: str, device: Any) -> Optional['TensorBoardLogger']:
+def tensorboard_logger(log_dir: str, device: Any) -> TensorBoardLogger | None:
     """Rank 0's TensorBoard writer for --log-dir `log_dir` (None on the other ranks and without one). Every rank
     calls this: a writer that cannot start stops them all with one line instead of leaving them waiting."""
     if not log_dir:

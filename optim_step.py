@@ -6,7 +6,7 @@ tools/benchmark.py times them.
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable
 
 import torch
 from timm.utils import ModelEmaV3, dispatch_clip_grad, unwrap_model
@@ -30,7 +30,7 @@ class ModelEma(ModelEmaV3):
         self._model_modules: tuple = (None, [])  # (the model, its modules), for the model last updated from
 
     @staticmethod
-    def _state_tensors(modules: List[torch.nn.Module]) -> List[torch.Tensor]:
+    def _state_tensors(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
         """The tensors of the modules' state dict, in its order (module attributes: state_dict() would spend
         milliseconds on names, hooks and detached copies)."""
         tensors = []
@@ -63,13 +63,13 @@ class StepOutcome:
     `non_finite` is set when a non-finite loss skipped the step: this rank's loss, or 'on another rank'.
     The tensors stay on the device, so that returning them makes the host wait for nothing."""
     losses: torch.Tensor  # this rank's loss of every micro-batch of the window (a 1-d tensor on the device)
-    non_finite: Union[float, str, None] = None
+    non_finite: float | str | None = None
     overflow: bool = False  # fp16: inf/NaN gradients (finite losses); the optimizer step was skipped
-    grad_norm: Optional[torch.Tensor] = None  # L2 norm of the gradients before clipping (when asked for)
+    grad_norm: torch.Tensor | None = None  # L2 norm of the gradients before clipping (when asked for)
     stop: bool = False  # a stop was requested (on any rank)
 
 
-def autocast(device: Union[str, torch.device], amp_dtype: Optional[torch.dtype]):
+def autocast(device: str | torch.device, amp_dtype: torch.dtype | None):
     """torch.autocast on `device`'s type to `amp_dtype`; nothing with None (fp32)."""
     if amp_dtype is None:
         return nullcontext()
@@ -112,21 +112,21 @@ class OptimizerStep:
     window. An fp16 overflow skips the optimizer step and lowers the loss scale, as GradScaler.step and
     update do. The epoch's last window may be shorter. `model` may be DDP-wrapped and/or compiled."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: Union[str, torch.device],
-                 amp_dtype: Optional[torch.dtype] = None, scaler: Optional[torch.amp.GradScaler] = None,
-                 clip_grad: Optional[float] = None, clip_mode: str = 'norm', accum_steps: int = 1):
+    def __init__(self, optimizer: torch.optim.Optimizer, device: str | torch.device,
+                 amp_dtype: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None,
+                 clip_grad: float | None = None, clip_mode: str = 'norm', accum_steps: int = 1):
         self.optimizer, self.device = optimizer, torch.device(device)
         self.amp_dtype, self.scaler = amp_dtype, scaler
         self.clip_grad, self.clip_mode = clip_grad, clip_mode
         self.accum_steps = max(1, int(accum_steps))
-        self._window_end: Optional[int] = None  # the open window's end; None between windows
+        self._window_end: int | None = None  # the open window's end; None between windows
         self._window_len = 1
-        self._buffers: List[torch.Tensor] = []
-        self._losses: List[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []
 
     def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
-                 index: int = 0, n_steps: Optional[int] = None, stop_flag: Any = None,
-                 grad_norm: bool = False) -> Optional[StepOutcome]:
+                 index: int = 0, n_steps: int | None = None, stop_flag: Any = None,
+                 grad_norm: bool = False) -> StepOutcome | None:
         """Run micro-batch `index` of an epoch of `n_steps` (None: no end). Returns None inside a window,
         the StepOutcome at its last micro-batch. `stop_flag` (a utils.StopFlag) is read once per optimizer
         step; `grad_norm` asks for the gradient norm in the outcome."""

@@ -13,7 +13,7 @@ import shutil
 import socket
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import distributed
 import metrics
@@ -61,7 +61,7 @@ def agree_on_resume_path(args: argparse.Namespace, device: Any) -> str:
     return decided
 
 
-def previous_run_files(directory: str) -> List[str]:
+def previous_run_files(directory: str) -> list[str]:
     """Names of the files of an earlier run in `directory` (checkpoints, a non-empty log.txt)."""
     names = [os.path.basename(p) for p in run_checkpoints(directory)]
     log = os.path.join(directory, 'log.txt')
@@ -70,7 +70,7 @@ def previous_run_files(directory: str) -> List[str]:
     return names
 
 
-def _check_previous_run(args: argparse.Namespace) -> Optional[str]:
+def _check_previous_run(args: argparse.Namespace) -> str | None:
     out = args.output_dir
     resume = find_resume_path(args)
     old = previous_run_files(out)
@@ -93,10 +93,10 @@ def _check_previous_run(args: argparse.Namespace) -> Optional[str]:
 
 
 # open lock files of the run directories this process holds (kept open: closing one releases its lock)
-_held_locks: Dict[str, int] = {}
+_held_locks: dict[str, int] = {}
 
 
-def lock_run_dir(directory: str) -> Optional[str]:
+def lock_run_dir(directory: str) -> str | None:
     """Hold an exclusive lock on `directory` for the rest of this process; returns an error line when another
     process holds it. The lock is a POSIX record lock (fcntl) on ``directory/.run.lock``: the OS releases it when
     the process ends, however it ends, so a killed run never leaves a stale lock; unlike flock() it is not
@@ -143,7 +143,7 @@ def _in_use(directory: str, holder: str) -> str:
             f'wait for that run to end or stop it, or choose another --output_dir')
 
 
-def _process_start_time(pid: int) -> Optional[float]:
+def _process_start_time(pid: int) -> float | None:
     """When process `pid` started (seconds since the epoch; Linux /proc), None where that cannot be read."""
     try:
         with open(f'/proc/{pid}/stat') as f:
@@ -175,7 +175,7 @@ def _recorded_holder_alive(text: str, lock_path: str) -> bool:
         return False
 
 
-def live_holder(directory: str) -> Optional[str]:
+def live_holder(directory: str) -> str | None:
     """Who holds the lock of `directory`, seen without taking it (--no-lock): the holder's line when another
     process holds the lock file's lock, or when the process that line names still runs on this host (for
     filesystems whose locks do not work); None when no live holder is visible."""
@@ -201,7 +201,7 @@ def live_holder(directory: str) -> Optional[str]:
         os.close(fd)
 
 
-def check_writable(directory: str) -> Optional[str]:
+def check_writable(directory: str) -> str | None:
     """An error line when no file can be created in `directory` (a read-only filesystem or directory)."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + 'probe.', dir=directory)
@@ -251,7 +251,7 @@ def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
 
 # per --output_dir made by make_output_dir in this process, the folders on its path it created, deepest first:
 # a run that fails before writing anything into them removes them again (remove_unused_output_dir)
-_created_dirs: Dict[str, List[str]] = {}
+_created_dirs: dict[str, list[str]] = {}
 
 
 def make_output_dir(directory: str) -> None:
@@ -327,7 +327,7 @@ def check_room(directory: str, nbytes: int, device: Any, copies: int = 3) -> Non
     distributed.on_rank0(check, device, f'cannot check the room in --output_dir {directory}')
 
 
-def write_log_line(directory: str, record: Dict[str, Any]) -> None:
+def write_log_line(directory: str, record: dict[str, Any]) -> None:
     """Append an epoch's record to `directory`/log.txt as one JSON line; a failure is one line that says the
     checkpoint of that epoch holds the record (it is added when the run resumes)."""
     path = os.path.join(directory, 'log.txt')
@@ -338,14 +338,14 @@ def write_log_line(directory: str, record: Dict[str, Any]) -> None:
                         f'{record.get("epoch")} holds the line, it is added when the run resumes') from e
 
 
-def repair(directory: str, path: str, ckpt: Dict[str, Any]) -> None:
+def repair(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     """After a resume from `path` (rank 0): when it is in the run directory `directory`, bring the directory in
     line with the resumed state (_repair_files) and add its log line when log.txt lacks it (_repair_log)."""
     if in_directory(path, directory):
         _repair_files(directory, path, ckpt)
         _repair_log(directory, ckpt.get('log'))
 
-def _repair_files(directory: str, path: str, ckpt: Dict[str, Any]) -> None:
+def _repair_files(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     """Bring the run directory in line with the resumed state: names that an older version hard-linked to
     one file become independent files, log.txt's lines of later epochs are moved aside (a resume from an
     older checkpoint), and the other names this state was saved under (best.pth, checkpoint_NNNN.pth) get a
@@ -381,7 +381,7 @@ def _repair_files(directory: str, path: str, ckpt: Dict[str, Any]) -> None:
             print(f'Repaired {target}: it was {reason}; copied the state of epoch {epoch} there from {path}, '
                   f'which was saved under both names')
 
-def _trim_log(directory: str, path: str, ckpt: Dict[str, Any]) -> None:
+def _trim_log(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     """Move log.txt's lines of the epochs after the resumed state (a resume from an older checkpoint, e.g.
     --resume best.pth) to a side file next to it, so that log.txt ends where the run continues and the
     rerun epochs are not listed twice. Nothing is deleted."""
@@ -391,8 +391,8 @@ def _trim_log(directory: str, path: str, ckpt: Dict[str, Any]) -> None:
     done = ckpt['epoch'] - (1 if ckpt.get('step') else 0)  # the last finished epoch
     with open(log) as f:
         lines = f.readlines()
-    keep: List[str] = []
-    later: List[str] = []
+    keep: list[str] = []
+    later: list[str] = []
     epochs = []
     for line in lines:
         try:
@@ -416,7 +416,7 @@ def _trim_log(directory: str, path: str, ckpt: Dict[str, Any]) -> None:
     what = (f'{path} stopped inside epoch {ckpt["epoch"]}' if ckpt.get('step')
             else f'resumed from epoch {done} ({path})')
     span = f'epoch {done + 1}' if max(epochs) == done + 1 else f'epochs {done + 1}..{max(epochs)}'
-    print(f'Note: {what}, older than log.txt\'s last epoch {max(epochs)}: moved the lines of {span} to '
+    print(f"Note: {what}, older than log.txt's last epoch {max(epochs)}: moved the lines of {span} to "
           f'{side}, so that log.txt ends where the run continues')
 
 def _repair_log(directory: str, record: Any) -> None:
@@ -452,7 +452,7 @@ def separate_hard_links(directory: str) -> None:
     (checkpoint.pth, best.pth, checkpoint_NNNN.pth sharing one file) a file of its own, so that a write to one
     name (``cp x best.pth`` writes in place) leaves the others as they were. Where that fails (a full disk)
     the names stay linked, with a note: the run's own saves replace names, they never write through them."""
-    first: Dict[Tuple[int, int], str] = {}
+    first: dict[tuple[int, int], str] = {}
     for p in run_checkpoints(directory):
         try:
             st = os.stat(p)
@@ -472,7 +472,7 @@ def separate_hard_links(directory: str) -> None:
                   f'file of its own, so that writing to one name leaves the other as it was')
 
 
-def _order(ckpt: Dict[str, Any]) -> Tuple[int, float]:
+def _order(ckpt: dict[str, Any]) -> tuple[int, float]:
     """(epoch, step) of a checkpoint, a finished epoch after every step inside it."""
     return int(ckpt.get('epoch', -1)), float(ckpt['step']) if ckpt.get('step') else float('inf')
 

@@ -14,37 +14,35 @@
     Rank ``r`` gets indices ``r, r + R, r + 2R, ...`` in increasing order: no padding, every index
     exactly once over all ranks (ranks beyond ``len(dataset)`` get none). ``set_epoch`` is a no-op.
 """
-from __future__ import annotations
-
 import math
-from typing import Iterator, Optional, Sized
+from typing import Iterator, Sized
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-__all__ = ["RASampler", "DistributedEvalSampler"]
+__all__ = ['RASampler', 'DistributedEvalSampler']
 
 
-def _world(num_replicas: Optional[int], rank: Optional[int]) -> tuple[int, int]:
+def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     initialized = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
         num_replicas = dist.get_world_size() if initialized else 1
     if rank is None:
         rank = dist.get_rank() if initialized else 0
     if num_replicas < 1 or not 0 <= rank < num_replicas:
-        raise ValueError(f"invalid rank {rank} for num_replicas {num_replicas}")
+        raise ValueError(f'invalid rank {rank} for num_replicas {num_replicas}')
     return num_replicas, rank
 
 
 class RASampler(Sampler[int]):
     """Repeated-augmentation sampler with DeiT semantics (see the module docstring)."""
 
-    def __init__(self, dataset: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+    def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, num_repeats: int = 3, seed: int = 0) -> None:
         self.num_replicas, self.rank = _world(num_replicas, rank)
         if int(num_repeats) != num_repeats or num_repeats < 1:
-            raise ValueError(f"num_repeats must be a positive integer, got {num_repeats}")
+            raise ValueError(f'num_repeats must be a positive integer, got {num_repeats}')
         self.dataset, self.shuffle, self.num_repeats, self.seed = dataset, shuffle, int(num_repeats), seed
         self.epoch = 0
         n = len(dataset)
@@ -82,8 +80,8 @@ class RASampler(Sampler[int]):
 class DistributedEvalSampler(Sampler[int]):
     """Exact evaluation split: every index on exactly one rank, no padding, fixed order."""
 
-    def __init__(self, dataset: Sized, num_replicas: Optional[int] = None,
-                 rank: Optional[int] = None) -> None:
+    def __init__(self, dataset: Sized, num_replicas: int | None = None,
+                 rank: int | None = None) -> None:
         self.num_replicas, self.rank = _world(num_replicas, rank)
         self.dataset = dataset
         self.indices = list(range(self.rank, len(dataset), self.num_replicas))

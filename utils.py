@@ -9,7 +9,7 @@ import contextlib
 import os
 import re
 import signal
-from typing import Iterator, Tuple
+from typing import Iterator
 
 import torch.utils.data
 
@@ -106,7 +106,7 @@ def _leading_int(text: str) -> int:
     return int(m.group()) if m else 0
 
 
-def cpus_per_process() -> Tuple[int, str]:
+def cpus_per_process() -> tuple[int, str]:
     """(CPUs this process may count on, how that share was found). The training processes of a node share its
     CPUs: torchrun starts LOCAL_WORLD_SIZE processes that all inherit its CPU set; SLURM gives each srun task
     SLURM_CPUS_PER_TASK CPUs (binding them or not), else the tasks on the node share the step's CPUs."""
@@ -128,7 +128,7 @@ def cpus_per_process() -> Tuple[int, str]:
     return cpus, f'the {cpus} CPUs available to this process'
 
 
-def default_num_workers() -> Tuple[int, str]:
+def default_num_workers() -> tuple[int, str]:
     """(--num_workers when not given, why): this process's share of the node's CPUs less one for the training
     process itself, at most DEFAULT_NUM_WORKERS and at least 1 (loading then overlaps the step even with a
     single CPU per process; --num_workers 0 loads in the training process). More workers than CPUs only

@@ -8,7 +8,7 @@ another variant (its name, from the shapes of the file's keys against ``VARIANTS
 unexpected or misshapen key.
 """
 import re
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 import torch
 from timm.models import clean_state_dict
@@ -20,7 +20,7 @@ from models.weights import weights_key
 
 
 def select_weights(ckpt: Any, path: str = 'the checkpoint',
-                   which: str = 'default') -> Tuple[str, Dict[str, torch.Tensor]]:
+                   which: str = 'default') -> tuple[str, dict[str, torch.Tensor]]:
     """(key, state dict) of the one set of weights a loader takes from a loaded checkpoint.
 
     which='default' is timm's rule (``timm.create_model(checkpoint_path=...)``): ``state_dict_ema``,
@@ -53,10 +53,10 @@ def classifier_keys(model: torch.nn.Module) -> set:
 _BLOCK_KEY = re.compile(r'layers\.(\d+)\.blocks\.(\d+)\.')
 
 
-def _architecture(sd: Dict[str, torch.Tensor]) -> Dict[Tuple[int, str], int]:
+def _architecture(sd: dict[str, torch.Tensor]) -> dict[tuple[int, str], int]:
     """Per stage of a NaLaFormer state dict: width, depth, heads and FFN width, read from block and RoPE
     keys only (the stem, the downsamples and the head say nothing the blocks do not)."""
-    arch: Dict[Tuple[int, str], int] = {}
+    arch: dict[tuple[int, str], int] = {}
     for k in sd:
         m = _BLOCK_KEY.match(k)
         if m:
@@ -75,17 +75,17 @@ def _architecture(sd: Dict[str, torch.Tensor]) -> Dict[Tuple[int, str], int]:
     return arch
 
 
-def _variant_architecture(cfg: Dict[str, Any]) -> Dict[Tuple[int, str], int]:
+def _variant_architecture(cfg: dict[str, Any]) -> dict[tuple[int, str], int]:
     """_architecture's description of a ``VARIANTS`` entry."""
-    arch: Dict[Tuple[int, str], int] = {}
+    arch: dict[tuple[int, str], int] = {}
     for stage, (dim, depth, heads) in enumerate(zip(cfg['embed_dims'], cfg['depths'], cfg['num_heads'])):
         arch.update({(stage, 'dim'): dim, (stage, 'depth'): depth, (stage, 'heads'): heads,
                      (stage, 'hidden'): int(cfg['mlp_ratio'] * dim)})
     return arch
 
 
-def guess_variant(sd: Dict[str, torch.Tensor],
-                  candidates: Optional[Sequence[str]] = None) -> Tuple[Optional[str], float]:
+def guess_variant(sd: dict[str, torch.Tensor],
+                  candidates: Sequence[str] | None = None) -> tuple[str | None, float]:
     """The NaLaFormer variant whose stages (width, depth, heads, FFN width) fit `sd` best, and the share of
     those that match (1.0: all). Reads the configurations in ``VARIANTS``; builds no model.
     `candidates`: the variant names to consider (default: all)."""
@@ -103,8 +103,8 @@ def guess_variant(sd: Dict[str, torch.Tensor],
     return best, best_score
 
 
-def describe_mismatch(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str,
-                      path: str) -> Optional[str]:
+def describe_mismatch(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_name: str,
+                      path: str) -> str | None:
     """One line explaining why `sd` does not load into `model` strictly (None if it does)."""
     own = model.state_dict()
     missing = [k for k in own if k not in sd]
@@ -132,7 +132,7 @@ def describe_mismatch(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model
     return f'{path} does not match {model_name}: ' + ', '.join(detail)
 
 
-def load_weights_into(model: torch.nn.Module, sd: Dict[str, torch.Tensor], model_name: str, path: str) -> None:
+def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_name: str, path: str) -> None:
     """load_state_dict(strict=True) with a one-line CheckpointError naming the mismatch."""
     msg = describe_mismatch(model, sd, model_name, path)
     if msg:

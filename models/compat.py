@@ -5,7 +5,7 @@ releases otherwise, so the rest of the code base never checks versions. The mode
 it without the training code on the path; the training code and the tools import it from here.
 """
 import contextlib
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.fx._symbolic_trace as _fx_trace
@@ -66,7 +66,7 @@ def _dynamo_absent_or_exporting() -> bool:
 
 
 @contextlib.contextmanager
-def safe_globals(classes: List[Any]) -> Iterator[None]:
+def safe_globals(classes: list[Any]) -> Iterator[None]:
     """Let torch.load(weights_only=True) unpickle ``classes`` inside the block.
 
     Releases without ``torch.serialization.safe_globals`` have only the process-wide allow-list:
@@ -103,7 +103,7 @@ def export_dim(name: str) -> Any:
     return _DIM_DYNAMIC if _DIM_DYNAMIC is not None else torch.export.Dim(name)
 
 
-def export_program_error() -> Optional[str]:
+def export_program_error() -> str | None:
     """Why a torch.export program of the model cannot be made here (one line), or None if it can.
 
     Releases without ``Dim.DYNAMIC`` (torch < 2.6) fail on the model: torch 2.4's exporter rejects the
@@ -114,7 +114,7 @@ def export_program_error() -> Optional[str]:
             'upgrade torch, or use --format torchscript or --format onnx --legacy-onnx')
 
 
-def dynamo_onnx_export_error() -> Optional[str]:
+def dynamo_onnx_export_error() -> str | None:
     """Why ONNX export through torch.export is unavailable here (one line), or None if it is."""
     if torch_at_least('2.6'):
         return None
@@ -130,7 +130,7 @@ def arange(end: Any, **kwargs: Any) -> torch.Tensor:
     return torch.arange(end, **kwargs)
 
 
-def total_norm(tensors: List[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type`` norm (L2 by default; ``math.inf``: the largest magnitude, NaN if any element is NaN)
     of all ``tensors`` together (``torch.nn.utils.get_total_norm`` where it exists)."""
     if _GET_TOTAL_NORM is not None:

@@ -7,7 +7,7 @@ under which NaLaFormer takes its plain path (``models.ops.use_plain_ops``), so a
 """
 import logging
 import warnings
-from typing import Sequence, Union
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,7 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def count_flops(model: nn.Module, input_size: Union[int, Sequence[int]] = 224) -> int:
+def count_flops(model: nn.Module, input_size: int | Sequence[int] = 224) -> int:
     """fvcore FLOPs (multiply-adds) of one forward pass at batch 1, with the model in eval mode.
 
     ``input_size``: a side, (H, W) or (C, H, W); C defaults to 3. The model's mode and the global

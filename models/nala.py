@@ -8,7 +8,6 @@ same tensors and computes the same numbers with fewer passes over memory and a h
 unless their ``fast_path`` is off.
 """
 import math
-from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -44,7 +43,7 @@ class RoPE(nn.Module):
         freqs = 1.0 / (10000 ** torch.linspace(0, 1, head_dim // 4))
         self.register_buffer('angle', freqs.repeat_interleave(2))
 
-    def forward(self, hw: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         height, width = hw
         angle = self.angle.float()
         if torch.jit.is_scripting():
@@ -77,7 +76,7 @@ def _safe_norm_divisor(norm: torch.Tensor) -> torch.Tensor:
     return torch.where(norm > 0, norm, 1.0)
 
 
-def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The NaLa kernel (docs/method.md#nala-kernel): the 2d-wide features Q = [phi+; phi-] and K = [k+; k-].
 
     q, k: (..., N, d) float32. Shared by the plain path and the analysis tools, so that the

@@ -9,7 +9,7 @@ all the same (``from_reference_layout``), and ``to_reference_layout`` converts b
 """
 import os
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -53,7 +53,7 @@ def _batch_slice_bytes_from_env(default: int) -> int:
 BATCH_SLICE_BYTES = _batch_slice_bytes_from_env(16 * 2 ** 20)
 
 
-def batch_slices(x: torch.Tensor, widest: float) -> Tuple[torch.Tensor, ...]:
+def batch_slices(x: torch.Tensor, widest: float) -> tuple[torch.Tensor, ...]:
     """x split along the batch into slices whose widest activation, ``widest`` times the size of an
     image of x, stays within ``BATCH_SLICE_BYTES`` (at least one image a slice); ``(x,)`` when that is
     the whole batch, on a GPU, while a tracer, exporter or compiler records the model, or when
@@ -66,7 +66,7 @@ def batch_slices(x: torch.Tensor, widest: float) -> Tuple[torch.Tensor, ...]:
 
 
 @torch.jit.unused
-def conv_residual_fast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def conv_residual_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x + conv(x) as one depthwise 'same' conv whose kernel has 1 added at its centre (the custom op on
     a channels-last map): one pass over x instead of two, and no stored sum; the result differs only
     by rounding.
@@ -319,7 +319,7 @@ class NaLaFormer(nn.Module):
         if is_scriptable():  # timm's set_scriptable(True) asks for models TorchScript compiles as they run
             self.set_fast_path(False)
 
-    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         """Weights in the reference layout (the reference's checkpoints and this repository's older ones)
         load through every loader: their downsample keys move to the stages that hold them here."""
         if is_reference_layout(state_dict, prefix):
@@ -348,7 +348,7 @@ class NaLaFormer(nn.Module):
         return set()
 
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """timm's parameter groups. Fine: one group per block, and a stage's downsample joins the previous
         stage's last block (the suffix sorts it after that block, and timm's MATCH_PREV_GROUP, 99999,
         merges it there), so layer-wise LR decay scales it as the op that runs right after that block.
@@ -371,7 +371,7 @@ class NaLaFormer(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A new classifier for ``num_classes`` (0: none); ``global_pool`` (None: unchanged) as at creation."""
         if global_pool is not None:
             _check_global_pool(global_pool)
@@ -399,12 +399,12 @@ class NaLaFormer(nn.Module):
     def forward_intermediates(
             self,
             x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
+            indices: int | list[int] | None = None,
             norm: bool = False,
             stop_early: bool = False,
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """Stage feature maps at strides 4, 8, 16, 32; timm's signature."""
         if output_fmt != 'NCHW':
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
@@ -422,10 +422,10 @@ class NaLaFormer(nn.Module):
 
     def prune_intermediate_layers(
             self,
-            indices: Union[int, List[int]] = 1,
+            indices: int | list[int] = 1,
             prune_norm: bool = False,
             prune_head: bool = True,
-    ) -> List[int]:
+    ) -> list[int]:
         """Drop the stages after the last wanted feature map (and the head)."""
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
         self.layers = self.layers[:max_index + 1]
@@ -477,7 +477,7 @@ def is_reference_layout(state_dict: Mapping[str, Any], prefix: str = '') -> bool
             and f'{prefix}layers.0.RoPE.angle' in state_dict)
 
 
-def _shift_downsamples(state_dict: Mapping[str, Any], shift: int, prefix: str = '') -> Dict[str, Any]:
+def _shift_downsamples(state_dict: Mapping[str, Any], shift: int, prefix: str = '') -> dict[str, Any]:
     """``state_dict`` with each ``{prefix}layers.{i}.downsample.*`` key renamed to stage i + shift, in order."""
     pattern = re.compile(re.escape(prefix) + r'layers\.(\d+)\.downsample\.')
     out = {}
@@ -487,20 +487,20 @@ def _shift_downsamples(state_dict: Mapping[str, Any], shift: int, prefix: str = 
     return out
 
 
-def from_reference_layout(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
+def from_reference_layout(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A state dict of the reference layout in this model's: ``layers.{i}.downsample.*`` (run after
     stage i) becomes ``layers.{i+1}.downsample.*`` (the first module of the stage it feeds). Key order
     follows; a state dict already in this model's layout comes back as a copy."""
     return _shift_downsamples(state_dict, 1) if is_reference_layout(state_dict) else dict(state_dict)
 
 
-def to_reference_layout(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
+def to_reference_layout(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The inverse of ``from_reference_layout``: this model's state dict with the keys (and key order)
     of the reference implementation, for loading our weights in the reference code."""
     return dict(state_dict) if is_reference_layout(state_dict) else _shift_downsamples(state_dict, -1)
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[str, torch.Tensor]:
+def checkpoint_filter_fn(state_dict: dict[str, Any], model: NaLaFormer) -> dict[str, torch.Tensor]:
     """Accept a bare state dict or a training checkpoint, with or without a DDP ``module.`` prefix, in
     this model's layout or the reference layout (``from_reference_layout``). A training checkpoint gives
     the weights of the repository's one loader rule (models/weights.py: ``model_ema`` when present, as
@@ -514,7 +514,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: NaLaFormer) -> Dict[
 
 #: Architecture of every variant; drop_path is the stochastic-depth rate the recipe trains the variant with,
 #: and the model's default ``drop_path_rate`` (an explicit ``drop_path_rate`` argument wins).
-VARIANTS: Dict[str, Dict[str, Any]] = {
+VARIANTS: dict[str, dict[str, Any]] = {
     'NALAFORMER_XT': dict(embed_dims=(32, 64, 128, 384), depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 12),
                           mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.10),
     'NALAFORMER_T': dict(embed_dims=(64, 128, 256, 512), depths=(2, 2, 6, 2), num_heads=(1, 2, 4, 8),
@@ -528,13 +528,13 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
 }
 
 #: The paper's published figures (params M, GFLOPs, ImageNet top-1), for reports next to ours.
-PAPER_FIGURES: Dict[str, Tuple[float, float, float]] = {
+PAPER_FIGURES: dict[str, tuple[float, float, float]] = {
     'NALAFORMER_XT': (8, 1.0, 79.1), 'NALAFORMER_T': (15, 2.7, 82.6), 'NALAFORMER_S': (26, 5.1, 84.3),
     'NALAFORMER_B': (52, 12, 85.2), 'NALAFORMER_L': (95, 18, 85.7),
 }
 
 
-def _cfg(**kwargs: Any) -> Dict[str, Any]:
+def _cfg(**kwargs: Any) -> dict[str, Any]:
     return {
         'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
         'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
@@ -555,7 +555,7 @@ def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) ->
     overlay = kwargs.get('pretrained_cfg_overlay') or {}
     if pretrained and not any(overlay.get(k) for k in ('file', 'url', 'hf_hub_id', 'state_dict')):
         raise ValueError(f'{variant}: no pretrained weights are published yet; load yours with '
-                         f"pretrained_cfg_overlay=dict(file=PATH) or checkpoint_path=PATH")
+                         f'pretrained_cfg_overlay=dict(file=PATH) or checkpoint_path=PATH')
     file = overlay.get('file') if pretrained else None
     if file:
         if not os.path.isfile(file):  # timm's own loader raises a FileNotFoundError without a message

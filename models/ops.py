@@ -1,7 +1,7 @@
 """Custom ops of the fast path that torch.compile must not look into (see their docstrings), and the
 switch that sends tracers and exporters to the plain path instead."""
 import contextlib
-from typing import ContextManager, Tuple
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor
 
 @torch.library.custom_op('nalaformer::depthwise_conv_same_backward', mutates_args=())
 def depthwise_conv_same_backward(grad: torch.Tensor, x: torch.Tensor,
-                                 weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``depthwise_conv_same`` w.r.t. x, weight and bias (oneDNN's backward).
 
     For kernels above 3x3 on a CPU the bias gradient is a plain sum, because oneDNN's 5x5 depthwise
@@ -70,7 +70,7 @@ def depthwise_conv_same_backward(grad: torch.Tensor, x: torch.Tensor,
 
 
 @depthwise_conv_same_backward.register_fake
-def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0])
 
 

@@ -9,14 +9,14 @@ training code; loading for training, with one-line diagnoses, is the repository'
 """
 import argparse
 import zipfile
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 
 from .compat import safe_globals
 
-DEFAULT_WEIGHTS_ORDER: Tuple[str, ...] = ('state_dict_ema', 'model_ema', 'state_dict', 'model')
-WEIGHTS_ORDER: Dict[str, Tuple[str, ...]] = {
+DEFAULT_WEIGHTS_ORDER: tuple[str, ...] = ('state_dict_ema', 'model_ema', 'state_dict', 'model')
+WEIGHTS_ORDER: dict[str, tuple[str, ...]] = {
     'default': DEFAULT_WEIGHTS_ORDER, 'model': ('state_dict', 'model'), 'model_ema': ('state_dict_ema', 'model_ema')}
 
 
@@ -25,7 +25,7 @@ def is_state_dict(obj: Any) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
 
 
-def weights_key(ckpt: Any, which: str = 'default') -> Optional[str]:
+def weights_key(ckpt: Any, which: str = 'default') -> str | None:
     """The key of the weights a loader takes ('' for a bare state dict), or None when the file has none.
 
     which: 'default' (the rule above), 'model' or 'model_ema' (those weights only)."""
@@ -41,7 +41,7 @@ def weights_key(ckpt: Any, which: str = 'default') -> Optional[str]:
     return None
 
 
-def file_num_classes(path: str, classifier: str = 'head') -> Optional[int]:
+def file_num_classes(path: str, classifier: str = 'head') -> int | None:
     """Number of classes of the weights in ``path`` (a release ``.safetensors`` file, a state dict or a
     training checkpoint): the ``num_classes`` a release records, else the rows of ``<classifier>.weight``
     of the weights the rule above takes. None when the file does not tell (no classifier, unreadable)."""
@@ -67,13 +67,13 @@ def file_num_classes(path: str, classifier: str = 'head') -> Optional[int]:
 SMALL_INPUT = 32
 
 
-def small_input_eval(input_size: int) -> Dict[str, Any]:
+def small_input_eval(input_size: int) -> dict[str, Any]:
     """The data-config entries of DeiT's small-image evaluation at `input_size` (a resize to the input size,
     no crop); {} above SMALL_INPUT px."""
     return {'crop_pct': 1.0, 'crop_mode': 'squash'} if input_size <= SMALL_INPUT else {}
 
 
-def file_eval_config(path: str) -> Dict[str, Any]:
+def file_eval_config(path: str) -> dict[str, Any]:
     """The evaluation settings the weights file `path` records, as pretrained_cfg entries (``input_size``,
     ``crop_pct``, ``crop_mode``): a release's metadata, or the --input-size and --eval-crop-ratio of a training
     checkpoint's args (read memory-mapped: its tensors are not loaded). Empty when it records no input size or
@@ -96,7 +96,7 @@ def file_eval_config(path: str) -> Dict[str, Any]:
         return {}
     if not size:
         return {}
-    cfg: Dict[str, Any] = {'input_size': (3, size, size)}
+    cfg: dict[str, Any] = {'input_size': (3, size, size)}
     if crop:
         cfg['crop_pct'] = crop
     if mode:

@@ -16,12 +16,12 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 
 from conftest import PY, REPO, env
 
 SHIMS = {
-    'sbatch': r'''
+    'sbatch': r"""
 # sbatch [--opt=value ...] SCRIPT [ARGS]: the batch script, at once and in the foreground
 opts=()
 while [[ $# -gt 0 && $1 == --* ]]; do opts+=("$1"); shift; done
@@ -40,8 +40,8 @@ export SLURM_JOB_NODELIST=${nodelist%,} SLURM_CPUS_PER_TASK=$(opt cpus-per-task 
 export SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0}
 echo "sbatch $job $script $*" >> "$FAKE_SLURM/calls.log"
 exec bash "$script" "$@"
-''',
-    'srun': r'''
+""",
+    'srun': r"""
 # srun [--opt=value ...] COMMAND [ARGS]: the job step, one task per node
 echo "srun $*" >> "$FAKE_SLURM/calls.log"
 nodes=${SLURM_JOB_NUM_NODES:-1} cpus=${SRUN_CPUS_PER_TASK:-1} kill_on_bad=0
@@ -74,8 +74,8 @@ for ((left = nodes; left > 0; left--)); do
     fi
 done
 exit $rc
-''',
-    'scancel': r'''
+""",
+    'scancel': r"""
 # scancel [--signal=SIG] JOB: SIG (TERM) to every process of the running step
 echo "scancel $*" >> "$FAKE_SLURM/calls.log"
 sig=TERM
@@ -83,17 +83,17 @@ for a; do [[ $a == --signal=* ]] && sig=${a#--signal=}; done
 pids=$(step_pids "$(cat "$FAKE_SLURM/step")")
 [ -n "$pids" ] && kill -s "$sig" $pids 2>/dev/null
 exit 0
-''',
-    'scontrol': r'''
+""",
+    'scontrol': r"""
 # scontrol show hostnames LIST | scontrol requeue JOB (recorded)
 echo "scontrol $*" >> "$FAKE_SLURM/calls.log"
 [ "$1 $2" = "show hostnames" ] && tr ',' '\n' <<< "$3"
 exit 0
-''',
-    'step_pids': r'''
+""",
+    'step_pids': r"""
 # the processes of step $1: those whose environment holds FAKE_SLURM_STEP=$1 (orphans included)
 grep -lzxF "FAKE_SLURM_STEP=$1" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3
-''',
+""",
 }
 
 
@@ -107,7 +107,7 @@ class FakeSlurm:
             (self.bin / name).chmod(0o755)
         (self.root / 'calls.log').touch()
 
-    def env(self, **extra: str) -> Dict[str, str]:
+    def env(self, **extra: str) -> dict[str, str]:
         e = env()
         for k in [k for k in e if k.startswith(('SLURM_', 'SRUN_', 'PET_', 'TORCHELASTIC_'))]:
             del e[k]
@@ -115,8 +115,8 @@ class FakeSlurm:
         e.update(extra)
         return e
 
-    def sbatch(self, script: str, *args: str, options: Sequence[str] = (), log: Optional[Path] = None,
-               job: Optional[int] = None, restarts: int = 0, **environ: str) -> subprocess.Popen:
+    def sbatch(self, script: str, *args: str, options: Sequence[str] = (), log: Path | None = None,
+               job: int | None = None, restarts: int = 0, **environ: str) -> subprocess.Popen:
         """Submit `script` (the batch shell is the returned process); its output goes to `log` (else a pipe)."""
         e = self.env(**environ)
         if job is not None:  # the same job again, as SLURM starts a requeued one
@@ -138,7 +138,7 @@ class FakeSlurm:
         assert m, 'the batch script asks for no warning signal to its shell'
         proc.send_signal(getattr(signal, 'SIG' + m.group(1)))
 
-    def calls(self) -> List[str]:
+    def calls(self) -> list[str]:
         return (self.root / 'calls.log').read_text().splitlines()
 
 
@@ -176,7 +176,7 @@ def wait_for(pattern: str, logs: Sequence[Path], timeout: float = 240, procs: Se
     raise AssertionError(f'no line matched {pattern!r}:\n' + '\n'.join(Path(x).read_text()[-3000:] for x in logs))
 
 
-def finish(procs: Sequence[subprocess.Popen], timeout: float = 300) -> List[int]:
+def finish(procs: Sequence[subprocess.Popen], timeout: float = 300) -> list[int]:
     """Wait for every process (killing all of their sessions after `timeout` s); their exit statuses."""
     t0 = time.time()
     try:
@@ -204,7 +204,7 @@ def kill_session(proc: subprocess.Popen) -> None:
         pass
 
 
-def children(pid: int, **environ: object) -> List[int]:
+def children(pid: int, **environ: object) -> list[int]:
     """PIDs of the direct children of `pid` (whose environment holds every NAME=value of `environ`)."""
     out = []
     for name in os.listdir('/proc'):
@@ -222,9 +222,9 @@ def children(pid: int, **environ: object) -> List[int]:
     return out
 
 
-def descendants(pid: int) -> List[int]:
+def descendants(pid: int) -> list[int]:
     """The PIDs of every process below `pid`."""
-    children: Dict[int, List[int]] = {}
+    children: dict[int, list[int]] = {}
     for name in os.listdir('/proc'):
         if name.isdigit():
             try:
@@ -241,9 +241,9 @@ def descendants(pid: int) -> List[int]:
     return out
 
 
-def rank_errors(text: str) -> Dict[int, List[str]]:
+def rank_errors(text: str) -> dict[int, list[str]]:
     """The `[rank N] error: ...` lines of a run's output, by rank."""
-    out: Dict[int, List[str]] = {}
+    out: dict[int, list[str]] = {}
     for rank, line in re.findall(r'^\[rank (\d+)\] error: (.*)$', text, re.M):
         out.setdefault(int(rank), []).append(line)
     return out

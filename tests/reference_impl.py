@@ -7,7 +7,6 @@ compare our timm model against it, so a mistake has to be made twice, independen
 """
 import math
 import zlib
-from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ ARCH = {
 }
 
 
-def read_keys(path: str) -> List[Tuple[str, Tuple[int, ...], str]]:
+def read_keys(path: str) -> list[tuple[str, tuple[int, ...], str]]:
     """Rows of a ``*.keys.txt`` file: (key, shape, dtype name)."""
     rows = []
     with open(path) as f:
@@ -33,7 +32,7 @@ def read_keys(path: str) -> List[Tuple[str, Tuple[int, ...], str]]:
     return rows
 
 
-def seeded_state_dict(rows: List[Tuple[str, Tuple[int, ...], str]]) -> Dict[str, torch.Tensor]:
+def seeded_state_dict(rows: list[tuple[str, tuple[int, ...], str]]) -> dict[str, torch.Tensor]:
     """The name-seeded weights of docs/method.md#reference-test-vector, in key order."""
     sd = {}
     for key, shape, _ in rows:
@@ -125,7 +124,7 @@ def _attention(x, sd, p, num_heads, linear, sin, cos):
     return F.linear(o, sd[p + 'out_proj.weight'], sd[p + 'out_proj.bias'])
 
 
-def reference_forward(sd: Dict[str, torch.Tensor], variant: str, x: torch.Tensor) -> torch.Tensor:
+def reference_forward(sd: dict[str, torch.Tensor], variant: str, x: torch.Tensor) -> torch.Tensor:
     """Logits of the reference model (eval mode) for state dict ``sd`` and images ``x``."""
     dims, depths, heads, mlp_ratio = ARCH[variant]
     pe = 'patch_embed.proj.'

@@ -79,7 +79,7 @@ def test_model_card_records_size_params_eval_and_source(tmp_path, one_thread):
         card = f.read()
     assert card.startswith(f"# {os.path.basename(info['file'])[:-len('.safetensors')]}")
     assert 'Input size: 32x32' in card
-    assert f"({sum(p.numel() for p in model.parameters())})" in card
+    assert f'({sum(p.numel() for p in model.parameters())})' in card
     assert info['gflops'] > 0 and 'FLOPs:' in card
     # max_accuracy from the checkpoint, test metrics of its epoch (3) from log.txt, not epoch 2's
     assert 'max_accuracy 61.50' in card and 'test_acc1 60.25' in card and 'test_ema_acc1 61.25' in card

@@ -44,8 +44,8 @@ def expected_len(n, r):
     return n // 256 * 256 // r if n >= 256 else math.ceil(n / r)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize('world', WORLD_SIZES)
+@pytest.mark.parametrize('n', SIZES)
 def test_ra_counts_and_rank_consistency(world, n):
     per_rank = []
     for rank in range(world):
@@ -114,8 +114,8 @@ def test_ra_defaults_without_process_group_and_bad_args():
         RASampler(Range(10), num_repeats=0)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 100, 257])
+@pytest.mark.parametrize('world', WORLD_SIZES)
+@pytest.mark.parametrize('n', [0, 1, 2, 5, 7, 100, 257])
 def test_eval_sampler_exact(world, n):
     parts = [list(DistributedEvalSampler(Range(n), num_replicas=world, rank=r)) for r in range(world)]
     flat = [i for p in parts for i in p]

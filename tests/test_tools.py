@@ -12,7 +12,7 @@ TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, 'tools'))
 
 # One process tries every tool both ways, as the interpreter would start it: sys.path as `python FILE` or
 # `python -m` sets it, the repository's modules forgotten before each try (torch and timm stay imported).
-PROBE = r'''
+PROBE = r"""
 import contextlib, io, json, os, runpy, sys
 repo, tools = sys.argv[1], sys.argv[2:]
 site = [p for p in sys.path if p and os.path.abspath(p) not in (repo, os.getcwd())]
@@ -39,7 +39,7 @@ for tool in tools:
             code = f'{type(e).__name__}: {e}'
         results[f'{tool} ({way})'] = code
 print(json.dumps(results))
-'''
+"""
 
 
 def test_every_tool_runs_as_a_file_and_as_a_module(tmp_path):

@@ -5,7 +5,7 @@ others never reach fails with a `Hang` after a few seconds instead of blocking t
 wait until the process group's timeout."""
 import copy
 import threading
-from typing import Any, Callable, List
+from typing import Any, Callable
 
 import torch
 
@@ -21,8 +21,8 @@ class ThreadWorld:
         self.n, self.timeout = n, timeout
         self._local = threading.local()
         self._barrier = threading.Barrier(n, timeout=timeout)
-        self._slots: List[Any] = [None] * n
-        self.calls: List[List[str]] = [[] for _ in range(n)]
+        self._slots: list[Any] = [None] * n
+        self.calls: list[list[str]] = [[] for _ in range(n)]
         dist = distributed.dist
         monkeypatch.setattr(distributed, 'is_dist_avail_and_initialized', lambda: True)
         monkeypatch.setattr(distributed, 'get_rank', lambda: self._local.rank)
@@ -36,7 +36,7 @@ class ThreadWorld:
         return getattr(self._local, 'rank', None)
 
     # ---- collectives
-    def _exchange(self, name: str, value: Any) -> List[Any]:
+    def _exchange(self, name: str, value: Any) -> list[Any]:
         rank = self._local.rank
         self.calls[rank].append(name)
         self._slots[rank] = value
@@ -56,16 +56,16 @@ class ThreadWorld:
         else:
             tensor.copy_(values.sum(0))
 
-    def _broadcast_object_list(self, box: List[Any], src: int = 0, **kw: Any) -> None:
+    def _broadcast_object_list(self, box: list[Any], src: int = 0, **kw: Any) -> None:
         box[:] = self._exchange('broadcast_object_list', list(box))[src]
 
-    def _all_gather_object(self, out: List[Any], obj: Any, **kw: Any) -> None:
+    def _all_gather_object(self, out: list[Any], obj: Any, **kw: Any) -> None:
         out[:] = self._exchange('all_gather_object', obj)
 
     # ---- running
-    def run(self, fn: Callable[[int], Any]) -> List[Any]:
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
         """fn(rank) on every rank's thread; the list of what each returned or raised."""
-        results: List[Any] = [None] * self.n
+        results: list[Any] = [None] * self.n
 
         def target(rank: int) -> None:
             self._local.rank = rank

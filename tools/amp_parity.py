@@ -8,7 +8,6 @@ plain path itself differs from fp32. ``amp_path_parity`` measures that on any de
 tests run it on the CPU with bfloat16, a GPU check can run it with float16 and bfloat16.
 """
 import contextlib
-from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -27,7 +26,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run(block: NaLaBlock, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, fast: bool,
-         dtype: Optional[torch.dtype]) -> Dict[str, object]:
+         dtype: torch.dtype | None) -> dict[str, object]:
     """The block's output and the dtypes of its residual stream after each CPE (what norm1 and norm2
     read), under ``dtype`` autocast (None: fp32)."""
     set_fast_path(block, fast)
@@ -44,8 +43,8 @@ def _run(block: NaLaBlock, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor
     return dict(out=out, stream_dtypes=seen)
 
 
-def amp_path_parity(variant: str, device: Union[str, torch.device] = 'cpu', dtype: torch.dtype = torch.bfloat16,
-                    size: int = 14, batch: int = 2, seed: int = 0) -> List[Dict[str, object]]:
+def amp_path_parity(variant: str, device: str | torch.device = 'cpu', dtype: torch.dtype = torch.bfloat16,
+                    size: int = 14, batch: int = 2, seed: int = 0) -> list[dict[str, object]]:
     """For each stage of ``variant`` (e.g. 'NALAFORMER_B'), one freshly initialised block on a
     (batch, C, size, size) fp32 input under ``dtype`` autocast on ``device``.
 

@@ -42,7 +42,7 @@ import os
 import sys
 from argparse import Namespace
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -76,7 +76,7 @@ def entropy(rows: torch.Tensor) -> torch.Tensor:
     return -torch.xlogy(rows, rows).sum(dim=-1)
 
 
-def normalise_rows(scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def normalise_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-negative scores (..., N, N) -> rows summing to 1, and a mask of rows that have a
     distribution (positive, finite normaliser). Invalid rows are returned as zeros."""
     total = scores.sum(dim=-1, keepdim=True)
@@ -86,7 +86,7 @@ def normalise_rows(scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return rows, valid.squeeze(-1)
 
 
-def nala_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def nala_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NaLa attention rows without RoPE: Q_i.K_j normalised over j, Q, K = nala_kernel_terms(q, k).
 
     q, k: (..., N, d) raw head queries and keys. Returns rows (..., N, N) and the valid mask (..., N).
@@ -95,7 +95,7 @@ def nala_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return normalise_rows(q_feat @ k_feat.transpose(-2, -1))
 
 
-def nala_fixed_power_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def nala_fixed_power_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NaLa rows with the norm taken out: every query rescaled to ||q|| = 10 (same direction), so the
     model's kernel uses p = 3 (0.5 + tanh 10) = 4.5 for all. A norm-entropy correlation that survives
     here comes from query directions, not from NaLa's norm-dependent power."""
@@ -104,19 +104,19 @@ def nala_fixed_power_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tenso
     return nala_rows(q * torch.where(norm > 0, FIXED_POWER_NORM / norm, torch.ones_like(norm)), k)
 
 
-def softmax_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def softmax_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(d)) without RoPE; every row is valid."""
     q, k = q.float(), k.float()
     rows = ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5).softmax(dim=-1)
     return rows, torch.ones(rows.shape[:-1], dtype=torch.bool, device=rows.device)
 
 
-def relu_rows(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def relu_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain ReLU linear attention: relu(q).relu(k_j) normalised over j."""
     return normalise_rows(F.relu(q.float()) @ F.relu(k.float()).transpose(-2, -1))
 
 
-ROW_FNS: Dict[str, Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]] = {
+ROW_FNS: dict[str, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     'nala': nala_rows, 'softmax': softmax_rows, 'relu': relu_rows, 'nala_p45': nala_fixed_power_rows}
 
 
@@ -168,22 +168,22 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 # ---------------------------------------------------------------------------------------------
 # Capturing q and k
 # ---------------------------------------------------------------------------------------------
-def attention_layers(model: nn.Module) -> List[Tuple[int, int, nn.Module]]:
+def attention_layers(model: nn.Module) -> list[tuple[int, int, nn.Module]]:
     """(stage, block, attn) of every attention layer, in forward order."""
     return [(s, b, block.attn) for s, stage in enumerate(model.layers) for b, block in enumerate(stage.blocks)]
 
 
 @contextmanager
-def record_qk(model: nn.Module) -> Iterator[Dict[Tuple[int, int], List[Dict[str, Any]]]]:
+def record_qk(model: nn.Module) -> Iterator[dict[tuple[int, int], list[dict[str, Any]]]]:
     """Hook every attention layer; yields {(stage, block): [one dict per forward]} with q, k of shape
     (B, heads, N, d) taken from the ``attn.qkvg`` output, (B, H, W, 4C) tokens, and the map size (H, W)."""
-    records: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
+    records: dict[tuple[int, int], list[dict[str, Any]]] = {}
     handles = []
     for s, b, attn in attention_layers(model):
         key = (s, b)
         records[key] = []
 
-        def qkvg_hook(module: nn.Module, args: Tuple[Any, ...], out: torch.Tensor, key=key, attn=attn) -> None:
+        def qkvg_hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor, key=key, attn=attn) -> None:
             out = out.detach().float()
             hw = (int(out.shape[1]), int(out.shape[2]))
             q, k = out.flatten(1, 2).chunk(4, dim=-1)[:2]
@@ -198,7 +198,7 @@ def record_qk(model: nn.Module) -> Iterator[Dict[Tuple[int, int], List[Dict[str,
             handle.remove()
 
 
-def capture(model: nn.Module, images: torch.Tensor, batch_size: int = 16) -> Dict[Tuple[int, int], Dict[str, Any]]:
+def capture(model: nn.Module, images: torch.Tensor, batch_size: int = 16) -> dict[tuple[int, int], dict[str, Any]]:
     """Run ``images`` through ``model`` (eval, no grad); return per layer q, k (B, h, N, d) over all
     images, hw, and the stage's RoPE tables sin, cos (N, d) for that size."""
     model.eval()
@@ -222,11 +222,11 @@ def stage_kind(model: nn.Module, stage: int) -> str:
 
 
 def entropy_vs_norm(q: torch.Tensor, k: torch.Tensor, methods: Sequence[str] = METHODS
-                    ) -> Dict[str, Any]:
+                    ) -> dict[str, Any]:
     """Query norms and, per method, row entropies of q, k (B, h, N, d), one image at a time.
 
     Returns {'norm': (B, h, N) array, method: {'entropy': (B, h, N) array, 'valid': bool array}}."""
-    result: Dict[str, Any] = {'norm': q.float().norm(dim=-1).numpy()}
+    result: dict[str, Any] = {'norm': q.float().norm(dim=-1).numpy()}
     for m in methods:
         ents, valids = [], []
         for i in range(q.shape[0]):                      # bounds the N x N memory to one image
@@ -237,7 +237,7 @@ def entropy_vs_norm(q: torch.Tensor, k: torch.Tensor, methods: Sequence[str] = M
     return result
 
 
-def summarise(norm: np.ndarray, ent: np.ndarray, valid: np.ndarray) -> Dict[str, Any]:
+def summarise(norm: np.ndarray, ent: np.ndarray, valid: np.ndarray) -> dict[str, Any]:
     """Correlations and entropy statistics over the valid queries."""
     x, y = norm[valid].ravel(), ent[valid].ravel()
     return {'pearson': pearson(x, y), 'spearman': spearman(x, y),
@@ -246,8 +246,8 @@ def summarise(norm: np.ndarray, ent: np.ndarray, valid: np.ndarray) -> Dict[str,
             'n_queries': int(valid.sum()), 'n_excluded': int((~valid).sum())}
 
 
-def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
-                  methods: Sequence[str] = METHODS) -> Dict[str, Any]:
+def analyse_stage(captured: dict[tuple[int, int], dict[str, Any]], stage: int,
+                  methods: Sequence[str] = METHODS) -> dict[str, Any]:
     """Entropy vs query norm for every query of ``stage`` (all blocks, heads, images pooled), plus
     per-(block, head) correlations and entropy means in query-norm deciles.
 
@@ -262,7 +262,7 @@ def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
         rec = captured[(stage, b)]
         res = entropy_vs_norm(rec['q'], rec['k'], methods)
         for h in range(rec['q'].shape[1]):
-            entry: Dict[str, Any] = {'block': b, 'head': h}
+            entry: dict[str, Any] = {'block': b, 'head': h}
             for m in methods:
                 s = summarise(res['norm'][:, h], res[m]['entropy'][:, h], res[m]['valid'][:, h])
                 entry[m] = {'pearson': s['pearson'], 'spearman': s['spearman'], 'mean_entropy': s['mean_entropy']}
@@ -274,7 +274,7 @@ def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
     norm = np.concatenate(norms)
     rec0 = captured[(stage, blocks[0])]
     n_tokens = rec0['q'].shape[2]
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         'stage': stage, 'blocks': blocks, 'heads': int(rec0['q'].shape[1]), 'head_dim': int(rec0['q'].shape[3]),
         'hw': list(rec0['hw']), 'n_tokens': n_tokens, 'log_n': math.log(n_tokens), 'rope': False,
         'query_norm': {'mean': float(norm.mean()), 'std': float(norm.std()), 'min': float(norm.min()),
@@ -295,7 +295,7 @@ def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
     bins = np.clip(np.searchsorted(edges, norm, side='right') - 1, 0, 9)
     for i in range(10):
         sel = bins == i
-        row: Dict[str, Any] = {'norm_lo': float(edges[i]), 'norm_hi': float(edges[i + 1])}
+        row: dict[str, Any] = {'norm_lo': float(edges[i]), 'norm_hi': float(edges[i + 1])}
         for m in methods:
             ok = sel & arrays[m + '_valid']
             row[m] = float(arrays[m][ok].mean()) if ok.any() else float('nan')
@@ -310,7 +310,7 @@ def analyse_stage(captured: Dict[Tuple[int, int], Dict[str, Any]], stage: int,
     return out
 
 
-def format_table(result: Dict[str, Any]) -> str:
+def format_table(result: dict[str, Any]) -> str:
     """The short table printed to stdout."""
     lines = [f"stage {result['stage']} ({result['kind']}), {result['hw'][0]}x{result['hw'][1]} tokens "
              f"(log N = {result['log_n']:.3f}), {result['heads']} head(s) x {len(result['blocks'])} block(s), "
@@ -327,7 +327,7 @@ def format_table(result: Dict[str, Any]) -> str:
     return '\n'.join(lines)
 
 
-def plot_entropy(result: Dict[str, Any], path: str, title: str, seed: int = 0) -> None:
+def plot_entropy(result: dict[str, Any], path: str, title: str, seed: int = 0) -> None:
     """Scatter of entropy against query norm, one panel per method, correlations in the legends."""
     import matplotlib
     matplotlib.use('Agg')
@@ -371,7 +371,7 @@ def plot_entropy(result: Dict[str, Any], path: str, title: str, seed: int = 0) -
 # ---------------------------------------------------------------------------------------------
 # Attention maps
 # ---------------------------------------------------------------------------------------------
-def query_token(hw: Tuple[int, int], query: Tuple[float, float]) -> int:
+def query_token(hw: tuple[int, int], query: tuple[float, float]) -> int:
     """Row-major token index at fractional image position (y, x) in [0, 1]."""
     h, w = hw
     r = min(int(query[0] * h), h - 1)
@@ -379,8 +379,8 @@ def query_token(hw: Tuple[int, int], query: Tuple[float, float]) -> int:
     return r * w + c
 
 
-def attention_maps(captured: Dict[Tuple[int, int], Dict[str, Any]], kinds: Dict[int, str], image_index: int,
-                   query: Tuple[float, float], rope: bool = False) -> List[Dict[str, Any]]:
+def attention_maps(captured: dict[tuple[int, int], dict[str, Any]], kinds: dict[int, str], image_index: int,
+                   query: tuple[float, float], rope: bool = False) -> list[dict[str, Any]]:
     """For each stage: the (H, W) attention weights of the query token in the stage's last block,
     mean over heads, for image ``image_index``. NaLa stages use NaLa weights, softmax stages softmax."""
     maps = []
@@ -401,7 +401,7 @@ def attention_maps(captured: Dict[Tuple[int, int], Dict[str, Any]], kinds: Dict[
     return maps
 
 
-def plot_attention_maps(image: np.ndarray, maps: List[Dict[str, Any]], query: Tuple[float, float], path: str,
+def plot_attention_maps(image: np.ndarray, maps: list[dict[str, Any]], query: tuple[float, float], path: str,
                         title: str, rope: bool) -> None:
     """Input image plus one overlay per stage; the query position is marked with a cross."""
     import matplotlib
@@ -427,7 +427,7 @@ def plot_attention_maps(image: np.ndarray, maps: List[Dict[str, Any]], query: Tu
         h, w_ = mp['hw']
         label = 'NaLa' if mp['kind'] == 'nala' else 'softmax'
         peak = float(mp['weights'].max()) * h * w_
-        sub = f"{h}x{w_} tokens, max×N={peak:.2f}"
+        sub = f'{h}x{w_} tokens, max×N={peak:.2f}'
         if not rope and h * w_ > 1:
             sub += f", H/logN={mp['entropy'] / math.log(h * w_):.2f}"
         ax.set_title(f"stage {mp['stage']} {label} (block {mp['block']})\n{sub}", fontsize=9)
@@ -446,8 +446,8 @@ def plot_attention_maps(image: np.ndarray, maps: List[Dict[str, Any]], query: Tu
 # ---------------------------------------------------------------------------------------------
 # Model and images
 # ---------------------------------------------------------------------------------------------
-def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 'default',
-               num_classes: Optional[int] = None, seed: int = 0) -> Tuple[nn.Module, Dict[str, Any]]:
+def load_model(name: str, checkpoint_path: str | None = None, weights: str = 'default',
+               num_classes: int | None = None, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """Build ``name``; load ``checkpoint_path`` (training dict or bare state dict) with strict=True.
 
     ``weights`` picks the weights as weights.select_weights does: 'default' is the one loader rule
@@ -455,7 +455,7 @@ def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 
     those. The number of classes comes from the checkpoint's ``head.weight``, the input size from its
     ``args`` (``input_size``, and ``crop_pct`` from ``eval_crop_ratio``). Without a checkpoint the weights
     are the untrained initialisation under ``seed``."""
-    meta: Dict[str, Any] = {'checkpoint': checkpoint_path, 'weights': None}
+    meta: dict[str, Any] = {'checkpoint': checkpoint_path, 'weights': None}
     if checkpoint_path is None:
         torch.manual_seed(seed)
         model = timm.create_model(name, num_classes=num_classes or 1000)
@@ -473,7 +473,7 @@ def load_model(name: str, checkpoint_path: Optional[str] = None, weights: str = 
     return model.eval(), meta
 
 
-def images_from_dir(root: str, cfg: Dict[str, Any], limit: int) -> torch.Tensor:
+def images_from_dir(root: str, cfg: dict[str, Any], limit: int) -> torch.Tensor:
     """The first ``limit`` images under ``root`` (recursive, sorted paths) through the evaluation
     transform of ``cfg`` (a ``datasets.data_config``, as main.py --eval and tools/predict.py)."""
     from PIL import Image
@@ -491,8 +491,8 @@ def images_from_dir(root: str, cfg: Dict[str, Any], limit: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def digits_images(cfg: Dict[str, Any], limit: int, data_path: Optional[str],
-                  model: Optional[str] = None) -> torch.Tensor:
+def digits_images(cfg: dict[str, Any], limit: int, data_path: str | None,
+                  model: str | None = None) -> torch.Tensor:
     """The first ``limit`` images of the DIGITS validation split, through datasets.build_dataset with
     ``model``'s data config at the input size and crop of ``cfg`` (written once under ``data_path``,
     default ./data/digits)."""
@@ -503,7 +503,7 @@ def digits_images(cfg: Dict[str, Any], limit: int, data_path: Optional[str],
     return torch.stack([ds[i][0] for i in range(min(limit, len(ds)))])
 
 
-def to_display(image: torch.Tensor, cfg: Dict[str, Any]) -> np.ndarray:
+def to_display(image: torch.Tensor, cfg: dict[str, Any]) -> np.ndarray:
     """Undo the normalisation by ``cfg``'s mean/std: (3, H, W) tensor -> (H, W, 3) array in [0, 1]."""
     mean = torch.tensor(cfg['mean'])[:, None, None]
     std = torch.tensor(cfg['std'])[:, None, None]
@@ -513,7 +513,7 @@ def to_display(image: torch.Tensor, cfg: Dict[str, Any]) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
-def parse_query(text: str) -> Tuple[float, float]:
+def parse_query(text: str) -> tuple[float, float]:
     try:
         y, x = (float(v) for v in text.split(','))
     except ValueError:
@@ -555,7 +555,7 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_output_dir(checkpoint_path: Optional[str], weights: str = 'default', seed: int = 0) -> str:
+def default_output_dir(checkpoint_path: str | None, weights: str = 'default', seed: int = 0) -> str:
     """``output/analysis/<name>``, one folder per set of weights, so that analyses of different weights do
     not overwrite each other: ``untrained_seed<S>``, or ``<run folder>_<checkpoint file stem>`` (plus
     ``_<weights>`` when ``--weights`` is not the default), e.g. ``demo_checkpoint`` for
@@ -567,7 +567,7 @@ def default_output_dir(checkpoint_path: Optional[str], weights: str = 'default',
     return os.path.join('output', 'analysis', name + ('' if weights == 'default' else f'_{weights}'))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = get_parser().parse_args(argv)
     if args.output_dir is None:
         args.output_dir = default_output_dir(args.checkpoint, args.weights, args.seed)

@@ -47,7 +47,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -72,7 +72,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(fn: Callable[[], None], device: torch.device, steps: int, warmup: int) -> List[float]:
+def time_call(fn: Callable[[], None], device: torch.device, steps: int, warmup: int) -> list[float]:
     """Seconds per call, ``steps`` timed calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
@@ -86,7 +86,7 @@ def time_call(fn: Callable[[], None], device: torch.device, steps: int, warmup: 
     return times
 
 
-def gemm_macs_per_s(dtype: torch.dtype, device: torch.device, size: Optional[int] = None,
+def gemm_macs_per_s(dtype: torch.dtype, device: torch.device, size: int | None = None,
                     repeats: int = 5) -> float:
     """Multiply-adds per second of a large square matmul of ``dtype`` (best of ``repeats``)."""
     size = size or (8192 if device.type == 'cuda' else 2048)
@@ -98,7 +98,7 @@ def gemm_macs_per_s(dtype: torch.dtype, device: torch.device, size: Optional[int
     return size ** 3 / min(times)
 
 
-_GEMM_OPERANDS: Dict = {}
+_GEMM_OPERANDS: dict = {}
 
 
 def model_macs(name: str, input_size: Sequence[int]) -> int:
@@ -145,7 +145,7 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
     return cpu_peak_bytes(fn)
 
 
-def amp_dtype(dtype: torch.dtype) -> Optional[torch.dtype]:
+def amp_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The autocast dtype of a benchmark dtype (fp32: no autocast)."""
     return None if dtype == torch.float32 else dtype
 
@@ -178,7 +178,7 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str
     return step, optimizer
 
 
-def benchmark_model(args: argparse.Namespace) -> Dict:
+def benchmark_model(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     height, width = (list(args.input_size) * 2)[:2]
@@ -223,12 +223,12 @@ def benchmark_model(args: argparse.Namespace) -> Dict:
     )
 
 
-def tf32_note(r: Dict, prefix: str) -> str:
+def tf32_note(r: dict, prefix: str) -> str:
     """'on'/'off' after `prefix` for a CUDA row (whether fp32 matmuls ran on TF32), nothing elsewhere."""
     return '' if r.get('tf32') is None else prefix + ('on' if r['tf32'] else 'off')
 
 
-def print_result(r: Dict) -> None:
+def print_result(r: dict) -> None:
     print(f"{r['model']} {r['mode']} {r['dtype']} batch {r['batch_size']} {r['input_size'][0]}x{r['input_size'][1]} "
           f"fast_path={r['fast_path']} channels_last={r['channels_last']} compile={r['compile']} "
           f"device={r['device']} threads={r['threads']}" + tf32_note(r, ' tf32=')
@@ -250,10 +250,10 @@ def fixed_input_size(name: str) -> bool:
 
 
 def create_any(name: str, device: torch.device, fast_path: bool,
-               input_size: Optional[Sequence[int]] = None) -> nn.Module:
+               input_size: Sequence[int] | None = None) -> nn.Module:
     """A NaLaFormer variant with ``fast_path``, or any other timm model, untrained, 1000 classes. A model of
     fixed input size is built for ``input_size`` (height, width), as a user would build it for that size."""
-    kwargs: Dict = {}
+    kwargs: dict = {}
     if name.upper() in VARIANTS:
         kwargs['fast_path'] = fast_path
     elif input_size is not None and fixed_input_size(name):
@@ -261,7 +261,7 @@ def create_any(name: str, device: torch.device, fast_path: bool,
     return timm.create_model(name, pretrained=False, num_classes=1000, **kwargs).to(device)
 
 
-def compare(args: argparse.Namespace) -> List[Dict]:
+def compare(args: argparse.Namespace) -> list[dict]:
     """``args.model`` and every ``--compare`` model, same input and batch, stepped in turn.
 
     Per mode: every model is built and warmed up, then each round times one step of every model
@@ -293,9 +293,9 @@ def compare(args: argparse.Namespace) -> List[Dict]:
             for _ in range(args.warmup):
                 steps[name]()
             progress(f'{name:<{width_of_names}}  {mode}: built, {args.warmup} warm-up steps')
-        times: Dict[str, List[float]] = {name: [] for name in names}
-        cpu_times: Dict[str, List[float]] = {name: [] for name in names}
-        gemms: List[float] = []
+        times: dict[str, list[float]] = {name: [] for name in names}
+        cpu_times: dict[str, list[float]] = {name: [] for name in names}
+        gemms: list[float] = []
         for i in range(args.steps):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order:
@@ -361,7 +361,7 @@ def model_macs_any(name: str, input_size: Sequence[int], fast_path: bool = True)
     return count_flops(create_any(name, torch.device('cpu'), fast_path, input_size), (3, *input_size))
 
 
-def print_compare(results: List[Dict]) -> None:
+def print_compare(results: list[dict]) -> None:
     first = results[0]
     print(f"{first['dtype']}, batch {first['batch_size']}, {first['input_size'][0]}x{first['input_size'][1]}, "
           f"device={first['device']}, threads={first['threads']}" + tf32_note(first, ', tf32=')
@@ -385,7 +385,7 @@ def print_compare(results: List[Dict]) -> None:
     print('top-1: published ImageNet-1k top-1 % at 224 px (sources in tools/published.py; - where none is listed)')
 
 
-def compare_sizes(args: argparse.Namespace) -> List[Dict]:
+def compare_sizes(args: argparse.Namespace) -> list[dict]:
     """``compare`` at every ``--sizes`` side (square inputs), one size after another; each size's table
     is printed as it finishes, then one summary table of img/s and peak memory per size."""
     results = []
@@ -397,11 +397,11 @@ def compare_sizes(args: argparse.Namespace) -> List[Dict]:
     return results
 
 
-def print_size_table(results: List[Dict]) -> None:
+def print_size_table(results: list[dict]) -> None:
     """img/s and peak step memory of every model per input size and mode, and --model's img/s over the
     best --compare model's at that size and mode."""
     ours = results[0]['model']
-    best: Dict = {}
+    best: dict = {}
     for r in results:
         if r['model'] != ours:
             key = (r['input_size'][0], r['mode'])
@@ -420,7 +420,7 @@ PAPER_SIZES = (224, 384, 512)
 TINY_PRESET = dict(models=['NALAFORMER_XT', 'NALAFORMER_T'], sizes=(32, 48), batch_size=2, warmup=1, steps=1)
 
 
-def paper_preset(args: argparse.Namespace) -> List[Dict]:
+def paper_preset(args: argparse.Namespace) -> list[dict]:
     """Inference img/s of each variant at each size: eval mode, no grad, autocast on a GPU (fp16 unless
     --dtype bf16), fp32 on a CPU, warm-up steps then the median of the timed steps."""
     device = torch.device(args.device)
@@ -441,12 +441,12 @@ def paper_preset(args: argparse.Namespace) -> List[Dict]:
                                 device=str(device), threads=torch.get_num_threads(), params_m=params / 1e6,
                                 cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
                                 step_s_median=step_s, step_s_all=times, img_s=args.batch_size / step_s))
-            print(f"{name:<15}{size:>5}px  {args.batch_size / step_s:10.1f} img/s", flush=True)
+            print(f'{name:<15}{size:>5}px  {args.batch_size / step_s:10.1f} img/s', flush=True)
         del model
     return results
 
 
-def print_paper_table(results: List[Dict]) -> None:
+def print_paper_table(results: list[dict]) -> None:
     first = results[0]
     sizes = sorted({r['input_size'][0] for r in results})
     print(f"inference throughput, eval mode, batch {first['batch_size']}, {first['dtype']}"
@@ -469,13 +469,13 @@ GPU_PEERS = ('convnext_tiny', 'swin_tiny_patch4_window7_224', 'pvt_v2_b2', 'effi
 class BatchList(list):
     """Batches that engine.train_one_epoch takes as a data loader."""
 
-    def __init__(self, batches: List, batch_size: int) -> None:
+    def __init__(self, batches: list, batch_size: int) -> None:
         super().__init__(batches)
         self.batch_size = batch_size
 
 
 def preset_model_row(name: str, label: str, fast_path: bool, compile_model: bool, x: torch.Tensor,
-                     target: torch.Tensor, args: argparse.Namespace) -> Dict:
+                     target: torch.Tensor, args: argparse.Namespace) -> dict:
     """Training and inference img/s and peak step memory of one model (``make_step``: main.py's optimizer
     step; a no-grad eval forward), with the time of the warm-up steps (which compile, with --compile)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -521,7 +521,7 @@ def host_syncs_per_step(epoch: Callable[[int], None], n: int) -> float:
     return (counts[1] - counts[0]) / n
 
 
-def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace) -> Dict:
+def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace) -> dict:
     """main.py's whole training step (engine.train_one_epoch: OptimizerStep with main.py's optimizer, the
     EMA update, the step's host read) against forward + backward alone, and on CUDA the host syncs per
     step (the warnings of torch.cuda.set_sync_debug_mode('warn'): the difference between two epoch
@@ -564,7 +564,7 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
     return row
 
 
-def preset_loader_row(args: argparse.Namespace, engine_rows: List[Dict]) -> Dict:
+def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict:
     """img/s of main.py's training loader (its uint8 worker transform, batch --batch-size) on JPEGs cut from
     real photos at ImageNet's sizes, with --data-workers workers (default: every CPU of this process), and
     the workers each engine step would need at that rate per worker."""
@@ -601,7 +601,7 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: List[Dict]) -> Dict
     return row
 
 
-def gpu_preset(args: argparse.Namespace) -> List[Dict]:
+def gpu_preset(args: argparse.Namespace) -> list[dict]:
     """The GPU comparison in one command, each part printed as it finishes: every model eager (ours on the
     fast and the plain path), main.py's whole step against forward + backward with its host syncs, the
     loader against the step, then the compiled models as long as --budget seconds last (a compiled row
@@ -645,7 +645,7 @@ def gpu_preset(args: argparse.Namespace) -> List[Dict]:
     return rows
 
 
-def print_gpu_tables(rows: List[Dict]) -> None:
+def print_gpu_tables(rows: list[dict]) -> None:
     """The preset's results as Markdown tables: models, engine step, loader."""
     model_rows = [r for r in rows if r['part'] == 'model' and not r.get('skipped')]
     print('| model | | train img/s | train peak MiB | inference img/s | inference peak MiB | warm-up s |')
@@ -724,7 +724,7 @@ def _transform_times(dataset) -> tuple:
     return wall, usage.ru_utime + usage.ru_stime - cpu0, per_image
 
 
-def data_loading(args: argparse.Namespace) -> Dict:
+def data_loading(args: argparse.Namespace) -> dict:
     """img/s of main.py's train transform (default recipe flags) on the ImageFolder ``args.data_loading``:
     in this process (what one DataLoader worker does with a core of its own: images per second of
     wall time and per second of CPU time), then through DataLoaders with ``--data-workers`` workers
@@ -747,7 +747,7 @@ def data_loading(args: argparse.Namespace) -> Dict:
                   threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
                   one_worker_img_s_cpu=len(dataset) / cpu, image_cpu_ms_mean=statistics.mean(ms),
                   image_cpu_ms=quantiles, cpu_transform_img_s_cpu=len(dataset) / cpu_float, loaders=[])
-    print(f'train transform to uint8 (main.py\'s workers), {len(dataset)} images, in-process: '
+    print(f"train transform to uint8 (main.py's workers), {len(dataset)} images, in-process: "
           f'{len(dataset) / wall:.1f} img/s (wall), {len(dataset) / cpu:.1f} img/s per CPU second; CPU ms per '
           f'image: mean {statistics.mean(ms):.2f}, ' + ', '.join(f'{k} {v:.2f}' for k, v in quantiles.items()))
     print(f'the same with ToTensor, Normalize and RandomErasing on the CPU: {len(dataset) / cpu_float:.1f} img/s '
@@ -773,7 +773,7 @@ def data_loading(args: argparse.Namespace) -> Dict:
 EMA_MODELS = ('NALAFORMER_XT', 'NALAFORMER_L')
 
 
-def ema_update_times(args: argparse.Namespace) -> List[Dict]:
+def ema_update_times(args: argparse.Namespace) -> list[dict]:
     """ms per EMA update of each model (default XT and L) on ``args.device``: timm's ModelEmaV3 and main.py's
     optim_step.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
     ``args.warmup``."""
@@ -784,7 +784,7 @@ def ema_update_times(args: argparse.Namespace) -> List[Dict]:
         model = create_any(name, device, args.fast_path)
         emas = {'timm ModelEmaV3': ModelEmaV3(model, decay=0.9999),
                 'optim_step.ModelEma': optim_step.ModelEma(model, decay=0.9999)}
-        times: Dict[str, List[float]] = {k: [] for k in emas}
+        times: dict[str, list[float]] = {k: [] for k in emas}
         for i in range(args.warmup + args.steps):
             for label, ema in emas.items():
                 t = time_call(lambda ema=ema, model=model: ema.update(model), device, 1, warmup=0)[0]
@@ -800,7 +800,7 @@ def ema_update_times(args: argparse.Namespace) -> List[Dict]:
 
 
 # ---- sweep: one NaLa block vs one softmax block of the same width --------------------------------
-def sweep(args: argparse.Namespace) -> Dict:
+def sweep(args: argparse.Namespace) -> dict:
     from models.nala import RoPE
     from models.nalaformer import NaLaBlock, set_fast_path
     device = torch.device(args.device)
@@ -857,7 +857,7 @@ def sweep(args: argparse.Namespace) -> Dict:
     return results
 
 
-def plot_sweep(results: Dict, path: str) -> None:
+def plot_sweep(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -888,7 +888,7 @@ def plot_sweep(results: Dict, path: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', default='NALAFORMER_T')
     parser.add_argument('--batch-size', '-b', type=int, default=None, help='default 32, or 1 with --sweep')
@@ -950,7 +950,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              '(long side 500, short 333..400, quality 90) into DIR as an ImageFolder')
     parser.add_argument('--data-workers', type=int, nargs='+', default=None,
                         help='DataLoader worker counts timed by --data-loading (default 0 2); --preset gpu: the '
-                             'loader\'s workers (default: every CPU available)')
+                             "loader's workers (default: every CPU available)")
     parser.add_argument('--tiny', action='store_true',
                         help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--ema-update', action='store_true',
@@ -1000,7 +1000,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.getLogger('fvcore').setLevel(logging.ERROR)
     if args.threads:
@@ -1058,7 +1058,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     return result
 
 
-def write_jsonl(path: Optional[str], results: List[Dict]) -> None:
+def write_jsonl(path: str | None, results: list[dict]) -> None:
     """Append each result as one JSON line to ``path`` (nothing without a path), with the time of writing."""
     if path:
         stamp = time.strftime('%Y-%m-%dT%H:%M:%S%z')

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 
 import timm
 import torch
@@ -30,7 +30,7 @@ class NaLaFormerFPN(nn.Module):
     max-pooled level: the five maps torchvision's R-CNN heads expect, keyed '0'-'3' and 'pool'."""
 
     def __init__(self, model_name: str = 'NALAFORMER_XT', out_channels: int = 256,
-                 backbone_checkpoint: Optional[str] = None, **kwargs) -> None:
+                 backbone_checkpoint: str | None = None, **kwargs) -> None:
         super().__init__()
         self.body = timm.create_model(model_name, features_only=True, checkpoint_path=backbone_checkpoint or '',
                                       **kwargs)
@@ -38,7 +38,7 @@ class NaLaFormerFPN(nn.Module):
                                          extra_blocks=LastLevelMaxPool())
         self.out_channels = out_channels
 
-    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.fpn(OrderedDict((str(i), f) for i, f in enumerate(self.body(x))))
 
 
@@ -64,8 +64,8 @@ def synthetic_sample(height: int = 384, width: int = 512, mask: bool = False, se
     return image, target
 
 
-def train_step_and_predict(detector: nn.Module, images: List[torch.Tensor], targets: List[dict],
-                           lr: float = 1e-3) -> Dict[str, object]:
+def train_step_and_predict(detector: nn.Module, images: list[torch.Tensor], targets: list[dict],
+                           lr: float = 1e-3) -> dict[str, object]:
     """One SGD step in train mode (returns the loss dict), then a forward in eval mode."""
     detector.train()
     optimizer = torch.optim.SGD([p for p in detector.parameters() if p.requires_grad], lr=lr, momentum=0.9)
@@ -79,7 +79,7 @@ def train_step_and_predict(detector: nn.Module, images: List[torch.Tensor], targ
     return {'losses': {k: v.item() for k, v in losses.items()}, 'detections': detections}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', default='NALAFORMER_XT')
     parser.add_argument('--mask', action='store_true', help='Mask R-CNN instead of Faster R-CNN')

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Sequence
 
 import timm
 import torch
@@ -41,7 +41,7 @@ INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
 ONNX_PROTOBUF_LIMIT = 2 ** 31
 
 
-def build_model(name: str, checkpoint: Optional[str] = None, seed: int = 0) -> nn.Module:
+def build_model(name: str, checkpoint: str | None = None, seed: int = 0) -> nn.Module:
     """The variant in eval mode; with a checkpoint (a state dict or a training checkpoint, EMA weights
     preferred), its weights, loaded strictly, with the number of classes of its head; without one,
     random weights drawn under ``seed``."""
@@ -55,7 +55,7 @@ def build_model(name: str, checkpoint: Optional[str] = None, seed: int = 0) -> n
     return model.eval()
 
 
-def example_inputs(input_size: int, dynamic: bool) -> List[torch.Tensor]:
+def example_inputs(input_size: int, dynamic: bool) -> list[torch.Tensor]:
     """The export input (batch 2 when dynamic, else 1) and, when dynamic, a check input with another
     batch size and a non-square resolution."""
     gen = torch.Generator().manual_seed(0)
@@ -71,7 +71,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic: bool = False,
-                 legacy_onnx: bool = False) -> List[str]:
+                 legacy_onnx: bool = False) -> list[str]:
     """Write ``model`` traced on ``x`` to ``path`` as ``fmt`` (one of ``FORMATS``); with ``dynamic``,
     batch, height and width are free. ``legacy_onnx`` selects the TorchScript-based ONNX exporter.
     Returns the files written: ``path``, and for ONNX weights over the 2 GB limit ``path + '.data'``."""
@@ -107,7 +107,7 @@ def export_model(model: nn.Module, x: torch.Tensor, fmt: str, path: str, dynamic
     return [path, path + '.data'] if external else [path]
 
 
-def run_exported(fmt: str, path: str, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def run_exported(fmt: str, path: str, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Load the exported file and run it on each input (ONNX with ONNX Runtime on the CPU)."""
     if fmt == 'onnx':
         import onnxruntime
@@ -121,7 +121,7 @@ def run_exported(fmt: str, path: str, inputs: Sequence[torch.Tensor]) -> List[to
 
 def check_export(model: nn.Module, fmt: str, path: str, input_size: int = 224, dynamic: bool = False,
                  legacy_onnx: bool = False, log: Callable[[str], None] = lambda msg: None) \
-        -> List[Tuple[Tuple[int, ...], float]]:
+        -> list[tuple[tuple[int, ...], float]]:
     """Export, reload, run, and return (input shape, max |exported - PyTorch|) for each check input;
     ``log`` receives a line as each phase starts and ends."""
     inputs = example_inputs(input_size, dynamic)
@@ -139,7 +139,7 @@ def check_export(model: nn.Module, fmt: str, path: str, input_size: int = 224, d
     return [(tuple(x.shape), (g - e).abs().max().item()) for x, g, e in zip(inputs, got, expected)]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', default='NALAFORMER_XT', help='variant (default NALAFORMER_XT)')
     parser.add_argument('--checkpoint', default=None, help='weights: a state dict or a training checkpoint')

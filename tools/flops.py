@@ -10,7 +10,7 @@ norm layers, measured on the model in eval mode with batch 1, as the reference f
 import argparse
 import os
 import sys
-from typing import Sequence, Tuple
+from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
@@ -30,7 +30,7 @@ def header() -> str:
     return ''.join(f'{title:<{width}}' if i == 0 else f'{title:>{width}}' for i, (title, width) in enumerate(COLUMNS))
 
 
-def format_row(name: str, params: int, flops: float, paper: Tuple[float, float, float]) -> str:
+def format_row(name: str, params: int, flops: float, paper: tuple[float, float, float]) -> str:
     """One variant's line: our params and GFLOPs, then the paper's params, GFLOPs and top-1, each in its column."""
     values = (name, f'{params / 1e6:.2f}', f'{flops / 1e9:.3f}', *(str(v) for v in paper))
     return ''.join(f'{v:<{w}}' if i == 0 else f'{v:>{w}}' for i, (v, (_, w)) in enumerate(zip(values, COLUMNS)))

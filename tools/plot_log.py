@@ -14,10 +14,10 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 #: (panel title, y label, [(key, line style, legend suffix)])
-PANELS: List[Tuple[str, str, List[Tuple[str, str, str]]]] = [
+PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ('loss', 'loss', [('train_loss', '-', 'train'), ('test_loss', '--', 'test')]),
     ('learning rate', 'train_lr', [('train_lr', '-', '')]),
     ('top-1 accuracy', 'top-1 (%)', [('test_acc1', '-', 'model'), ('test_ema_acc1', ':', 'EMA')]),
@@ -35,7 +35,7 @@ def log_path(path: str) -> str:
     return os.path.join(path, 'log.txt') if os.path.isdir(path) else path
 
 
-def read_log(path: str) -> List[Dict[str, Any]]:
+def read_log(path: str) -> list[dict[str, Any]]:
     """Parse one log.txt (or DIR/log.txt) into its records, in file order."""
     if not os.path.exists(path):
         raise LogError(f'{path}: no such directory or file')
@@ -65,13 +65,13 @@ def read_log(path: str) -> List[Dict[str, Any]]:
     return records
 
 
-def series(records: Sequence[Dict[str, Any]], key: str) -> Tuple[List[float], List[float]]:
+def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(epochs, values) of ``key`` over the records that have it (None counts as absent)."""
     pairs = [(float(r['epoch']), float(r[key])) for r in records if r.get(key) is not None]
     return [e for e, _ in pairs], [v for _, v in pairs]
 
 
-def run_labels(paths: Sequence[str]) -> List[str]:
+def run_labels(paths: Sequence[str]) -> list[str]:
     """Short legend names: the directory name, made unique by adding parents when needed."""
     parts = [os.path.normpath(os.path.abspath(os.path.dirname(log_path(p)))).split(os.sep) for p in paths]
     depth = 1
@@ -83,7 +83,7 @@ def run_labels(paths: Sequence[str]) -> List[str]:
     return [os.sep.join(p) for p in parts]
 
 
-def plot_runs(runs: Sequence[Tuple[str, Sequence[Dict[str, Any]]]], out: Optional[str] = None):
+def plot_runs(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | None = None):
     """Plot ``runs`` = [(label, records)]; save to ``out`` if given; return the Figure.
 
     Panels without any data say so instead of staying silently empty; lr uses a log scale when all
@@ -94,7 +94,7 @@ def plot_runs(runs: Sequence[Tuple[str, Sequence[Dict[str, Any]]]], out: Optiona
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8), layout='constrained')
     for ax, (title, ylabel, keys) in zip(axes, PANELS):
-        plotted: List[float] = []
+        plotted: list[float] = []
         for i, (label, records) in enumerate(runs):
             for key, style, suffix in keys:
                 x, y = series(records, key)
@@ -119,7 +119,7 @@ def plot_runs(runs: Sequence[Tuple[str, Sequence[Dict[str, Any]]]], out: Optiona
     return fig
 
 
-def main(argv: Optional[Sequence[str]] = None) -> str:
+def main(argv: Sequence[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('dirs', nargs='+', metavar='OUTPUT_DIR', help='output directory with log.txt (or a log file)')

@@ -20,7 +20,7 @@ import io
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 import timm
 import torch
@@ -39,10 +39,10 @@ from tools.release import WEIGHT_CHOICES, select_weights
 from weights import describe_mismatch
 
 
-def list_images(paths: Sequence[str]) -> List[str]:
+def list_images(paths: Sequence[str]) -> list[str]:
     """Image files among ``paths``; folders are searched recursively (sorted), files are taken as given. An image
     named twice (a file and the folder holding it, a link to it) is kept once, where it first appears."""
-    out: List[str] = []
+    out: list[str] = []
     for path in paths:
         if os.path.isdir(path):
             found = sorted(os.path.join(root, f) for root, _, files in os.walk(path) for f in files
@@ -63,16 +63,16 @@ def list_images(paths: Sequence[str]) -> List[str]:
     return unique
 
 
-def _run_info(values: Dict[str, Any], crop_key: str) -> Dict[str, Any]:
+def _run_info(values: dict[str, Any], crop_key: str) -> dict[str, Any]:
     """``model``, ``input_size`` and ``crop_pct`` from a checkpoint's args or a release's metadata, where recorded."""
-    info: Dict[str, Any] = {}
+    info: dict[str, Any] = {}
     for key, name, cast in (('model', 'model', str), ('input_size', 'input_size', int), (crop_key, 'crop_pct', float)):
         if values.get(key):
             info[name] = cast(values[key])
     return info
 
 
-def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+def load_weights(path: str, weights: str = 'default') -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """State dict and run settings (``model``, ``input_size``, ``crop_pct`` when recorded) of a training
     checkpoint or a released safetensors file (in either key layout, ``from_reference_layout``)."""
     if path.endswith('.safetensors'):
@@ -91,7 +91,7 @@ def load_weights(path: str, weights: str = 'default') -> Tuple[Dict[str, torch.T
     return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio')
 
 
-def build_model(model_name: str, sd: Dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
     """``model_name`` with the classifier size of ``sd``, loaded strictly, in eval mode."""
     if not timm.is_model(model_name):
         raise UserError(f"unknown model '{model_name}'; known: {', '.join(timm.list_models('NALAFORMER_*'))}")
@@ -105,7 +105,7 @@ def build_model(model_name: str, sd: Dict[str, torch.Tensor], path: str) -> torc
     return model.eval()
 
 
-def read_class_names(path: str, num_classes: int) -> List[str]:
+def read_class_names(path: str, num_classes: int) -> list[str]:
     """Class names from a text file (one per line) or a JSON list; exactly ``num_classes`` of them."""
     try:
         with open(path, encoding='utf-8') as f:
@@ -123,9 +123,9 @@ def read_class_names(path: str, num_classes: int) -> List[str]:
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, transform, images: Sequence[str], topk: int = 5, batch_size: int = 16,
-            device: str = 'cpu') -> List[List[Tuple[int, float]]]:
+            device: str = 'cpu') -> list[list[tuple[int, float]]]:
     """Top-k (class index, probability) for each image, in order."""
-    results: List[List[Tuple[int, float]]] = []
+    results: list[list[tuple[int, float]]] = []
     k = min(topk, model.num_classes)
     for start in range(0, len(images), batch_size):
         batch = []
@@ -142,8 +142,8 @@ def predict(model: torch.nn.Module, transform, images: Sequence[str], topk: int 
     return results
 
 
-def format_results(images: Sequence[str], results: Sequence[Sequence[Tuple[int, float]]],
-                   class_names: Optional[Sequence[str]], fmt: str) -> str:
+def format_results(images: Sequence[str], results: Sequence[Sequence[tuple[int, float]]],
+                   class_names: Sequence[str] | None, fmt: str) -> str:
     """CSV (one row per image and rank) or JSON (one object per image) text."""
     def name(i: int) -> str:
         return class_names[i] if class_names else str(i)
@@ -160,7 +160,7 @@ def format_results(images: Sequence[str], results: Sequence[Sequence[Tuple[int, 
     return buf.getvalue()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('images', nargs='+', help='image files and/or folders')
     parser.add_argument('--checkpoint', required=True, help='training checkpoint (.pth) or release (.safetensors)')

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -48,13 +48,13 @@ COPY_OPS = frozenset({
     'aten::repeat',
 })
 STAGE_TAG, FAMILY_TAG = 'stage::', 'family::'
-Tags = Tuple[Optional[str], Optional[str], bool]  # (stage, family, under the optimizer)
+Tags = tuple[str | None, str | None, bool]  # (stage, family, under the optimizer)
 #: the fast path's depthwise convs, functions that the blocks look up in their modules at call time
 FAST_PATH_DWCONVS = ((nala, 'lepe_fast'), (nalaformer, 'conv_residual_fast'))
 OPTIMIZER_PREFIXES = ('Optimizer.', 'optimizer', 'autograd::engine::evaluate_function: torch::autograd::AccumulateGrad')
 
 
-def module_family(module: nn.Module) -> Optional[str]:
+def module_family(module: nn.Module) -> str | None:
     """The op family of a module's own call, or None for containers."""
     if isinstance(module, nn.Linear):
         return 'linear'
@@ -67,7 +67,7 @@ def module_family(module: nn.Module) -> Optional[str]:
     return None
 
 
-def stage_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+def stage_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(stage name, module) of a backbone's stem and stages: NaLaFormer's, ConvNeXt's and swin's layout."""
     found = []
     for attr in ('patch_embed', 'stem'):
@@ -133,7 +133,7 @@ def labelled(model: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def _tags(event, cache: Dict[int, Tags]) -> Tags:
+def _tags(event, cache: dict[int, Tags]) -> Tags:
     """(innermost stage, innermost family, under the optimizer) from an event's enclosing ranges."""
     key = id(event)
     if key in cache:
@@ -160,10 +160,10 @@ def _backward_root(event):
     return None
 
 
-def attribute(events) -> Dict[str, Dict[str, float]]:
+def attribute(events) -> dict[str, dict[str, float]]:
     """Self CPU milliseconds per (stage, family) cell; every event's self time in exactly one cell."""
-    cache: Dict[int, Tags] = {}
-    forward_of: Dict[int, Tuple[Optional[str], Optional[str]]] = {}
+    cache: dict[int, Tags] = {}
+    forward_of: dict[int, tuple[str | None, str | None]] = {}
     roots = {}
     for event in events:
         root = _backward_root(event)
@@ -171,7 +171,7 @@ def attribute(events) -> Dict[str, Dict[str, float]]:
         if root is None and event.sequence_nr >= 0 and event.sequence_nr not in forward_of:
             stage, family, _ = _tags(event, cache)
             forward_of[event.sequence_nr] = (stage, family)
-    cells: Dict[str, Dict[str, float]] = {s: {f: 0.0 for f in FAMILIES} for s in STAGES}
+    cells: dict[str, dict[str, float]] = {s: {f: 0.0 for f in FAMILIES} for s in STAGES}
     for event in events:
         stage, family, optimizer = _tags(event, cache)
         root = roots[id(event)]
@@ -187,7 +187,7 @@ def attribute(events) -> Dict[str, Dict[str, float]]:
     return cells
 
 
-def profile_step(step: Callable[[], None], steps: int = 1) -> Tuple[Dict[str, Dict[str, float]], float]:
+def profile_step(step: Callable[[], None], steps: int = 1) -> tuple[dict[str, dict[str, float]], float]:
     """Cells of ``steps`` profiled calls of ``step`` (per call), and the profiled wall seconds per call."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -198,7 +198,7 @@ def profile_step(step: Callable[[], None], steps: int = 1) -> Tuple[Dict[str, Di
     return {s: {f: v / steps for f, v in row.items()} for s, row in cells.items()}, wall
 
 
-def summarise(cells: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+def summarise(cells: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """Totals per stage and per family (ms) and the overall total."""
     by_stage = {s: sum(row.values()) for s, row in cells.items()}
     by_family = {f: sum(cells[s][f] for s in cells) for f in FAMILIES}
@@ -206,7 +206,7 @@ def summarise(cells: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]
 
 
 def run(model_name: str, size: int, batch_size: int, mode: str, steps: int, warmup: int,
-        fast_path: bool = True) -> Dict:
+        fast_path: bool = True) -> dict:
     """Profile one model at one square size and mode; one result dict."""
     device = torch.device('cpu')
     torch.manual_seed(0)
@@ -229,7 +229,7 @@ def run(model_name: str, size: int, batch_size: int, mode: str, steps: int, warm
                 img_s=batch_size / statistics.median(plain), cells=cells, **summary)
 
 
-def format_result(r: Dict) -> str:
+def format_result(r: dict) -> str:
     """A stage x family table of one result (ms per step, shares of the total)."""
     total = r['total_ms']
     families = [f for f in FAMILIES if r['families'][f] > 0]
@@ -246,7 +246,7 @@ def format_result(r: Dict) -> str:
     return '\n'.join(lines)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--model', default='NALAFORMER_T')
     parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=[],
@@ -270,7 +270,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:
+def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

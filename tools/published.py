@@ -1,12 +1,11 @@
 """Published ImageNet-1k top-1 (%, 224 px, trained on ImageNet-1k only) of the timm models that
 ``tools/benchmark.py --compare`` is run against, each with the paper it comes from. The NaLaFormer
 variants' figures are the paper's, in ``models.PAPER_FIGURES``."""
-from typing import Dict, Optional, Tuple
 
 from models import PAPER_FIGURES
 
 #: timm model name -> (top-1 %, source)
-PUBLISHED_TOP1: Dict[str, Tuple[float, str]] = {
+PUBLISHED_TOP1: dict[str, tuple[float, str]] = {
     'convnext_tiny': (82.1, 'ConvNeXt-T: Liu et al., A ConvNet for the 2020s, CVPR 2022, arXiv:2201.03545'),
     'pvt_v2_b2': (82.0, 'PVTv2-B2: Wang et al., PVT v2: Improved Baselines with Pyramid Vision Transformer, '
                         'CVMJ 2022, arXiv:2106.13797'),
@@ -18,7 +17,7 @@ PUBLISHED_TOP1: Dict[str, Tuple[float, str]] = {
 }
 
 
-def published_top1(name: str) -> Optional[float]:
+def published_top1(name: str) -> float | None:
     """The published ImageNet-1k top-1 of a NaLaFormer variant or a listed timm model (a pretrained tag
     such as ``.fb_in1k`` is ignored), or None where none is listed."""
     if name.upper() in PAPER_FIGURES:

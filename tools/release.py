@@ -27,7 +27,7 @@ import json
 import os
 import shlex
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ LAYOUTS = {'nalaformer': "this repository's (each stage holds the downsample tha
                         "this repository's loaders read it too"}
 
 
-def select_weights(ckpt: Any, which: str, path: str) -> Tuple[Dict[str, torch.Tensor], str]:
+def select_weights(ckpt: Any, which: str, path: str) -> tuple[dict[str, torch.Tensor], str]:
     """The state dict to release and the checkpoint entry it came from, by the repo's one loader rule
     (weights.select_weights): ``default`` takes the EMA weights when the checkpoint has them."""
     key, sd = select_state_dict(ckpt, path, which)
@@ -67,10 +67,10 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def eval_numbers(ckpt: Dict[str, Any], path: str) -> Dict[str, Any]:
+def eval_numbers(ckpt: dict[str, Any], path: str) -> dict[str, Any]:
     """Accuracy figures recorded with the checkpoint: its ``max_accuracy`` and ``epoch``, and the test
     metrics of that epoch from the ``log.txt`` beside it (when there is one)."""
-    out: Dict[str, Any] = {k: ckpt[k] for k in ('epoch', 'max_accuracy') if isinstance(ckpt.get(k), (int, float))}
+    out: dict[str, Any] = {k: ckpt[k] for k in ('epoch', 'max_accuracy') if isinstance(ckpt.get(k), (int, float))}
     log = os.path.join(os.path.dirname(os.path.abspath(path)), 'log.txt')
     if 'epoch' in out and os.path.isfile(log):
         with open(log) as f:
@@ -85,7 +85,7 @@ def eval_numbers(ckpt: Dict[str, Any], path: str) -> Dict[str, Any]:
     return out
 
 
-def describe_eval(cfg: Dict[str, Any]) -> str:
+def describe_eval(cfg: dict[str, Any]) -> str:
     """What the evaluation transform of a ``datasets.data_config`` does, read off the transform itself."""
     from torchvision import transforms
     steps = datasets.eval_transform(cfg).transforms
@@ -98,14 +98,14 @@ def describe_eval(cfg: Dict[str, Any]) -> str:
     return f"{how}; mean {tuple(cfg['mean'])}, std {tuple(cfg['std'])}"
 
 
-def model_card(info: Dict[str, Any]) -> str:
+def model_card(info: dict[str, Any]) -> str:
     """Markdown model card for a released file."""
     n_cls = info['num_classes']
     # the path as written, relative to the directory release ran in: where README runs it (the repository
     # root) the load lines below work as pasted, and `models` imports from there too
     file = info['file']
     cfg = info['data_config']
-    overlay = f"file={file!r}"
+    overlay = f'file={file!r}'
     if n_cls != 1000:
         overlay += f', num_classes={n_cls}'
     # the evaluation settings that differ from the variant's registered pretrained_cfg
@@ -118,7 +118,7 @@ def model_card(info: Dict[str, Any]) -> str:
         f"# {info['name']}",
         '',
         f"- Model: `{info['model']}` (NaLaFormer), {n_cls} classes",
-        f"- Input size: {size}x{size} (eval: {describe_eval(cfg)})",
+        f'- Input size: {size}x{size} (eval: {describe_eval(cfg)})',
         f"- Parameters: {info['params'] / 1e6:.2f}M ({info['params']})",
     ]
     if info.get('gflops') is not None:
@@ -139,7 +139,7 @@ def model_card(info: Dict[str, Any]) -> str:
         '',
         '## Use',
         '',
-        f"Run these in the directory `tools/release.py` ran in ({where}; the repository root in the README), "
+        f'Run these in the directory `tools/release.py` ran in ({where}; the repository root in the README), '
         'where the `models` package of the NaLaFormer repository imports.',
         '',
         '```python',
@@ -157,10 +157,10 @@ def model_card(info: Dict[str, Any]) -> str:
     return '\n'.join(lines)
 
 
-def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Optional[str] = None,
-            model_name: Optional[str] = None, flops: bool = True,
+def release(checkpoint: str, output_dir: str, weights: str = 'default', name: str | None = None,
+            model_name: str | None = None, flops: bool = True,
             license_line: str = 'see the LICENSE of the NaLaFormer repository and the terms of the training data',
-            reference_layout: bool = False) -> Dict[str, Any]:
+            reference_layout: bool = False) -> dict[str, Any]:
     """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written.
     ``reference_layout`` writes the reference implementation's keys (``to_reference_layout``)."""
     from safetensors.torch import save_file
@@ -212,7 +212,7 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: Op
     return info
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('checkpoint', help='training checkpoint (.pth) or a bare state dict')
     parser.add_argument('--output-dir', '--output_dir', dest='output_dir', required=True)

@@ -62,7 +62,7 @@ def same_backward_passes(output: str) -> str:
     if counts['0'] != counts['1']:
         return f"backward passes differ: rank 0 ran {counts['0']}, rank 1 {counts['1']}"
     if 'non-finite loss (on another rank)' not in output:
-        return 'rank 0 did not skip the window of rank 1\'s NaN'
+        return "rank 0 did not skip the window of rank 1's NaN"
     return ''
 
 
@@ -86,7 +86,7 @@ def fast_vs_plain_row(dtype_name: str) -> Callable[[str], tuple[str, str]]:
         detail = f'worst block per variant, fast-vs-plain / plain-vs-fp32: {", ".join(notes)}'
         if failed:
             return 'failed', (f'{", ".join(failed)}: residual stream not fp32 or fast path beyond '
-                              f'{AMP_TOLERANCE}x the plain path\'s error; {detail}')
+                              f"{AMP_TOLERANCE}x the plain path's error; {detail}")
         return 'passed', detail
     return run
 

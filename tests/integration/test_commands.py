@@ -54,49 +54,49 @@ def test_eval_prints_every_set_asked_for(tmp_path):
     import timm
 
     import models  # noqa: F401  (registers the variants)
-    classes = ["n01", "n02", "n03"]
-    for split in ("train", "val"):
+    classes = ['n01', 'n02', 'n03']
+    for split in ('train', 'val'):
         for ci, c in enumerate(classes):
             for i in range(2):
-                p = tmp_path / "d" / split / c / f"ILSVRC2012_val_{ci * 2 + i + 1:08d}.JPEG"
+                p = tmp_path / 'd' / split / c / f'ILSVRC2012_val_{ci * 2 + i + 1:08d}.JPEG'
                 os.makedirs(p.parent, exist_ok=True)
-                Image.new("RGB", (8, 8), (ci * 80, i * 120, 200 - ci * 60)).save(p, "JPEG")
+                Image.new('RGB', (8, 8), (ci * 80, i * 120, 200 - ci * 60)).save(p, 'JPEG')
     for k in range(3):
-        os.makedirs(tmp_path / "v2" / str(k))
-        Image.new("RGB", (8, 8), (k * 80, 30, 0)).save(tmp_path / "v2" / str(k) / "a.png")
+        os.makedirs(tmp_path / 'v2' / str(k))
+        Image.new('RGB', (8, 8), (k * 80, 30, 0)).save(tmp_path / 'v2' / str(k) / 'a.png')
     real_table = [[0], [1], [1, 2], [], [2], [0, 1]]
-    (tmp_path / "real.json").write_text(json.dumps(real_table))
+    (tmp_path / 'real.json').write_text(json.dumps(real_table))
     torch.manual_seed(0)
-    model = timm.create_model("NALAFORMER_XT", num_classes=3).eval()
-    torch.save({"model": model.state_dict()}, tmp_path / "ck.pth")
+    model = timm.create_model('NALAFORMER_XT', num_classes=3).eval()
+    torch.save({'model': model.state_dict()}, tmp_path / 'ck.pth')
 
-    cmd = [sys.executable, os.path.join(REPO, "main.py"), "--eval", "--resume", str(tmp_path / "ck.pth"),
-           "--model", "NALAFORMER_XT", "--data-path", str(tmp_path / "d"), "--input-size", "32",
-           "--device", "cpu", "--num-workers", "0", "--batch-size", "4",
-           "--eval-sets", f"V2={tmp_path / 'v2'}", "--real-labels", str(tmp_path / "real.json")]
+    cmd = [sys.executable, os.path.join(REPO, 'main.py'), '--eval', '--resume', str(tmp_path / 'ck.pth'),
+           '--model', 'NALAFORMER_XT', '--data-path', str(tmp_path / 'd'), '--input-size', '32',
+           '--device', 'cpu', '--num-workers', '0', '--batch-size', '4',
+           '--eval-sets', f"V2={tmp_path / 'v2'}", '--real-labels', str(tmp_path / 'real.json')]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
     # expected figures from the same model, transforms and labels, computed here
-    dv, _ = D.build_dataset(False, make_args(data_path=str(tmp_path / "d")))
-    (_, v2), = E.build_eval_sets(make_args(eval_sets=[str(tmp_path / "v2")]), dv)
+    dv, _ = D.build_dataset(False, make_args(data_path=str(tmp_path / 'd')))
+    (_, v2), = E.build_eval_sets(make_args(eval_sets=[str(tmp_path / 'v2')]), dv)
     with torch.no_grad():
         top1 = {name: [int(model(ds[i][0][None]).argmax()) for i in range(len(ds))]
-                for name, ds in (("val", dv), ("v2", v2))}
-    v2_acc = 100 * sum(p == t for p, t in zip(top1["v2"], v2.targets)) / 3
-    scored = [(p, real_table[int(os.path.basename(f)[15:23]) - 1]) for p, (f, _) in zip(top1["val"], dv.samples)]
+                for name, ds in (('val', dv), ('v2', v2))}
+    v2_acc = 100 * sum(p == t for p, t in zip(top1['v2'], v2.targets)) / 3
+    scored = [(p, real_table[int(os.path.basename(f)[15:23]) - 1]) for p, (f, _) in zip(top1['val'], dv.samples)]
     scored = [(p, r) for p, r in scored if r]
     real_acc = 100 * sum(p in r for p, r in scored) / len(scored)
-    m = re.search(r"^V2: Acc@1 ([\d.]+)% .* on 3 of 3 images$", out.stdout, re.M)
+    m = re.search(r'^V2: Acc@1 ([\d.]+)% .* on 3 of 3 images$', out.stdout, re.M)
     assert m and abs(float(m.group(1)) - v2_acc) < 0.01, out.stdout[-1500:]
-    m = re.search(r"^ImageNet-ReaL: Acc@1 ([\d.]+)% .* on (\d+) images", out.stdout, re.M)
+    m = re.search(r'^ImageNet-ReaL: Acc@1 ([\d.]+)% .* on (\d+) images', out.stdout, re.M)
     assert m and abs(float(m.group(1)) - real_acc) < 0.01 and int(m.group(2)) == len(scored), out.stdout[-1500:]
 
-    train = [a for a in cmd if a != "--eval"]  # the extra sets are evaluation-only: refused, not ignored
+    train = [a for a in cmd if a != '--eval']  # the extra sets are evaluation-only: refused, not ignored
     out = subprocess.run(train, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode != 0 and "add --eval" in out.stdout + out.stderr, out.stdout[-800:] + out.stderr[-800:]
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode != 0 and 'add --eval' in out.stdout + out.stderr, out.stdout[-800:] + out.stderr[-800:]
 
 
 # -------------------------------------------------------------------------------- torch.hub
@@ -125,7 +125,7 @@ def test_under_torchrun_each_message_comes_once_and_every_rank_fails(data, tmp_p
 # -------------------------------------------------------------------------------- the allocator setting
 # Allocates, touches and frees a 64 MiB tensor 20 times; prints the page faults of the last 4 rounds
 # (with retain, glibc's heap takes up to ~10 rounds of alignment leftovers before it reuses blocks).
-SCRIPT = r'''
+SCRIPT = r"""
 import resource, sys
 import torch
 import utils
@@ -138,7 +138,7 @@ for _ in range(20):
     del t
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(retained, sum(faults[-4:]))
-'''
+"""
 
 
 def faults_of_last_rounds(mode: str):

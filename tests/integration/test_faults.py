@@ -312,13 +312,13 @@ def test_a_non_finite_micro_batch_on_one_rank_is_skipped_by_all_ranks_in_step(da
 
 
 # ------------------------------------------------------- stop signals reach data-loader workers too
-SPAWNED_WORKERS = '''
+SPAWNED_WORKERS = """
 import multiprocessing, sys
 import main
 if __name__ == "__main__":  # spawned workers import this file again
     multiprocessing.set_start_method("spawn", force=True)  # fresh workers: no handler inherited from main.py
     sys.exit(main.run(sys.argv[1:]))
-'''
+"""
 
 
 def test_usr1_to_every_process_with_spawned_workers_saves_and_resumes(data, tmp_path):
