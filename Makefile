@@ -68,4 +68,4 @@ demo-min: venv-min
 
 # `make smoke`: every training path (DDP, fp16/bf16, compile, channels-last, SyncBN, EMA, resume) once on this machine
 smoke: venv
-	$(PY) -m tools.smoke
+	$(PY) tools/smoke.py

@@ -197,7 +197,7 @@ def main(args, parser):
     # ---------------- data ----------------
     try:
         # evaluation only never lists the training set (train/ may be absent); its classes come from val
-        # uint8 images: the loaders normalise them on the device (datasets.DeviceLoader)
+        # uint8 images: the loaders normalise them on the device (loaders.DeviceLoader)
         dataset_train, nb_classes = ((None, None) if args.eval else
                                      datasets.build_dataset(is_train=True, args=args, uint8=True))
         dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args, uint8=True)

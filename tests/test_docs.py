@@ -1,11 +1,15 @@
 """What README.md and docs/ say about a command agrees with what the command does (as far as a CPU run
-allows): `make demo`'s accuracy and which weights `--finetune` takes."""
+allows): every README command runs as written, its Python lines run, which weights `--finetune` takes, the
+smoke and analysis sections (`make demo`'s figure: tests/integration/test_commands.py)."""
+import argparse
 import os
 import re
+import shlex
 import subprocess
 
+import pytest
 import torch
-from conftest import REPO, build_xt
+from conftest import REPO, build_xt, env
 
 import weights
 
@@ -92,3 +96,79 @@ def test_make_demo_keeps_other_files_in_its_output_dir():
     recipe = [line for line in p.stdout.splitlines() if 'output/demo' in line]
     assert len(recipe) == 1 and 'main.py' in recipe[0] and recipe[0].endswith('--output_dir output/demo --overwrite')
     assert not re.search(r'\brm\b', p.stdout)
+
+
+# ------------------------------------------------------------------------------------------ README's commands
+def readme_commands():
+    """The command lines of README's bash blocks: continuations joined, comments dropped."""
+    lines = []
+    for block in re.findall(r'```bash\n(.*?)```', _read('README.md'), re.S):
+        for line in block.replace('\\\n', ' ').splitlines():
+            line = re.split(r'\s+#\s', line, maxsplit=1)[0].strip()
+            if line and not line.startswith('#'):
+                lines.append(line)
+    return lines
+
+
+class _Parsed(Exception):
+    """Raised by a tool's argparse once its command line parsed: the tool does nothing more."""
+
+
+def _parse_only(monkeypatch, main_fn, argv):
+    real = argparse.ArgumentParser.parse_args
+
+    def parse(self, args=None, namespace=None):
+        raise _Parsed(real(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, 'parse_args', parse)
+    with pytest.raises(_Parsed):
+        main_fn(list(argv))
+    monkeypatch.undo()
+
+
+def test_every_readme_command_runs_as_written(monkeypatch, tmp_path):
+    """Each command line README shows is one this checkout accepts: Makefile targets exist, the scripts run
+    dry (DRY_RUN=1) and the main.py command they print parses, main.py's and every tool's flags parse."""
+    import importlib
+
+    import cli
+    commands = readme_commands()
+    assert len(commands) >= 12, commands
+    seen = set()
+    for line in commands:
+        words = shlex.split(line)
+        assigned = dict(w.split('=', 1) for w in words if re.fullmatch(r'[A-Z_]+=\S*', w))
+        words = [w for w in words if not re.fullmatch(r'[A-Z_]+=\S*', w)]
+        tool, rest = words[0], words[1:]
+        if tool == 'make':
+            p = subprocess.run(['make', '-n', *rest], cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert p.returncode == 0, (line, p.stderr)
+        elif tool == 'pip':
+            assert rest[:2] == ['install', '-r'] and os.path.isfile(os.path.join(REPO, rest[2])), line
+        elif tool in ('bash', 'sbatch'):
+            script = next(w for w in rest if w.endswith(('.sh', '.sbatch')))
+            e = {**env(), **assigned, 'DRY_RUN': '1'}
+            p = subprocess.run(['bash', os.path.join(REPO, script), *rest[rest.index(script) + 1:]], cwd=tmp_path,
+                               env=e, capture_output=True, text=True, timeout=60)
+            assert p.returncode == 0, (line, p.stderr)
+            launched = shlex.split(p.stdout.strip().splitlines()[-1].lstrip('+ '))
+            if 'main.py' in launched:
+                cli.get_args_parser().parse_args(launched[launched.index('main.py') + 1:])
+        elif tool == 'python' and rest[0] == 'main.py':
+            cli.get_args_parser().parse_args(rest[1:])
+        elif tool == 'python' and rest[0].startswith('tools/'):
+            module = importlib.import_module('tools.' + os.path.basename(rest[0])[:-3])
+            _parse_only(monkeypatch, module.main, rest[1:])
+        else:
+            raise AssertionError(f'README command of an unknown kind: {line}')
+        seen.add(tool)
+    assert {'make', 'bash', 'sbatch', 'python'} <= seen
+
+
+def test_readme_python_lines_run():
+    """README's Python block, run as it stands (from the repository root, as the line before it says)."""
+    code = re.search(r'```python\n(.*?)```', _read('README.md'), re.S).group(1)
+    namespace = {}
+    exec(compile(code, 'README.md', 'exec'), namespace)
+    assert tuple(namespace['feats'].shape) == (2, 512, 7, 5)
+    assert namespace['backbone'].feature_info.reduction() == [4, 8, 16, 32]

@@ -88,7 +88,7 @@ def test_gpu_report_is_a_markdown_table_of_every_row(monkeypatch, tmp_path):
     monkeypatch.setattr(smoke, 'run_row', fake_run)
     assert smoke.main(['--gpu-report', str(tmp_path / 'r.md')]) == 0
     lines = (tmp_path / 'r.md').read_text().splitlines()
-    assert lines[0].startswith('`python -m tools.smoke --gpu-report`: 1 GPU(s) (NVIDIA H200)')
+    assert lines[0].startswith('`python tools/smoke.py --gpu-report`: 1 GPU(s) (NVIDIA H200)')
     table = {line.split(' | ')[0][2:]: line.split(' | ')[1:] for line in lines[4:]}
     assert list(table) == [r.name for r in smoke.ROWS]
     assert table['sync-bn'][:2] == ['skipped', '-'] and table['sync-bn'][2] == 'needs 2 GPUs, 1 present |'

@@ -1,7 +1,7 @@
 """NaLaFormer as a detection backbone: features_only stage maps -> torchvision FPN -> Faster/Mask R-CNN.
 
-    python -m tools.detection_example                    # Faster R-CNN on NALAFORMER_XT, one 512x384 image
-    python -m tools.detection_example --mask --model NALAFORMER_T
+    python tools/detection_example.py                    # Faster R-CNN on NALAFORMER_XT, one 512x384 image
+    python tools/detection_example.py --mask --model NALAFORMER_T
 
 Builds the detector, runs one training step on a synthetic image with one box (and mask), then one
 forward in eval mode, and prints the losses and the number of detections. A starting point for your

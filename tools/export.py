@@ -1,8 +1,8 @@
 """Export a NaLaFormer to ONNX, TorchScript or a torch.export program, and check it against PyTorch.
 
-    python -m tools.export --model NALAFORMER_XT --format onnx --output xt.onnx --dynamic
-    python -m tools.export --model NALAFORMER_XT --checkpoint ckpt.pth --format torchscript --output xt.pt
-    python -m tools.export --model NALAFORMER_XT --format exported-program --output xt.pt2 --dynamic
+    python tools/export.py --model NALAFORMER_XT --format onnx --output xt.onnx --dynamic
+    python tools/export.py --model NALAFORMER_XT --checkpoint ckpt.pth --format torchscript --output xt.pt
+    python tools/export.py --model NALAFORMER_XT --format exported-program --output xt.pt2 --dynamic
 
 Exporters and tracers record the model's plain path (standard ops only; ``models.ops.use_plain_ops``),
 which computes the same numbers as the fast path PyTorch runs. The model is exported in eval mode from

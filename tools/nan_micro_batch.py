@@ -3,7 +3,7 @@ accumulation window. Every rank reports its backward passes on exit, which must 
 (a rank that skips a backward the others run would leave SyncBatchNorm's collectives out of order): every
 micro-batch runs its backward, the NaN one too, and the window is skipped at its optimizer step.
 
-    torchrun --nproc_per_node=2 -m tools.nan_micro_batch --accum-steps 2 ...main.py flags...
+    torchrun --nproc_per_node=2 tools/nan_micro_batch.py --accum-steps 2 ...main.py flags...
 """
 import os
 import sys

@@ -1,7 +1,7 @@
 """Top-k predictions of a NaLaFormer checkpoint for image files or folders.
 
-    python -m tools.predict cat.jpg photos/ --checkpoint output/t/best.pth
-    python -m tools.predict photos/ --model NALAFORMER_T --checkpoint release/nalaformer_t_224-1a2b3c4d.safetensors \\
+    python tools/predict.py cat.jpg photos/ --checkpoint output/t/best.pth
+    python tools/predict.py photos/ --model NALAFORMER_T --checkpoint release/nalaformer_t_224-1a2b3c4d.safetensors \\
         --topk 3 --format json --output preds.json --class-names classes.txt
 
 The checkpoint is a training checkpoint (``.pth``; its EMA weights when it has them, as timm loads

@@ -149,7 +149,7 @@ def model_card(info: dict[str, Any]) -> str:
         '```',
         '',
         '```bash',
-        f"python -m tools.predict IMAGES --model {info['model']} --checkpoint {shlex.quote(file)} "
+        f"python tools/predict.py IMAGES --model {info['model']} --checkpoint {shlex.quote(file)} "
         f"--input-size {info['input_size']}",
         '```',
         '',

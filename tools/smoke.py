@@ -1,10 +1,10 @@
 """Smoke test of a new machine: every training path of main.py once, on a tiny synthetic ImageFolder.
 
-    python -m tools.smoke                  # all paths on this machine's device (cuda if present, else cpu)
-    python -m tools.smoke --quick          # the CPU subset CI runs (no torch.compile: minutes on a CPU)
-    python -m tools.smoke --only fp16,resume
-    python -m tools.smoke --extra "--input-size 64"   # flags appended to every run
-    python -m tools.smoke --gpu-report report.md      # everything a first GPU session must check, as a table
+    python tools/smoke.py                  # all paths on this machine's device (cuda if present, else cpu)
+    python tools/smoke.py --quick          # the CPU subset CI runs (no torch.compile: minutes on a CPU)
+    python tools/smoke.py --only fp16,resume
+    python tools/smoke.py --extra "--input-size 64"   # flags appended to every run
+    python tools/smoke.py --gpu-report report.md      # everything a first GPU session must check, as a table
 
 Each row runs main.py (NALAFORMER_XT at 32 px, one epoch of a few steps) as its own process, or under
 torchrun with one or two processes, and must exit 0 and print what the path promises; the fast-vs-plain
@@ -210,7 +210,7 @@ def write_report(path: str, results, total_s: float) -> None:
     """The results as a Markdown table under a line naming the machine (GPUs, torch, CUDA)."""
     import torch
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    lines = [f"`python -m tools.smoke --gpu-report`: {len(gpus)} GPU(s) ({', '.join(sorted(set(gpus)))}), "
+    lines = [f"`python tools/smoke.py --gpu-report`: {len(gpus)} GPU(s) ({', '.join(sorted(set(gpus)))}), "
              f'torch {torch.__version__}, CUDA {torch.version.cuda}, {total_s / 60:.1f} min in all', '',
              '| path | status | seconds | detail |', '|---|---|---:|---|']
     for name, status, seconds, detail in results:
@@ -221,7 +221,7 @@ def write_report(path: str, results, total_s: float) -> None:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser('python -m tools.smoke', description=__doc__.split('\n\n')[0])
+    p = argparse.ArgumentParser('python tools/smoke.py', description=__doc__.split('\n\n')[0])
     p.add_argument('--quick', action='store_true', help='the CPU subset CI runs (no --compile); implies --device cpu')
     p.add_argument('--only', default='', metavar='NAME[,NAME]',
                    help='these rows only: ' + ', '.join(r.name for r in ROWS))
