@@ -135,9 +135,9 @@ def test_model_card_lines_work_where_release_ran(tmp_path, one_thread, monkeypat
     os.makedirs('images')
     Image.new('RGB', (40, 40), (200, 10, 10)).save(os.path.join('images', 'a.png'))
     argv = shlex.split(card.split('```bash\n')[1].split('```')[0])
-    assert argv[:4] == ['python', '-m', 'tools.predict', 'IMAGES']
+    assert argv[:3] == ['python', 'tools/predict.py', 'IMAGES']
     capsys.readouterr()
-    assert predict.main(['images'] + argv[4:]) == 0
+    assert predict.main(['images'] + argv[3:]) == 0
     assert capsys.readouterr().out.startswith('image,rank,class_index')
 
 
