@@ -95,6 +95,12 @@ def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') ->
     return line
 
 
+def accuracies(stats: dict) -> str:
+    """'Acc@1 80.00% Acc@5 95.00%' of evaluation stats (Acc@3 for a 3-class model: engine.topk_key)."""
+    key = engine.topk_key(stats)
+    return f"Acc@1 {stats['acc1']:.2f}%" + (f' Acc@{key[3:]} {stats[key]:.2f}%' if key else '')
+
+
 def evaluate_with_ema(args: argparse.Namespace, loader_val: Any, eval_model: torch.nn.Module, model_ema: Any,
                       eval_ema: torch.nn.Module | None, device: torch.device, amp_dtype: torch.dtype | None,
                       sum_over_ranks: bool, stop_flag: Any) -> tuple[dict, dict | None]:
@@ -141,12 +147,10 @@ def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: t
         print(accuracy_line(test_stats, len(dataset_val), label=label))
         for name, ds, stats in extra:
             stats = stats[label]
-            print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
-                  f"on {stats['n']} of {len(ds)} images")
+            print(f"{name}{label}: {accuracies(stats)} on {stats['n']} of {len(ds)} images")
         if real is not None:
             stats = test_stats['real']
-            print(f"ImageNet-ReaL{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
-                  f"on {stats['n']} images with a ReaL label")
+            print(f"ImageNet-ReaL{label}: {accuracies(stats)} on {stats['n']} images with a ReaL label")
     best = checkpoint.describe_best(ckpt)
     if best:
         print(f'{path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
