@@ -66,6 +66,7 @@ demo: venv
 demo-min: venv-min
 	OMP_WAIT_POLICY=PASSIVE $(PY_MIN) main.py $(DEMO_FLAGS) --output_dir output/demo-min --overwrite
 
-# `make smoke`: every training path (DDP, fp16/bf16, compile, channels-last, SyncBN, EMA, resume) once on this machine
+# `make smoke`: every training path (DDP, fp16/bf16, compile, channels-last, SyncBN, EMA, resume) once on this
+# machine's GPU; on a CPU the quick set without compile (`python tools/smoke.py --all` runs every path there)
 smoke: venv
 	$(PY) tools/smoke.py

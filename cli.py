@@ -16,7 +16,7 @@ import datasets
 import distributed
 import metrics
 import run_dir
-from errors import first_line
+from errors import CheckpointError, first_line
 from models.nalaformer import VARIANTS
 from utils import DEFAULT_NUM_WORKERS
 
@@ -227,6 +227,9 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--save-freq', default=50, type=NON_NEGATIVE_INT,
                    help='keep a backup checkpoint every N epochs (0: none)')
     g.add_argument('--no-flops', dest='flops', action='store_false', help='skip the fvcore FLOPs count at start')
+    g.add_argument('--print-args', action='store_true',
+                   help='print every argument at start, as JSON (a training run writes them to '
+                        '--output_dir/args.json either way)')
     g.add_argument('--max-bad-steps', default=20, type=NON_NEGATIVE_INT,
                    help='consecutive non-finite steps skipped before the run stops')
 
@@ -407,12 +410,32 @@ def check_auto_augment(aa, parser):
 EVAL_TRANSFORM_FLAGS = ('input_size', 'eval_crop_ratio')
 
 
-def resolve_eval_transform(args: argparse.Namespace, path: str) -> None:
+def apply_checkpoint_args(args: argparse.Namespace, path: str) -> None:
+    """What the checkpoint `path` (the one --eval measures or a run resumes) records decides before anything is
+    built: a --model other than its own is refused (check_recorded_model), and its evaluation transform applies
+    (resolve_eval_transform). Its args are read once, without loading its weights."""
+    recorded = checkpoint.recorded_args(path) if path else {}
+    check_recorded_model(args, path, recorded)
+    resolve_eval_transform(args, path, recorded)
+
+
+def check_recorded_model(args: argparse.Namespace, path: str, recorded: dict) -> None:
+    """Refuse a --model other than the one checkpoint `path` records (`recorded`: its args), in one line, before
+    the model is built and its FLOPs counted (seconds for XT, minutes for L); the weights would not load into
+    it anyway. A checkpoint that records no model (a bare state dict) is checked when its weights load."""
+    saved = recorded.get('model')
+    if saved and str(saved).upper() != str(args.model).upper():
+        raise CheckpointError(f'{path} is a checkpoint of --model {saved}, but this run has --model {args.model}: '
+                              f'pass --model {saved}, or another checkpoint')
+
+
+def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict | None = None) -> None:
     """--input-size and --eval-crop-ratio (None when not given): the command line's when given, else those the
     checkpoint `path` records (the one --eval measures or a run resumes: evaluated as it was trained), else the
-    model's. A given value that differs from the recorded one is printed with both. The checkpoint's args are
-    read without loading its weights."""
-    recorded = checkpoint.recorded_args(path) if path else {}
+    model's. A given value that differs from the recorded one is printed with both. The checkpoint's args
+    (`recorded`, read here when not given) are read without loading its weights."""
+    if recorded is None:
+        recorded = checkpoint.recorded_args(path) if path else {}
     taken, notes = [], []
     for key in EVAL_TRANSFORM_FLAGS:
         if key not in recorded:
@@ -498,3 +521,20 @@ def build_lr_scheduler(args, optimizer):
         noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
     return lr_scheduler
 
+
+#: the schedules that decay towards --min-lr (timm's create_scheduler_v2 gives it to these as their floor)
+DECAY_TO_MIN_LR = ('cosine', 'tanh', 'poly', 'wsd', 'rsqrt')
+
+
+def lr_floor_note(args: argparse.Namespace, global_batch: int) -> str:
+    """A note when the run's LR (`args.lr`, already scaled by the global batch unless --unscale-lr) lies below
+    --min-lr, naming both and the fixes: the schedule would then rise to --min-lr instead of decaying to it.
+    '' otherwise."""
+    if args.sched not in DECAY_TO_MIN_LR or args.lr >= args.min_lr:
+        return ''
+    what = (f'--lr {args.lr:.3g}' if args.unscale_lr else
+            f'the LR {args.lr:.3g} (--lr {args.lr * 512.0 / global_batch:.3g} x global batch {global_batch} / 512)')
+    fix = ('raise --lr or lower --min-lr' if args.unscale_lr else
+           'use a larger batch, --unscale-lr (the --lr as given), or a lower --min-lr')
+    return (f'Note: {what} is below --min-lr {args.min_lr:.3g}, so the {args.sched} schedule rises to --min-lr '
+            f'instead of decaying to it: {fix}')

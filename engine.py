@@ -283,15 +283,32 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
                            sum_over_ranks, stop_flag, real)['']
 
 
+#: the k of the top-k accuracy reported next to top-1; a model of fewer classes reports top-(its classes)
+TOP_K = 5
+
+
+def topk_key(stats: dict) -> str | None:
+    """The key of the top-k accuracy in `evaluate_models` stats: 'acc5', or 'acc3' for 3 classes (top-5 of 3
+    classes is top-3 under another name); None for one class, whose only top-k is top-1."""
+    return next((k for k in stats if k.startswith('acc') and k[3:].isdigit() and k != 'acc1'), None)
+
+
+def result_line(stats: dict) -> str:
+    """'* Acc@1 80.000 Acc@5 95.000 loss 0.812  (50000 images)' (Acc@3 with 3 classes) of one evaluation."""
+    key = topk_key(stats)
+    topk = f' Acc@{key[3:]} {stats[key]:.3f}' if key else ''
+    return f"* Acc@1 {stats['acc1']:.3f}{topk} loss {stats['loss']:.3f}  ({stats['n']} images)"
+
+
 @torch.no_grad()
 def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device: Any,
                     amp_dtype: torch.dtype | None = None, channels_last: bool = False, print_freq: int = 10,
                     header: str = 'Test:', sum_over_ranks: bool = False, stop_flag: Any = None,
                     real: Any = None) -> dict[str, dict]:
-    """Top-1/top-5 and loss from exact counts of each of `models` (label -> model, e.g. the model and its EMA),
-    from one pass over `data_loader`: each batch goes through every model, so the images are loaded and
-    decoded once whatever the number of models. With `sum_over_ranks` (dist-eval) the counts of every rank
-    are summed with all_reduce, so each image counts once whatever the number of processes.
+    """Top-1, top-5 (with fewer classes top-(classes), named so: 'acc3' for 3, topk_key) and loss from exact counts
+    of each of `models` (label -> model, e.g. the model and its EMA), from one pass over `data_loader`: each batch
+    goes through every model, so the images are decoded once. With `sum_over_ranks` (dist-eval) the counts of
+    every rank are summed with all_reduce, so each image counts once whatever the number of processes.
     A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval).
 
     With `real` (eval_sets.RealLabels), the batches are (images, target, index) (eval_sets.WithIndex) and
@@ -308,7 +325,7 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
     # per model: loss sum, top-1 hits, top-5 hits, counted images, images seen, aborted (float64: counts stay
     # exact), then with `real` its top-1 hits, top-5 hits and scored images
     sums = torch.zeros(len(models), 6 if real is None else 9, dtype=torch.float64, device=device)
-    seen = 0  # known on the host
+    seen, top_k = 0, dict.fromkeys(models, TOP_K)  # images seen (known on the host); per model: its top-k's k
     total = len(data_loader)
     for i, (images, target, *index) in enumerate(metric_logger.log_every(data_loader, print_freq, header,
                                                                            images_per_step=data_loader.batch_size)):
@@ -322,12 +339,12 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
         # targets < 0 mark images that could not be decoded (image_folder.IGNORE_TARGET): not counted; masks
         # rather than boolean indexing, whose output size the host would have to wait for
         valid = target >= 0
-        for k, model in enumerate(models.values()):
+        for k, (label, model) in enumerate(models.items()):
             with autocast(device, amp_dtype):
                 output = model(images)
             output = output.float()
             loss = torch.nn.functional.cross_entropy(output, target.clamp(min=0), reduction='none')
-            maxk = min(5, output.shape[1])
+            maxk = top_k[label] = min(TOP_K, output.shape[1])
             top = output.topk(maxk, dim=1).indices
             hit = top.eq(target.view(-1, 1)) & valid.view(-1, 1)
             sums[k, :4] += torch.stack([torch.where(valid, loss, 0.0).sum(dtype=torch.float64),
@@ -349,7 +366,7 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
         stats = {
             'loss': loss_sum / n if n else float('nan'),
             'acc1': 100.0 * correct1 / n if n else float('nan'),
-            'acc5': 100.0 * correct5 / n if n else float('nan'),
+            f'acc{top_k[label]}': 100.0 * correct5 / n if n else float('nan'),  # one class: acc1 again, the same
             'n': n,
             'seen': seen,
             'aborted': aborted > 0,
@@ -363,5 +380,5 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
         if stats['aborted']:
             print(f"{header} interrupted by a stop signal after {stats['n']} images")
             break
-        print(f"* Acc@1 {stats['acc1']:.3f} Acc@5 {stats['acc5']:.3f} loss {stats['loss']:.3f}  ({stats['n']} images)")
+        print(result_line(stats))
     return results

@@ -38,6 +38,24 @@ from models.flops import count_flops
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
 
 
+def print_lines(*lines: str) -> None:
+    """Print each of `lines` that is not empty (notes that apply only sometimes)."""
+    for line in filter(None, lines):
+        print(line)
+
+
+def start_lines(args: argparse.Namespace, resume_path: str) -> tuple[str, str]:
+    """What the run does, in one line before the data is read (the model, the data, the output directory and
+    where the whole command line goes: --output_dir/args.json when training starts), and with --print-args the
+    whole command line as one JSON line ('' without)."""
+    data = args.data_set + (f' at {args.data_path}' if args.data_path else '')
+    where = (f'into {args.output_dir} (every argument: {os.path.join(args.output_dir, run_dir.ARGS_NAME)})'
+             if args.output_dir else 'without --output_dir (nothing saved)')
+    line = (f'Run: evaluating {resume_path} as {args.model} on {data} (--print-args prints every argument)'
+            if args.eval else f'Run: training {args.model} on {data} {where}')
+    return line, json.dumps(checkpoint.args_to_dict(args), default=str) if args.print_args else ''
+
+
 def build_model(args, nb_classes):
     """The model with the number of classes and dropout of the command line; drop path from --drop-path,
     or the variant's own rate when --drop-path is not given."""
@@ -95,6 +113,12 @@ def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') ->
     return line
 
 
+def accuracies(stats: dict) -> str:
+    """'Acc@1 80.00% Acc@5 95.00%' of evaluation stats (Acc@3 for a 3-class model: engine.topk_key)."""
+    key = engine.topk_key(stats)
+    return f"Acc@1 {stats['acc1']:.2f}%" + (f' Acc@{key[3:]} {stats[key]:.2f}%' if key else '')
+
+
 def evaluate_with_ema(args: argparse.Namespace, loader_val: Any, eval_model: torch.nn.Module, model_ema: Any,
                       eval_ema: torch.nn.Module | None, device: torch.device, amp_dtype: torch.dtype | None,
                       sum_over_ranks: bool, stop_flag: Any) -> tuple[dict, dict | None]:
@@ -141,12 +165,10 @@ def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: t
         print(accuracy_line(test_stats, len(dataset_val), label=label))
         for name, ds, stats in extra:
             stats = stats[label]
-            print(f"{name}{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
-                  f"on {stats['n']} of {len(ds)} images")
+            print(f"{name}{label}: {accuracies(stats)} on {stats['n']} of {len(ds)} images")
         if real is not None:
             stats = test_stats['real']
-            print(f"ImageNet-ReaL{label}: Acc@1 {stats['acc1']:.2f}% Acc@5 {stats['acc5']:.2f}% "
-                  f"on {stats['n']} images with a ReaL label")
+            print(f"ImageNet-ReaL{label}: {accuracies(stats)} on {stats['n']} images with a ReaL label")
     best = checkpoint.describe_best(ckpt)
     if best:
         print(f'{path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
@@ -176,10 +198,9 @@ def main(args, parser):
         print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
     for note in cli.compatibility_notes(args):
         print(note)
-    # before the data: the validation transform is the checkpoint's own unless the command line names one
     resume_path = run_dir.agree_on_resume_path(args, device)  # rank 0 decides, every rank checks its own view
-    cli.resolve_eval_transform(args, resume_path)
-    print(json.dumps({k: v for k, v in checkpoint.args_to_dict(args).items()}, default=str))
+    cli.apply_checkpoint_args(args, resume_path)  # before the data: its --model must be ours, its eval transform
+    print_lines(*start_lines(args, resume_path))
 
     from timm.data import Mixup
     from timm.utils import distribute_bn, random_seed
@@ -284,6 +305,7 @@ def main(args, parser):
     print(f'Evaluation: {precision}' if args.eval else
           f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup '
           f'{args.warmup_epochs} epochs from {args.warmup_lr}, min {args.min_lr}; {precision}')
+    print_lines('' if args.eval else cli.lr_floor_note(args, global_batch))
 
     criterion = build_criterion(args, mixup_active)
     teacher_model = None
@@ -307,8 +329,7 @@ def main(args, parser):
     if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
         run_dir.check_room(output_dir, checkpoints.estimate_bytes(resume_path), device,
                            run_dir.checkpoints_at_peak(args, start_epoch))
-    if resumed.message:
-        print(resumed.message)
+    print_lines(resumed.message, run_dir.resume_elsewhere_note(args, resume_path))
 
     # evaluation uses the bare module: a DDP forward may broadcast buffers, a collective that would hang
     # when ranks get different numbers of validation batches (exact dist-eval does not pad)
@@ -330,6 +351,7 @@ def main(args, parser):
     random_erasing = loaders.batch_random_erasing(args, device)  # the train transform's, on the device
 
     tb = metrics.tensorboard_logger(args.log_dir, device)
+    run_dir.save_args(args, checkpoint.args_to_dict(args), device)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):

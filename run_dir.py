@@ -61,6 +61,36 @@ def agree_on_resume_path(args: argparse.Namespace, device: Any) -> str:
     return decided
 
 
+def resume_elsewhere_note(args: argparse.Namespace, path: str) -> str:
+    """A note when a training run resumes checkpoint `path` of another directory into --output_dir (both
+    named): the checkpoints and log.txt go to --output_dir from here on. '' otherwise."""
+    if args.eval or not path or not args.output_dir or in_directory(path, args.output_dir):
+        return ''
+    return (f'Note: resuming {path} into another --output_dir: {args.output_dir} gets the checkpoints and log.txt '
+            f'from here on; {os.path.dirname(path) or "."} keeps those so far')
+
+
+ARGS_NAME = 'args.json'  # in --output_dir: the arguments of the latest start of the run
+
+
+def save_args(args: argparse.Namespace, arguments: dict[str, Any], device: Any) -> None:
+    """Write `arguments` (the run's whole command line, checkpoint.args_to_dict) to --output_dir/args.json as
+    one indented JSON object (rank 0; a failure stops every rank with one line). Each start replaces it."""
+    if not args.output_dir:
+        return
+    path = os.path.join(args.output_dir, ARGS_NAME)
+
+    def write() -> None:
+        try:
+            with open(path, 'w') as f:
+                json.dump(metrics.json_safe(arguments), f, indent=1, default=str)
+                f.write('\n')
+        except OSError as e:
+            raise UserError(f'could not write {path}: {write_failure_reason(e)}') from e
+
+    distributed.on_rank0(write, device, f'could not write {path}')
+
+
 def previous_run_files(directory: str) -> list[str]:
     """Names of the files of an earlier run in `directory` (checkpoints, a non-empty log.txt)."""
     names = [os.path.basename(p) for p in run_checkpoints(directory)]

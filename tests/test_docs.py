@@ -81,6 +81,18 @@ def test_the_python_snippet_says_where_it_runs():
     assert "ModuleNotFoundError: No module named 'models'" in where and 'torch.hub.load' in where
 
 
+def test_the_readme_says_where_bf16_is_fast_and_how_long_make_smoke_takes():
+    text = ' '.join(_read('README.md').split())
+    bf16 = re.search(r'`--amp bf16` is the fast precision on GPUs with bf16 tensor cores[^`]*?\)\.', text)
+    assert bf16 and 'on a CPU it needs native bf16' in bf16.group(0) and 'docs/performance.md' in bf16.group(0), text
+    smoke = re.search(r'`make smoke` runs [^`]*?on a CPU the quick set without compile, ([\d.]+) minutes on 2 cores '
+                      r'\(`python tools/smoke.py --all` runs every path: ([\d.]+) minutes', text)
+    assert smoke, text
+    usage = ' '.join(_section('docs/usage.md', '## Smoke test on a new machine').split())
+    assert (f'`make smoke` took {smoke.group(1)} minutes' in usage
+            and f'`--all` {smoke.group(2)} minutes' in usage), usage
+
+
 def test_make_test_duration_is_in_usage_not_in_the_readme():
     assert re.search(r'`make test` runs the whole suite, about \d+ minutes on a 2-core machine',
                      ' '.join(_read('docs/usage.md').split()))

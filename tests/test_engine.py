@@ -33,7 +33,19 @@ def test_evaluate_counts_exactly_and_excludes_undecodable_images():
     loader = Loader([(x[:4].view(4, 2, 1, 1), y[:4]), (x[4:].view(1, 2, 1, 1), y[4:])])
     st = engine.evaluate(loader, model, 'cpu')
     assert st['n'] == 4 and st['seen'] == 5
-    assert st['acc1'] == pytest.approx(75.0) and st['acc5'] == pytest.approx(100.0)
+    assert st['acc1'] == pytest.approx(75.0) and st['acc3'] == pytest.approx(100.0)  # 3 classes: top-3
+
+
+@pytest.mark.parametrize('classes, key', [(10, 'acc5'), (5, 'acc5'), (3, 'acc3'), (2, 'acc2'), (1, None)])
+def test_top_k_is_top_5_or_top_of_every_class_and_named_by_its_k(classes, key, capsys):
+    """With fewer than 5 classes the second accuracy is top-(classes), named so (key and printed line), not
+    'Acc@5'; one class has top-1 only."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, classes))
+    st = engine.evaluate(Loader([(torch.randn(4, 2, 1, 1), torch.zeros(4, dtype=torch.long))]), model, 'cpu')
+    assert engine.topk_key(st) == key and [k for k in st if k.startswith('acc')] == ['acc1'] + ([key] if key else [])
+    star = [line for line in capsys.readouterr().out.splitlines() if line.startswith('* Acc@1')]
+    assert len(star) == 1 and (f' Acc@{key[3:]} ' in star[0] if key else ' loss ' in star[0]) and (
+        'Acc@5' not in star[0] or key == 'acc5'), star
 
 
 def count_host_reads(monkeypatch):

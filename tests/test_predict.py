@@ -138,3 +138,23 @@ def test_another_input_size_than_the_recorded_one_is_noted(tmp_path, one_thread,
     assert predict.main([img, '--checkpoint', str(path), '--input-size', '32']) == 0
     err = capsys.readouterr().err
     assert f'Note: --input-size 32 on the command line, 48 in {path}; using 32' in err and 'at 32 px' in err
+
+
+def test_class_names_are_the_checkpoints_and_a_releases_unless_given(tmp_path, one_thread, capsys):
+    """A checkpoint that records its classes (main.py saves the training folders in label order) predicts their
+    names, and so does its release; --class-names overrides them."""
+    path, ema = _checkpoint(tmp_path)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt['classes'] = ['cat', 'dog', 'fox', 'owl']
+    torch.save(ckpt, path)
+    img = _images(tmp_path / 'imgs', n=1)[0]
+    _, indices = _expected(ema, [img], 48, 0.9, 4)
+    released = release.release(str(path), str(tmp_path / 'rel'), flops=False)['file']
+    (tmp_path / 'c.txt').write_text('a\nb\nc\nd\n')
+    for source, extra, names in ((path, [], 'cat dog fox owl'), (released, [], 'cat dog fox owl'),
+                                 (path, ['--class-names', str(tmp_path / 'c.txt')], 'a b c d')):
+        assert predict.main([img, '--checkpoint', str(source), '--topk', '4', *extra]) == 0
+        captured = capsys.readouterr()
+        rows = list(csv.DictReader(io.StringIO(captured.out)))
+        assert [r['class_name'] for r in rows] == [names.split()[i] for i in indices[0]]
+        assert ('class names: --class-names' if extra else f'class names: recorded in {source}') in captured.err

@@ -145,3 +145,48 @@ def test_timm_names_a_missing_pretrained_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r'^NALAFORMER_XT: pretrained file nope/x\.safetensors does not exist '
                                                 r'\(a relative path is read from the working directory, '):
         timm.create_model('NALAFORMER_XT', pretrained=True, pretrained_cfg_overlay=dict(file='nope/x.safetensors'))
+
+
+def _accuracies(tmp_path, model_acc, ema_acc, classes=None):
+    """The tiny checkpoint with this epoch's recorded top-1 of both sets of weights (as main.py saves it)."""
+    path, model, ema = _tiny_checkpoint(tmp_path, num_classes=3)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt['acc1'] = {'model': model_acc, 'model_ema': ema_acc}
+    if classes:
+        ckpt['classes'] = classes
+    torch.save(ckpt, path)
+    return str(path), model, ema
+
+
+def test_default_ema_weights_worse_than_the_model_are_refused_naming_both_choices(tmp_path, capsys):
+    path, _, _ = _accuracies(tmp_path, 33.33, 0.0)
+    out = str(tmp_path / 'out')
+    with pytest.raises(SystemExit) as e:
+        release.main([path, '--output-dir', out, '--no-flops'])
+    assert e.value.code == 2 and not os.path.exists(out)
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err.endswith(f': error: {path}: the EMA weights, taken by default, recorded top-1 0.00%, the model '
+                        f'weights 33.33%: pass --weights model to release the better ones, or --weights model_ema '
+                        f'to release these anyway')
+    for weights, taken in (('model', 'the model weights (model)'), ('model_ema', 'the EMA weights (model_ema)')):
+        assert release.main([path, '--output-dir', out, '--no-flops', '--weights', weights]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert first.startswith(f'Released {taken}; recorded top-1 at epoch 3: ')
+        assert 'model 33.33%' in first and 'EMA 0.00%' in first
+
+
+def test_the_console_names_the_weights_taken_and_both_recorded_accuracies(tmp_path, capsys):
+    path, _, _ = _tiny_checkpoint(tmp_path)  # no acc1 entry: the figures of log.txt's line of its epoch
+    assert release.main([str(path), '--output-dir', str(tmp_path / 'out'), '--no-flops']) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        'Released the EMA weights (model_ema); recorded top-1 at epoch 3: EMA 61.25%, model 60.25%')
+
+
+def test_the_checkpoints_class_names_go_into_the_release(tmp_path):
+    from safetensors import safe_open
+    path, _, _ = _accuracies(tmp_path, 50.0, 60.0, classes=['cat', 'dog', 'owl'])
+    info = release.release(path, str(tmp_path / 'out'), flops=False)
+    with safe_open(info['file'], framework='pt') as f:
+        assert json.loads(f.metadata()['classes']) == ['cat', 'dog', 'owl']
+    with open(info['card']) as f:
+        assert "- Class names: `cat`, `dog`, `owl` (all 3 in the file's metadata" in f.read()

@@ -1,6 +1,9 @@
 """tools/smoke.py without running it: its rows are valid main.py command lines, and the GPU session's skip
 rules and report (tests/integration/test_smoke_runs.py runs it)."""
 
+import subprocess
+import time
+
 import pytest
 
 import cli
@@ -94,3 +97,42 @@ def test_gpu_report_is_a_markdown_table_of_every_row(monkeypatch, tmp_path):
     assert table['sync-bn'][:2] == ['skipped', '-'] and table['sync-bn'][2] == 'needs 2 GPUs, 1 present |'
     assert table['fp32'][0] == 'passed'
     assert all(device == 'cuda' and timeout == 240 for _, device, timeout in ran)
+
+
+# ------------------------------------------------------------------------------------- CPU default, progress
+def _ran(monkeypatch, argv, gpus=0):
+    """The rows smoke.main runs for `argv` (run_row stood in for) on a machine with `gpus` GPUs, and its output."""
+    FakeGpus(monkeypatch, gpus)
+    monkeypatch.setattr(smoke, 'write_imagefolder', lambda root: root)
+    ran = []
+    monkeypatch.setattr(smoke, 'run_row', lambda row, *a: ran.append(row.name) or ('passed', 1.0, row.what))
+    assert smoke.main(argv) == 0
+    return ran
+
+
+def test_the_cpu_default_is_the_quick_set_and_all_runs_every_row(monkeypatch, capsys):
+    quick = [r.name for r in smoke.ROWS if not smoke.skip_reason(r, 'cpu', True)]
+    assert 'compile' not in quick
+    assert _ran(monkeypatch, []) == quick
+    out = capsys.readouterr().out
+    assert 'the quick set (the default on a CPU; --all runs every path)' in out.splitlines()[0]
+    assert 'not in the CPU default set (--all runs it): torch.compile takes minutes on a CPU' in out
+    assert _ran(monkeypatch, ['--all']) == [r.name for r in smoke.ROWS if not smoke.skip_reason(r, 'cpu', False)]
+    assert _ran(monkeypatch, ['--only', 'compile']) == ['compile']  # a row named on a CPU runs
+    assert _ran(monkeypatch, [], gpus=1) == [r.name for r in smoke.ROWS if not smoke.skip_reason(r, 'cuda', False)]
+    with pytest.raises(SystemExit):
+        smoke.main(['--all', '--quick'])
+
+
+def test_each_row_says_when_it_starts_and_how_long_it_has_run(monkeypatch, capsys):
+    import sys
+    _ran(monkeypatch, ['--only', 'fp32'])
+    assert '  fp32: running (fp32 (TF32 matmuls on CUDA))' in capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(smoke, 'PROGRESS_EVERY', 0.3)
+    proc = smoke.run_command([sys.executable, '-c', 'import time; time.sleep(1.2); print("done")'], 30, 'slow',
+                             time.time() - 100)
+    assert proc.returncode == 0 and proc.stdout == 'done\n'
+    ticks = [line for line in capsys.readouterr().out.splitlines() if line.startswith('  slow: running, ')]
+    assert len(ticks) >= 2 and all(int(t.split(', ')[1].split()[0]) >= 100 for t in ticks), ticks
+    with pytest.raises(subprocess.TimeoutExpired):
+        smoke.run_command([sys.executable, '-c', 'import time; time.sleep(30)'], 0.5, 'stuck', time.time())

@@ -5,9 +5,9 @@
 
 Each argument is an output directory holding ``log.txt`` (or the log file itself): one JSON object
 per line with ``epoch``, ``n_parameters``, ``train_lr``, ``train_loss``, ``test_loss``, ``test_acc1``,
-``test_acc5`` and optionally ``test_ema_*``, as main.py writes it. Panels: loss (train solid, test
-dashed), learning rate, top-1 (model solid, EMA dotted when logged). Blank lines are skipped; a
-missing, empty or malformed log stops with one line naming the file (and line).
+``test_acc5`` (``test_acc3`` for 3 classes) and optionally ``test_ema_*``, as main.py writes it. Panels: loss
+(train solid, test dashed), learning rate, top-1 (model solid, EMA dotted when logged). Blank lines are
+skipped; a missing, empty or malformed log stops with one line naming the file (and line).
 """
 import argparse
 import json

@@ -10,8 +10,10 @@ the evaluation transform of ``main.py --eval`` (``datasets.data_config``): the m
 (bicubic resize, centre crop, mean/std) at the checkpoint's recorded ``--input-size`` and
 ``--eval-crop-ratio`` (``--input-size`` here overrides, with a note naming both). Folders are searched
 recursively for image files, in sorted order; an image named twice (a file and its folder) is predicted
-once. ``--class-names`` is a text file with one name per line (line i is class i) or a JSON list; without
-it classes are printed as their index. Output: CSV
+once. Class names are those the checkpoint records (a training checkpoint's ``classes``, the training folders
+in label order; a release's metadata, ``tools/release.py``); ``--class-names`` (a text file with one name per
+line, line i is class i, or a JSON list) overrides them; with neither, classes are printed as their index.
+Output: CSV
 (``image,rank,class_index,class_name,probability``) or JSON, to stdout or ``--output``.
 """
 import argparse
@@ -63,18 +65,29 @@ def list_images(paths: Sequence[str]) -> list[str]:
     return unique
 
 
-def _run_info(values: dict[str, Any], crop_key: str) -> dict[str, Any]:
-    """``model``, ``input_size`` and ``crop_pct`` from a checkpoint's args or a release's metadata, where recorded."""
+def _run_info(values: dict[str, Any], crop_key: str, classes: Any = None) -> dict[str, Any]:
+    """``model``, ``input_size`` and ``crop_pct`` from a checkpoint's args or a release's metadata, and the class
+    names (``classes``), where recorded."""
     info: dict[str, Any] = {}
     for key, name, cast in (('model', 'model', str), ('input_size', 'input_size', int), (crop_key, 'crop_pct', float)):
         if values.get(key):
             info[name] = cast(values[key])
+    if isinstance(classes, (list, tuple)) and classes:
+        info['classes'] = [str(c) for c in classes]
     return info
 
 
+def _metadata_classes(meta: dict[str, str]) -> list | None:
+    """The class names a release's metadata records (a JSON list under ``classes``), else None."""
+    try:
+        return json.loads(meta['classes'])
+    except (KeyError, ValueError):
+        return None
+
+
 def load_weights(path: str, weights: str = 'default') -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """State dict and run settings (``model``, ``input_size``, ``crop_pct`` when recorded) of a training
-    checkpoint or a released safetensors file (in either key layout, ``from_reference_layout``)."""
+    """State dict and run settings (``model``, ``input_size``, ``crop_pct``, ``classes`` when recorded) of a
+    training checkpoint or a released safetensors file (in either key layout, ``from_reference_layout``)."""
     if path.endswith('.safetensors'):
         from safetensors import safe_open
         if not os.path.isfile(path):
@@ -85,10 +98,11 @@ def load_weights(path: str, weights: str = 'default') -> tuple[dict[str, torch.T
                 sd = from_reference_layout({k: f.get_tensor(k) for k in f.keys()})
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f'{path} is not a readable safetensors file ({first_line(e)})') from e
-        return sd, _run_info(meta, 'crop_pct')
+        return sd, _run_info(meta, 'crop_pct', _metadata_classes(meta))
     ckpt = checkpoint_io.load_checkpoint_file(path)
     sd, _ = select_weights(ckpt, weights, path)
-    return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio')
+    classes = ckpt.get('classes') if isinstance(ckpt, dict) else None
+    return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio', classes)
 
 
 def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
@@ -103,6 +117,19 @@ def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torc
         raise CheckpointError(msg)
     model.load_state_dict(sd, strict=True)
     return model.eval()
+
+
+def class_names_for(args: argparse.Namespace, recorded: dict[str, Any], num_classes: int) -> tuple[list | None, str]:
+    """The class names to print and where they come from: --class-names, else those the checkpoint records
+    (when there is one per class), else none (indices)."""
+    if args.class_names:
+        return read_class_names(args.class_names, num_classes), f'--class-names {args.class_names}'
+    names = recorded.get('classes')
+    if names and len(names) == num_classes:
+        return names, f'recorded in {args.checkpoint}'
+    if names:
+        return None, f'none ({args.checkpoint} records {len(names)} names for {num_classes} classes: indices)'
+    return None, 'none recorded (indices; --class-names FILE names them)'
 
 
 def read_class_names(path: str, num_classes: int) -> list[str]:
@@ -172,7 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument('--topk', type=int, default=5)
     parser.add_argument('--format', choices=['csv', 'json'], default='csv')
     parser.add_argument('--output', default=None, help='write here instead of stdout')
-    parser.add_argument('--class-names', default=None, help='text file, one class name per line, or a JSON list')
+    parser.add_argument('--class-names', default=None,
+                        help='text file, one class name per line, or a JSON list (default: the names the '
+                             'checkpoint records)')
     parser.add_argument('--batch-size', type=int, default=16)
     parser.add_argument('--device', default='cpu')
     args = parser.parse_args(argv)
@@ -185,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not model_name:
             raise UserError(f'{args.checkpoint} does not record its model; pass --model NAME')
         model = build_model(model_name, sd, args.checkpoint).to(args.device)
-        class_names = read_class_names(args.class_names, model.num_classes) if args.class_names else None
+        class_names, names_from = class_names_for(args, recorded, model.num_classes)
         note = datasets.override_note('--input-size', args.input_size, recorded.get('input_size'), args.checkpoint)
         if note:
             print(note, file=sys.stderr)
@@ -194,8 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = format_results(images, results, class_names, args.format)
     except UserError as e:
         parser.exit(2, f'{parser.prog}: error: {e}\n')
-    print(f"{model_name}: {len(images)} image(s) at {cfg['input_size'][-1]} px, crop_pct {cfg['crop_pct']}",
-          file=sys.stderr)
+    print(f"{model_name}: {len(images)} image(s) at {cfg['input_size'][-1]} px, crop_pct {cfg['crop_pct']}; "
+          f'class names: {names_from}', file=sys.stderr)
     if args.output:
         with open(args.output, 'w', encoding='utf-8') as f:
             f.write(text)

@@ -5,10 +5,14 @@
     python tools/release.py output/t/best.pth --weights model --name nalaformer_t_in1k --output-dir release
     python tools/release.py output/t/best.pth --reference-layout --output-dir release
 
-Only the weights are kept (no optimizer, scheduler, scaler, RNG or arguments). ``--weights default``
-takes the EMA weights when the checkpoint has them, else the raw model weights, which is what
-``timm.create_model(..., pretrained=True)`` and ``checkpoint_path=`` load from a training checkpoint;
-``--weights model`` or ``--weights model_ema`` picks one explicitly. The weights are loaded into the
+Only the weights are kept (no optimizer, scheduler, scaler, RNG or arguments). Without ``--weights`` (or with
+``--weights default``) the EMA weights are taken when the checkpoint has them, else the raw model weights, which
+is what ``timm.create_model(..., pretrained=True)`` and ``checkpoint_path=`` load from a training checkpoint;
+``--weights model`` or ``--weights model_ema`` picks one explicitly. The console names the weights taken and
+the top-1 both recorded for the checkpoint's epoch; without ``--weights``, EMA weights that recorded a lower
+top-1 than the model weights are refused (a short run's EMA lags far behind), naming both choices. The
+class names the checkpoint records go into the file's metadata (``classes``, a JSON list), which
+``tools/predict.py`` prints. The weights are loaded into the
 model with ``strict=True`` before anything is written, and the file is written under a temporary
 name and renamed once complete. Load the result with
 
@@ -85,6 +89,39 @@ def eval_numbers(ckpt: dict[str, Any], path: str) -> dict[str, Any]:
     return out
 
 
+def recorded_acc1(ckpt: dict[str, Any], path: str) -> dict[str, float]:
+    """The top-1 the checkpoint's epoch recorded for each set of weights ('model', 'model_ema'): its ``acc1``
+    entry, else the epoch's ``test_acc1`` / ``test_ema_acc1`` in the log.txt beside it. Empty when none."""
+    acc = ckpt.get('acc1')
+    if isinstance(acc, dict):
+        return {k: float(v) for k, v in acc.items() if k in ('model', 'model_ema') and isinstance(v, (int, float))}
+    ev = eval_numbers(ckpt, path)
+    return {k: float(ev[key]) for k, key in (('model', 'test_acc1'), ('model_ema', 'test_ema_acc1')) if key in ev}
+
+
+WEIGHT_NAMES = {'model': 'model', 'model_ema': 'EMA'}
+
+
+def describe_choice(taken: str, acc: dict[str, float], epoch: Any) -> str:
+    """'the EMA weights (model_ema); recorded top-1 at epoch 3: EMA 61.25%, model 60.25%'."""
+    what = f'the {WEIGHT_NAMES[taken]} weights ({taken})' if taken in WEIGHT_NAMES else f'the {taken}'
+    if not acc:
+        return f'{what}; no top-1 recorded for them'
+    at = f' at epoch {epoch}' if isinstance(epoch, int) else ''
+    order = [taken] + [k for k in acc if k != taken]
+    return f'{what}; recorded top-1{at}: ' + ', '.join(f'{WEIGHT_NAMES[k]} {acc[k]:.2f}%' for k in order if k in acc)
+
+
+def check_better(taken: str, acc: dict[str, float], path: str) -> None:
+    """Refuse, in one line naming both --weights choices, to release by default the EMA weights (the default
+    rule's choice when a checkpoint has them) when they recorded a lower top-1 than the model weights."""
+    other = 'model'
+    if taken == 'model_ema' and taken in acc and other in acc and acc[taken] < acc[other]:
+        raise UserError(f'{path}: the {WEIGHT_NAMES[taken]} weights, taken by default, recorded top-1 '
+                        f'{acc[taken]:.2f}%, the {WEIGHT_NAMES[other]} weights {acc[other]:.2f}%: pass --weights '
+                        f'{other} to release the better ones, or --weights {taken} to release these anyway')
+
+
 def describe_eval(cfg: dict[str, Any]) -> str:
     """What the evaluation transform of a ``datasets.data_config`` does, read off the transform itself."""
     from torchvision import transforms
@@ -131,6 +168,10 @@ def model_card(info: dict[str, Any]) -> str:
         lines.append('- Evaluation: none recorded in the checkpoint')
     if info.get('data_set'):
         lines.append(f"- Trained on: `{info['data_set']}`")
+    if info.get('classes'):
+        shown = ', '.join(f'`{c}`' for c in info['classes'][:10]) + (', ...' if len(info['classes']) > 10 else '')
+        lines.append(f"- Class names: {shown} (all {len(info['classes'])} in the file's metadata, `classes`; "
+                     'tools/predict.py prints them)')
     lines += [
         f"- Source: `{info['source']}`, weights `{info['weights']}`",
         f"- Key layout: {LAYOUTS[info.get('layout', 'nalaformer')]}",
@@ -157,12 +198,13 @@ def model_card(info: dict[str, Any]) -> str:
     return '\n'.join(lines)
 
 
-def release(checkpoint: str, output_dir: str, weights: str = 'default', name: str | None = None,
+def release(checkpoint: str, output_dir: str, weights: str | None = None, name: str | None = None,
             model_name: str | None = None, flops: bool = True,
             license_line: str = 'see the LICENSE of the NaLaFormer repository and the terms of the training data',
             reference_layout: bool = False) -> dict[str, Any]:
     """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written.
-    ``reference_layout`` writes the reference implementation's keys (``to_reference_layout``)."""
+    ``weights`` None takes the default rule's weights, refused when they recorded a lower top-1 than the others
+    (check_better); ``reference_layout`` writes the reference implementation's keys (``to_reference_layout``)."""
     from safetensors.torch import save_file
     ckpt = load_checkpoint_file(checkpoint)
     args = saved_args(ckpt)
@@ -171,7 +213,11 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: st
         raise UserError(f'{checkpoint} does not record its model (no args.model); pass --model NAME')
     if not timm.is_model(model_name):
         raise UserError(f'unknown model {model_name!r}; pass --model with a NaLaFormer variant')
-    sd, taken = select_weights(ckpt, weights, checkpoint)
+    sd, taken = select_weights(ckpt, weights or 'default', checkpoint)
+    acc = recorded_acc1(ckpt, checkpoint) if isinstance(ckpt, dict) else {}
+    if weights is None:
+        check_better(taken, acc, checkpoint)
+    classes = ckpt.get('classes') if isinstance(ckpt, dict) else None
     cfg = datasets.data_config(model_name, args.get('input_size'), args.get('eval_crop_ratio'))
     input_size, crop_pct = cfg['input_size'][-1], cfg['crop_pct']
 
@@ -191,6 +237,8 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: st
                for k, v in (to_reference_layout(sd) if reference_layout else sd).items()}
     meta = {'format': 'pt', 'model': model_name, 'num_classes': str(num_classes), 'input_size': str(input_size),
             'crop_pct': str(crop_pct), 'crop_mode': cfg['crop_mode'], 'source_weights': taken, 'layout': layout}
+    if isinstance(classes, (list, tuple)) and len(classes) == num_classes:
+        meta['classes'] = json.dumps([str(c) for c in classes])
     save_file(tensors, tmp, metadata=meta)
     digest = sha256_file(tmp)
     final = os.path.join(output_dir, f'{name}-{digest[:8]}.safetensors')
@@ -201,7 +249,8 @@ def release(checkpoint: str, output_dir: str, weights: str = 'default', name: st
                 params=sum(p.numel() for p in model.parameters()),
                 gflops=None, eval=eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {},
                 data_set=args.get('data_set'), source=checkpoint, weights=taken, sha256=digest,
-                license=license_line, file=final, layout=layout)
+                license=license_line, file=final, layout=layout, classes=json.loads(meta.get('classes', '[]')),
+                choice=describe_choice(taken, acc, ckpt.get('epoch') if isinstance(ckpt, dict) else None))
     if flops:
         from models.flops import count_flops
         info['gflops'] = count_flops(model, (3, input_size, input_size)) / 1e9
@@ -216,8 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('checkpoint', help='training checkpoint (.pth) or a bare state dict')
     parser.add_argument('--output-dir', '--output_dir', dest='output_dir', required=True)
-    parser.add_argument('--weights', choices=WEIGHT_CHOICES, default='default',
-                        help='default: the EMA weights when the checkpoint has them, else the model weights')
+    parser.add_argument('--weights', choices=WEIGHT_CHOICES, default=None,
+                        help='default: the EMA weights when the checkpoint has them, else the model weights; '
+                             'without the flag, EMA weights that recorded a lower top-1 than the model weights '
+                             'are refused')
     parser.add_argument('--name', default=None, help='file name stem (default: <model>_<input size>)')
     parser.add_argument('--model', default=None, help='model name (default: the one recorded in the checkpoint)')
     parser.add_argument('--no-flops', dest='flops', action='store_false', help='leave FLOPs out of the model card')
@@ -232,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        args.license_line, args.reference_layout)
     except UserError as e:
         parser.exit(2, f'{parser.prog}: error: {e}\n')
+    print(f"Released {info['choice']}")
     print(f"{info['file']}  ({info['weights']} weights of {info['source']}, sha256 {info['sha256']})")
     print(info['card'])
     return 0

@@ -1,6 +1,7 @@
 """Smoke test of a new machine: every training path of main.py once, on a tiny synthetic ImageFolder.
 
-    python tools/smoke.py                  # all paths on this machine's device (cuda if present, else cpu)
+    python tools/smoke.py                  # on a GPU every path; on a CPU the quick set (no torch.compile)
+    python tools/smoke.py --all            # every path, also on a CPU (torch.compile takes minutes there)
     python tools/smoke.py --quick          # the CPU subset CI runs (no torch.compile: minutes on a CPU)
     python tools/smoke.py --only fp16,resume
     python tools/smoke.py --extra "--input-size 64"   # flags appended to every run
@@ -8,7 +9,9 @@
 
 Each row runs main.py (NALAFORMER_XT at 32 px, one epoch of a few steps) as its own process, or under
 torchrun with one or two processes, and must exit 0 and print what the path promises; the fast-vs-plain
-rows compare the model's two paths under autocast in this process. One table at the end: path,
+rows compare the model's two paths under autocast in this process. Each row prints a line when it starts
+(name, what it checks), one every PROGRESS_EVERY seconds while it runs, and one with its result and seconds.
+Rows named with --only run on a CPU too, unless --quick. One table at the end: path,
 passed/failed/skipped (with the reason), seconds. The exit status is 1 when a row failed; the logs of a
 failed run are kept and their folder printed. A row that needs more GPUs than the machine has is skipped
 and says so.
@@ -18,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tools.synthetic import write_imagefolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROGRESS_EVERY = 30.0  # seconds between the progress lines of a running row
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -130,9 +135,11 @@ def base_flags(device: str, data: str, out: str) -> list[str]:
             '--lr', '1e-3', '--warmup-epochs', '0', '--no-model-ema', '--data-path', data, '--output_dir', out]
 
 
-def skip_reason(row: Row, device: str, quick: bool) -> str:
+def skip_reason(row: Row, device: str, quick: bool, quick_set: str = '--quick') -> str:
+    """Why `row` does not run on `device` ('' when it runs); `quick`: only the quick set runs, which
+    `quick_set` names in the reason."""
     if quick and row.not_quick:
-        return f'not in --quick: {row.not_quick}'
+        return f'not in {quick_set}: {row.not_quick}'
     if row.needs == 'cuda' and device != 'cuda':
         return 'needs CUDA'
     if device == 'cuda':
@@ -161,6 +168,26 @@ def failure(proc: subprocess.CompletedProcess) -> str:
     return f'exit {proc.returncode}: ' + ((errors or lines or ['no output'])[-1])[:160]
 
 
+def run_command(cmd: list[str], timeout: float, name: str, started: float) -> subprocess.CompletedProcess:
+    """Run `cmd` (its output captured), printing `name: running, N s` (seconds since `started`, the row's start)
+    every PROGRESS_EVERY seconds until it ends. After `timeout` seconds its process group (torchrun's workers
+    too) is killed and subprocess.TimeoutExpired raised with the output so far."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    while True:
+        left = timeout - (time.time() - t0)
+        try:
+            out, err = proc.communicate(timeout=max(0.0, min(PROGRESS_EVERY, left)))
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            if time.time() - t0 >= timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            print(f'  {name}: running, {time.time() - started:.0f} s', flush=True)
+
+
 def run_row(row: Row, device: str, data: str, work: str, extra: list[str], timeout: float):
     """(status, seconds, detail) of one row; its output goes to WORK/NAME.log."""
     if row.in_process is not None:
@@ -180,8 +207,7 @@ def run_row(row: Row, device: str, data: str, work: str, extra: list[str], timeo
             cmd = launch + base_flags(device, data, out) + flags + extra
             log.write('$ ' + shlex.join(cmd) + '\n')
             try:
-                proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
-                                      timeout=timeout, check=False)
+                proc = run_command(cmd, timeout, row.name, t0)
             except subprocess.TimeoutExpired as e:
                 for part in (e.stdout, e.stderr):
                     log.write(part.decode(errors='replace') if isinstance(part, bytes) else part or '')
@@ -223,6 +249,8 @@ def write_report(path: str, results, total_s: float) -> None:
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser('python tools/smoke.py', description=__doc__.split('\n\n')[0])
     p.add_argument('--quick', action='store_true', help='the CPU subset CI runs (no --compile); implies --device cpu')
+    p.add_argument('--all', action='store_true',
+                   help='every row, also on a CPU (whose default is the quick set: --compile takes minutes there)')
     p.add_argument('--only', default='', metavar='NAME[,NAME]',
                    help='these rows only: ' + ', '.join(r.name for r in ROWS))
     p.add_argument('--device', choices=['cuda', 'cpu'], default=None,
@@ -245,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only: unknown row {', '.join(unknown)}; rows: {', '.join(r.name for r in ROWS)}")
     rows = [r for r in ROWS if not names or r.name in names]
     device = args.device
+    if args.all and args.quick:
+        parser.error('--all and --quick contradict each other: pass one')
     if args.gpu_report is not None:
         import torch
         if args.quick or device == 'cpu':
@@ -256,17 +286,23 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     timeout = args.timeout or (240 if args.gpu_report else 900)
-    print(f'Smoke test on {device}: {len(rows)} path(s), main.py in {REPO}', flush=True)
+    # on a CPU the quick set unless --all (or rows named with --only); --quick: the quick set anywhere
+    quick = args.quick or (device == 'cpu' and not args.all and not names)
+    quick_set = '--quick' if args.quick else 'the CPU default set (--all runs it)'
+    mode = ('' if not quick else ', --quick' if args.quick else
+            ', the quick set (the default on a CPU; --all runs every path)')
+    print(f'Smoke test on {device}: {len(rows)} path(s){mode}, main.py in {REPO}', flush=True)
 
     start = time.time()
     work = tempfile.mkdtemp(prefix='nalaformer-smoke-')
     data = write_imagefolder(os.path.join(work, 'data'))
     results = []
     for row in rows:
-        reason = skip_reason(row, device, args.quick)
+        reason = skip_reason(row, device, quick, quick_set)
         if reason:
             results.append((row.name, 'skipped', 0.0, reason))
             continue
+        print(f'  {row.name}: running ({row.what})', flush=True)
         status, seconds, detail = run_row(row, device, data, work, shlex.split(args.extra), timeout)
         print(f'  {row.name}: {status} ({seconds:.1f} s)', flush=True)
         results.append((row.name, status, seconds, detail))
