@@ -2,9 +2,10 @@
 per-pixel labels, written as ADEChallengeData2016 is (images/*/NAME.jpg, annotations/*/NAME.png, 0 = "other"),
 so that training and evaluation read it through the real loader.
 
-Classes 1..5 are textures, each drawn in colours chosen at random per shape: 1 noise (the background), 2
-horizontal stripes, 3 vertical stripes, 4 a checkerboard, 5 diagonal stripes; a class is told by its texture,
-not its colour. A few blotches of flat colour are labelled 0 ("other": ignored). Deterministic for a seed.
+Classes 1..5 are textures in a colour of their own, jittered per shape: 1 noise (the background), 2 horizontal
+stripes, 3 vertical stripes, 4 a checkerboard, 5 diagonal stripes, their stripes 3 to 5 pixels wide so that
+they survive the pipeline's rescaling. A few blotches of flat random colour are labelled 0 ("other": ignored).
+Deterministic for a seed.
 
     python segmentation/scenes.py output/seg-demo-data            # 400 training and 100 validation scenes
 """
@@ -16,13 +17,16 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 NUM_CLASSES = 5
+#: each class's colour (RGB), jittered by up to 40 per channel and shape
+COLOURS = {1: (110, 140, 90), 2: (200, 60, 60), 3: (60, 90, 210), 4: (220, 200, 60), 5: (150, 70, 190)}
 
 
 def texture(cls: int, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
-    """An HxWx3 float image of texture `cls` in two random colours."""
-    a, b = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    """An HxWx3 float image of texture `cls`: its colour, jittered, and a darker shade of it."""
+    a = np.clip(np.array(COLOURS[cls], float) + rng.uniform(-40, 40, 3), 0, 255)
+    b = a * rng.uniform(0.3, 0.6)
     y, x = np.mgrid[0:h, 0:w]
-    period = int(rng.integers(4, 7))
+    period = int(rng.integers(6, 11))
     if cls == 1:
         pattern = rng.random((h, w))
     elif cls == 2:
