@@ -92,14 +92,17 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    """The results as a table: per model its parameters, median step, img/s, peak step memory, and the first
+    model's img/s and memory divided by this one's."""
     first = rows[0]
     lines = [f"UperNet training step, batch {first['batch_size']}, {first['size']}x{first['size']}, {first['amp']}, "
              f"{first['device']} ({first['threads']} threads)",
-             f"{'model':<32} {'params':>8} {'img/s':>8} {'peak MiB':>9} {first['model'] + ' / this':>24}"]
+             f"{'model':<30} {'params':>7} {'s/step':>7} {'img/s':>7} {'peak MiB':>8}  {first['model']} / this"]
     for r in rows:
-        ratio = f"{first['img_s'] / r['img_s']:.2f}x speed, {r['peak_step_mib'] / first['peak_step_mib']:.2f}x mem"
-        lines.append(f"{r['model']:<32} {r['params_m']:>7.1f}M {r['img_s']:>8.2f} {r['peak_step_mib']:>9.0f} "
-                     f"{'-' if r is first else ratio:>24}")
+        ratio = (f"speed {first['img_s'] / r['img_s']:.2f}x, memory {first['peak_step_mib'] / r['peak_step_mib']:.2f}x"
+                 if r is not first else '-')
+        lines.append(f"{r['model']:<30} {r['params_m']:>6.1f}M {r['step_s_median']:>7.2f} {r['img_s']:>7.3f} "
+                     f"{r['peak_step_mib']:>8.0f}  {ratio}")
     return '\n'.join(lines)
 
 

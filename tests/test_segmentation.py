@@ -1,6 +1,7 @@
 """segmentation/: the ADE20K layout and its one-line errors, the training pipeline, the UperNet head's shapes
 and names, the --pretrained loading rules, the confusion matrix and scores, the schedule and the sampler that
 resumes mid-epoch. Real processes (exact distributed mIoU, resume): tests/integration/test_segmentation_runs.py."""
+import json
 import os
 import subprocess
 
@@ -292,3 +293,15 @@ def test_train_sh_runs_dry_and_its_command_parses(tmp_path):
     assert (args.iters, args.batch_size, args.lr, args.pretrained, args.eval_mode) == (160000, 2, 6e-5, 'ck.pth',
                                                                                       'slide')
     assert '--nproc_per_node=8' in words
+
+
+def test_the_benchmark_prints_a_row_per_model(tmp_path, capsys, one_thread):
+    from segmentation import benchmark
+    out = tmp_path / 'b.jsonl'
+    assert benchmark.main(['--models', 'NALAFORMER_XT,convnext_atto', '--size', '32', '-b', '2', '--steps', '1',
+                           '--warmup', '0', '--output', str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r['model'] for r in rows] == ['NALAFORMER_XT', 'convnext_atto']
+    assert all(r['peak_step_mib'] > 0 and r['img_s'] > 0 for r in rows)
+    table = capsys.readouterr().out
+    assert 'UperNet training step, batch 2, 32x32, fp32, cpu' in table and 'speed ' in table
