@@ -305,3 +305,9 @@ def test_the_benchmark_prints_a_row_per_model(tmp_path, capsys, one_thread):
     assert all(r['peak_step_mib'] > 0 and r['img_s'] > 0 for r in rows)
     table = capsys.readouterr().out
     assert 'UperNet training step, batch 2, 32x32, fp32, cpu' in table and 'speed ' in table
+
+
+def test_slurm_train_sbatch_runs_the_segmentation_script():
+    p = subprocess.run(['bash', os.path.join(REPO, 'slurm', 'train.sbatch')], cwd=REPO, capture_output=True, text=True,
+                       env={**env(), 'DRY_RUN': '1', 'SCRIPT': 'segmentation/train.sh'}, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip().endswith('segmentation/train.sh'), p.stdout + p.stderr
