@@ -37,7 +37,7 @@ DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny'
 def make_step(name: str, args: argparse.Namespace, device: torch.device):
     """A training step of UperNet over `name` on one fixed batch (optimizer included), and its parameters."""
     torch.manual_seed(0)
-    model = build_segmentor(name, 150, img_size=args.size).to(device).train()
+    model = build_segmentor(name, 150, channels=args.channels, img_size=args.size).to(device).train()
     optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=6e-5)
     criterion = SegLoss(0.4)
     x = torch.randn(args.batch_size, 3, args.size, args.size, device=device)
@@ -84,7 +84,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
         optimizers[name].zero_grad(set_to_none=True)
         peak = peak_bytes(steps[name], device)
         step_s = statistics.median(times[name])
-        rows.append(dict(model=name, batch_size=args.batch_size, size=args.size, amp=args.amp or 'fp32',
+        rows.append(dict(model=name, batch_size=args.batch_size, size=args.size, channels=args.channels,
+                         amp=args.amp or 'fp32',
                          device=str(device), threads=torch.get_num_threads(), params_m=params[name] / 1e6,
                          step_s_median=step_s, step_s_all=times[name], img_s=args.batch_size / step_s,
                          peak_step_mib=peak / 2 ** 20))
@@ -95,7 +96,8 @@ def table(rows: list[dict]) -> str:
     """The results as a table: per model its parameters, median step, img/s, peak step memory, and the first
     model's img/s and memory divided by this one's."""
     first = rows[0]
-    lines = [f"UperNet training step, batch {first['batch_size']}, {first['size']}x{first['size']}, {first['amp']}, "
+    lines = [f"UperNet ({first.get('channels', 512)} channels) training step, batch {first['batch_size']}, "
+             f"{first['size']}x{first['size']}, {first['amp']}, "
              f"{first['device']} ({first['threads']} threads)",
              f"{'model':<30} {'params':>7} {'s/step':>7} {'img/s':>7} {'peak MiB':>8}  {first['model']} / this"]
     for r in rows:
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                    help='timm backbones, comma-separated; the first is the reference')
     p.add_argument('-b', '--batch-size', type=int, default=2)
     p.add_argument('--size', type=int, default=512)
+    p.add_argument('--channels', type=int, default=512, help="UperNet's channels (the recipe's: 512)")
     p.add_argument('--device', default='cpu')
     p.add_argument('--amp', choices=['fp16', 'bf16'], default=None)
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')

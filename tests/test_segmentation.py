@@ -299,12 +299,12 @@ def test_the_benchmark_prints_a_row_per_model(tmp_path, capsys, one_thread):
     from segmentation import benchmark
     out = tmp_path / 'b.jsonl'
     assert benchmark.main(['--models', 'NALAFORMER_XT,convnext_atto', '--size', '32', '-b', '2', '--steps', '1',
-                           '--warmup', '0', '--output', str(out)]) == 0
+                           '--warmup', '0', '--channels', '16', '--output', str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r['model'] for r in rows] == ['NALAFORMER_XT', 'convnext_atto']
     assert all(r['peak_step_mib'] > 0 and r['img_s'] > 0 for r in rows)
     table = capsys.readouterr().out
-    assert 'UperNet training step, batch 2, 32x32, fp32, cpu' in table and 'speed ' in table
+    assert 'UperNet (16 channels) training step, batch 2, 32x32, fp32, cpu' in table and 'speed ' in table
 
 
 def test_slurm_train_sbatch_runs_the_segmentation_script():
