@@ -155,15 +155,15 @@ def rgb_to_hsv(image: np.ndarray) -> np.ndarray:
 
 
 def hsv_to_rgb(hsv: np.ndarray) -> np.ndarray:
-    """rgb_to_hsv's inverse (uint8 HSV on OpenCV's scales -> uint8 RGB)."""
-    h = hsv[..., 0].astype(np.float32) * 2 / 60
-    s, v = hsv[..., 1].astype(np.float32) / 255, hsv[..., 2].astype(np.float32)
-    c = v * s
-    x = c * (1 - np.abs(h % 2 - 1))
-    zero = np.zeros_like(c)
-    sector = np.floor(h).astype(np.int64) % 6
-    choices = [(c, x, zero), (x, c, zero), (zero, c, x), (zero, x, c), (x, zero, c), (c, zero, x)]
-    rgb = [np.choose(sector, [ch[i] for ch in choices]) + (v - c) for i in range(3)]
+    """rgb_to_hsv's inverse (uint8 HSV on OpenCV's scales -> uint8 RGB): channel n is V - C clip(min(k, 4 - k),
+    0, 1) with k = (n + H / 60) mod 6 and n = 5, 3, 1 for R, G, B, and the chroma C = V S."""
+    sector = hsv[..., 0].astype(np.float32) / 30  # H in degrees / 60
+    v = hsv[..., 2].astype(np.float32)
+    c = v * hsv[..., 1].astype(np.float32) / 255
+    rgb = []
+    for n in (5, 3, 1):
+        k = (n + sector) % 6
+        rgb.append(v - c * np.clip(np.minimum(k, 4 - k), 0, 1))
     return np.clip(np.round(np.stack(rgb, -1)), 0, 255).astype(np.uint8)
 
 

@@ -5,6 +5,7 @@ loss of both heads), so that load changes on a shared machine hit every model al
     python segmentation/benchmark.py --models NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny \\
         -b 2 --device cpu --threads 2
     python segmentation/benchmark.py -b 8 --device cuda --amp bf16 --steps 20     # one GPU
+    python segmentation/benchmark.py --pipeline 32    # the data pipeline alone: img/s of one loader process
 
 Per model: parameters, the median of the timed steps as img/s, its ratio to the first model, and the peak
 tensor memory of one step above what was live before it (tools/benchmark.py's measure: the CUDA allocator's
@@ -92,6 +93,29 @@ def measure(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def pipeline_speed(n: int) -> str:
+    """img/s of one process (one thread) through the training and the evaluation pipeline, on `n` synthetic
+    scenes of ADE20K's typical size (512x683 JPEGs) written to a temporary folder."""
+    import tempfile
+
+    from segmentation import ade, scenes
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as root:
+        scenes.make_scenes(root, n_train=n, n_val=1, size=(512, 683))
+        train = ade.ADE20K(root, 'training', scenes.NUM_CLASSES, ade.TrainPipeline())
+        val = ade.ADE20K(root, 'training', scenes.NUM_CLASSES)
+        train[(0, 0)]
+        t0 = time.perf_counter()
+        for i in range(n):
+            train[(1, i)]
+        t1 = time.perf_counter()
+        for i in range(n):
+            val[i]
+        t2 = time.perf_counter()
+    return (f'one process, one thread, {n} 512x683 JPEGs: training pipeline {n / (t1 - t0):.1f} img/s '
+            f'({1000 * (t1 - t0) / n:.0f} ms/img), evaluation pipeline {n / (t2 - t1):.1f} img/s')
+
+
 def table(rows: list[dict]) -> str:
     """The results as a table: per model its parameters, median step, img/s, peak step memory, and the first
     model's img/s and memory divided by this one's."""
@@ -121,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--steps', type=int, default=5, help='timed rounds (one step of every model each)')
     p.add_argument('--output', default='', help='append the results as JSON lines to this file')
+    p.add_argument('--pipeline', type=int, default=0, metavar='N',
+                   help='time the data pipeline alone on N synthetic ADE-sized images instead')
     args = p.parse_args(argv)
+    if args.pipeline:
+        print(pipeline_speed(args.pipeline))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     set_tf32(args.device)  # CUDA: TF32 matmuls and convolutions, as training runs

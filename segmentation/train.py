@@ -202,6 +202,8 @@ def eval_record(result: dict, args, **extra) -> dict:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     validate_args(args, parser)
     distributed.init_distributed_mode(args)
+    if args.amp == 'bf16':  # on the process's own GPU
+        distributed.check_bf16(args.device)
     stop_flag = utils.StopFlag()
     stop_flag.install()
     device = torch.device(args.device)
@@ -235,15 +237,31 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     checkpoints = state.SegCheckpoints(args, bare, optimizer, scaler, device, n_parameters)
     if args.eval:
-        return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype, stop_flag)
+        return settled(evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype,
+                                           stop_flag))
     resumed = checkpoints.resume(resume_path)
+    # room for checkpoint.pth, its replacement while it is written and best.pth: weights and AdamW's two moments
+    nbytes = sum(t.numel() * t.element_size() for t in bare.state_dict().values()) + 2 * sum(
+        p.numel() * p.element_size() for p in bare.parameters())
+    run_dir.check_room(args.output_dir, nbytes, device, copies=3)
     if resumed.ckpt is not None:
         print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}')
         resumed.ckpt = None
     train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype, scaler, args.clip_grad)
     run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag)
-    return train(run, optimizer, resumed.start_iter, train_loader)
+    return settled(train(run, optimizer, resumed.start_iter, train_loader))
+
+
+def settled(code: int) -> int:
+    """`code`, once every process is here and the process group's threads are idle. torch 2.4's gloo process group
+    deadlocks when it is destroyed (exits.finish) while one of its worker threads still frees the tensor of a
+    recent collective: the thread waits for the GIL that the destroying thread holds (torch releases it there
+    since 2.8). A barrier, then a pause that releases the GIL, let a thread that a loaded machine held back finish."""
+    if distributed.is_dist_avail_and_initialized():
+        distributed.barrier()
+        time.sleep(0.2)
+    return code
 
 
 def _wrap(args, model, device):
@@ -257,7 +275,7 @@ def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dty
     ckpt = checkpoints.load(path)
     _, val_loader = build_loaders(args, None, val_set, 0)
     result = evaluate(args, model, val_loader, device, amp_dtype, stop_flag)
-    if result['aborted']:
+    if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
         return exits.stopped_status(args, stop_flag, saved=False)
     print(miou.summary_line(result, args.eval_mode))
@@ -298,12 +316,15 @@ class Run:
 
     def evaluate_and_save(self, done: int) -> bool:
         """Evaluate after `done` iterations, save checkpoint.pth (and best.pth when the mIoU improved), log the
-        scores; True when a stop signal cut the evaluation short or arrived meanwhile."""
+        scores; True when a stop signal cut the evaluation short or arrived meanwhile, on any process."""
         _sync_bn_buffers(self.args, self.bare)
         result = evaluate(self.args, self.bare, self.val_loader, self.device, self.amp_dtype, self.stop_flag)
         self.train_model.train()
+        # every process takes the same path below (log.txt's line is written in a collective)
+        aborted, stop = (v > 0 for v in distributed.all_reduce_max(
+            [float(result['aborted']), float(self.stop_flag.requested)], self.device))
         names, extra = ['checkpoint.pth'], self.extra()
-        if not result['aborted']:
+        if not aborted:
             print(f'Iteration {done}: ' + miou.summary_line(result, self.args.eval_mode))
             record = eval_record(result, self.args, iter=done, train_loss=self.progress.take_mean(),
                                  lr=lr_at(done - 1, self.args))
@@ -312,9 +333,9 @@ class Run:
                 names.append('best.pth')
             extra.update(best_miou=self.best, best_iter=self.best_iter, log=record)
         self.checkpoints.save(done, names, extra)
-        if not result['aborted']:
+        if not aborted:
             self.checkpoints.append_log(extra['log'])
-        return result['aborted'] or self.stop_flag.requested
+        return aborted or stop
 
 
 def train(run: Run, optimizer, start: int, train_loader) -> int:

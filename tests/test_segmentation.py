@@ -3,6 +3,7 @@ and names, the --pretrained loading rules, the confusion matrix and scores, the 
 resumes mid-epoch. Real processes (exact distributed mIoU, resume): tests/integration/test_segmentation_runs.py."""
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -305,6 +306,16 @@ def test_the_benchmark_prints_a_row_per_model(tmp_path, capsys, one_thread):
     assert all(r['peak_step_mib'] > 0 and r['img_s'] > 0 for r in rows)
     table = capsys.readouterr().out
     assert 'UperNet (16 channels) training step, batch 2, 32x32, fp32, cpu' in table and 'speed ' in table
+
+
+def test_the_benchmark_times_the_pipeline(capsys):
+    from segmentation import benchmark
+    threads = torch.get_num_threads()
+    try:
+        assert benchmark.main(['--pipeline', '2']) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert re.search(r'2 512x683 JPEGs: training pipeline [\d.]+ img/s', capsys.readouterr().out)
 
 
 def test_slurm_train_sbatch_runs_the_segmentation_script():

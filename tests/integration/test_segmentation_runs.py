@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PY, REPO, TORCHRUN, env, free_port, load, signal_when, start_process
+from conftest import PY, REPO, TORCHRUN, env, free_port, kill_group, load, signal_when, start_process
 
 from segmentation import scenes
 
@@ -28,10 +28,18 @@ def seg_cmd(nproc, args):
                        script, *args]
 
 
-def run_seg(nproc, args, timeout=300):
-    p = subprocess.run(seg_cmd(nproc, args), cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p
+def run_seg(nproc, args, timeout=240):
+    """segmentation/train.py to its end; on a timeout its process group is killed and its output shown."""
+    proc = subprocess.Popen(seg_cmd(nproc, args), cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}') from None
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope='module')
