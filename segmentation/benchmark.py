@@ -6,6 +6,7 @@ loss of both heads), so that load changes on a shared machine hit every model al
         -b 2 --device cpu --threads 2
     python segmentation/benchmark.py -b 8 --device cuda --amp bf16 --steps 20     # one GPU
     python segmentation/benchmark.py --pipeline 32    # the data pipeline alone: img/s of one loader process
+    python segmentation/benchmark.py --macs           # fvcore multiply-adds of each model, backbone and head
 
 Per model: parameters, the median of the timed steps as img/s, its ratio to the first model, and the peak
 tensor memory of one step above what was live before it (tools/benchmark.py's measure: the CUDA allocator's
@@ -116,6 +117,19 @@ def pipeline_speed(n: int) -> str:
             f'({1000 * (t1 - t0) / n:.0f} ms/img), evaluation pipeline {n / (t2 - t1):.1f} img/s')
 
 
+def macs_lines(args: argparse.Namespace) -> list[str]:
+    """fvcore multiply-adds of one image at --size through each model in eval mode (the auxiliary head is not
+    run there), and how they split between the backbone and the UperNet head."""
+    from models.flops import count_flops
+    lines = []
+    for name in args.models.split(','):
+        model = build_segmentor(name, 150, channels=args.channels, img_size=args.size)
+        total, trunk = count_flops(model, args.size), count_flops(model.backbone, args.size)
+        lines.append(f'{name}: {total / 1e9:.2f} GMACs at {args.size}x{args.size} (backbone {trunk / 1e9:.2f}, '
+                     f'UperNet head {(total - trunk) / 1e9:.2f})')
+    return lines
+
+
 def table(rows: list[dict]) -> str:
     """The results as a table: per model its parameters, median step, img/s, peak step memory, and the first
     model's img/s and memory divided by this one's."""
@@ -147,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument('--output', default='', help='append the results as JSON lines to this file')
     p.add_argument('--pipeline', type=int, default=0, metavar='N',
                    help='time the data pipeline alone on N synthetic ADE-sized images instead')
+    p.add_argument('--macs', action='store_true', help='print fvcore multiply-adds of each model instead')
     args = p.parse_args(argv)
+    if args.macs:
+        print('\n'.join(macs_lines(args)))
+        return 0
     if args.pipeline:
         print(pipeline_speed(args.pipeline))
         return 0

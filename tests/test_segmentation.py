@@ -318,6 +318,14 @@ def test_the_benchmark_times_the_pipeline(capsys):
     assert re.search(r'2 512x683 JPEGs: training pipeline [\d.]+ img/s', capsys.readouterr().out)
 
 
+def test_the_benchmark_counts_macs_of_backbone_and_head(capsys, one_thread):
+    from segmentation import benchmark
+    assert benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '64', '--channels', '16']) == 0
+    m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 64x64 \(backbone ([\d.]+), UperNet head ([\d.]+)\)',
+                  capsys.readouterr().out)
+    assert m and float(m.group(2)) > 0 and float(m.group(3)) > 0
+
+
 def test_slurm_train_sbatch_runs_the_segmentation_script():
     p = subprocess.run(['bash', os.path.join(REPO, 'slurm', 'train.sbatch')], cwd=REPO, capture_output=True, text=True,
                        env={**env(), 'DRY_RUN': '1', 'SCRIPT': 'segmentation/train.sh'}, timeout=60)
