@@ -330,3 +330,29 @@ def test_slurm_train_sbatch_runs_the_segmentation_script():
     p = subprocess.run(['bash', os.path.join(REPO, 'slurm', 'train.sbatch')], cwd=REPO, capture_output=True, text=True,
                        env={**env(), 'DRY_RUN': '1', 'SCRIPT': 'segmentation/train.sh'}, timeout=60)
     assert p.returncode == 0 and p.stdout.strip().endswith('segmentation/train.sh'), p.stdout + p.stderr
+
+
+def test_pretrained_takes_a_safetensors_release(xt_checkpoint, tmp_path):
+    from safetensors.torch import save_file
+    _, ema = xt_checkpoint
+    path = str(tmp_path / 'nalaformer_xt.safetensors')
+    save_file({k: v.contiguous() for k, v in ema.items()}, path)
+    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    assert 'of ' + path + ' (weights); dropped the classifier' in backbone.load_pretrained(model, path, 'NALAFORMER_XT')
+    w = 'layers.2.blocks.0.attn.qkvg.weight'
+    assert torch.equal(model.state_dict()['backbone.model.' + w], ema[w])
+
+
+def test_eval_of_a_classification_checkpoint_is_one_line(root, xt_checkpoint, capsys):
+    import signal
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = seg_train.run(['--eval', '--resume', xt_checkpoint[0], '--data-path', root, '--device', 'cpu',
+                              '--cpu-malloc', 'system', '--model', 'NALAFORMER_XT', '--num-classes', '5',
+                              '--channels', '16', '--num_workers', '0'])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert code == 1 and f'error: {xt_checkpoint[0]} is not a segmentation checkpoint' in err
+    assert f'--pretrained {xt_checkpoint[0]}' in err and 'Traceback' not in err
