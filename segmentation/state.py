@@ -34,6 +34,9 @@ from errors import CheckpointError, CheckpointWriteError, UserError, first_line
 from segmentation.backbone import TASK
 from weights import load_weights_into
 
+#: the flags that shape the model: a checkpoint loads only into a model built with the same
+MODEL_FLAGS = ('model', 'num_classes', 'channels', 'aux_weight')
+
 
 @dataclass
 class Resumed:
@@ -97,6 +100,12 @@ class SegCheckpoints:
         if not isinstance(ckpt, dict) or ckpt.get('task') != TASK:
             raise CheckpointError(f'{path} is not a segmentation checkpoint (a classification checkpoint or '
                                   f'release?): start from its backbone with --pretrained {path}')
+        saved = saved_args(ckpt)
+        other = [f'--{k.replace("_", "-")} {saved[k]}' for k in MODEL_FLAGS
+                 if k in saved and saved[k] != getattr(self.args, k)
+                 and not (k == 'aux_weight' and bool(saved[k]) == bool(self.args.aux_weight))]
+        if other:
+            raise CheckpointError(f'{path} holds a model built with {" ".join(other)}; pass the same flags')
         load_weights_into(self.model, ckpt['model'], self.args.model, path)
         return ckpt
 

@@ -356,3 +356,20 @@ def test_eval_of_a_classification_checkpoint_is_one_line(root, xt_checkpoint, ca
     err = capsys.readouterr().err
     assert code == 1 and f'error: {xt_checkpoint[0]} is not a segmentation checkpoint' in err
     assert f'--pretrained {xt_checkpoint[0]}' in err and 'Traceback' not in err
+
+
+def test_a_checkpoint_names_the_model_flags_it_needs(root, tmp_path, capsys):
+    import signal
+    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    path = str(tmp_path / 'seg.pth')
+    torch.save({'task': 'segmentation', 'model': model.state_dict(), 'iter': 3,
+                'args': {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 16, 'aux_weight': 0.4}}, path)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = seg_train.run(['--eval', '--resume', path, '--data-path', root, '--device', 'cpu', '--cpu-malloc',
+                              'system', '--model', 'NALAFORMER_XT', '--num-classes', '5', '--num_workers', '0'])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert code == 1 and f'error: {path} holds a model built with --channels 16; pass the same flags' in \
+        capsys.readouterr().err
