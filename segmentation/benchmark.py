@@ -57,6 +57,7 @@ def make_step(name: str, args: argparse.Namespace, device: torch.device):
 
 
 def timed(step, device: torch.device) -> float:
+    """Seconds of one call of `step`, the device's queue drained before and after."""
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -147,6 +148,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--models', default=DEFAULT_MODELS,
                    help='timm backbones, comma-separated; the first is the reference')

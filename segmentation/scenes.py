@@ -90,6 +90,7 @@ def make_scenes(root: str, n_train: int = 400, n_val: int = 100, size: tuple[int
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: write the scene set."""
     p = argparse.ArgumentParser(description='Write the synthetic scene set (ADE20K layout) of the demo.')
     p.add_argument('root', help='folder to write images/ and annotations/ into')
     p.add_argument('--train', type=int, default=400, help='training scenes')

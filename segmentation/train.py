@@ -40,6 +40,7 @@ from segmentation.upernet import SegLoss  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
+    """The command line; the defaults are the recipe (docs/segmentation.md)."""
     p = cli.LauncherArgumentParser('segmentation/train.py', description=__doc__.split('\n')[0], add_help=True)
     g = p.add_argument_group('Model')
     g.add_argument('--model', default='NALAFORMER_T', help='backbone: a NaLaFormer variant (any timm model builds)')
@@ -200,6 +201,7 @@ def eval_record(result: dict, args, **extra) -> dict:
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     validate_args(args, parser)
     distributed.init_distributed_mode(args)
     if args.amp == 'bf16':  # on the process's own GPU
@@ -299,6 +301,7 @@ class Run:
         return {'bad_steps': self.bad, 'best_miou': self.best, 'best_iter': self.best_iter}
 
     def stopped(self, done: int) -> int:
+        """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
         print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
               f'checkpoint saved; run the same command again to resume')
         return exits.stopped_status(self.args, self.stop_flag)
@@ -380,6 +383,7 @@ def _sync_bn_buffers(args, model) -> None:
 
 
 def finish(args, bare, best: float, best_iter: int | None) -> int:
+    """The end of a finished run: each rank's weight digest under DDP, the best mIoU."""
     if args.distributed:  # DDP keeps the weights identical: every rank says so
         print(f'[rank {distributed.get_rank()}] final weights sha256: {distributed.state_digest(bare.state_dict())}',
               force=True)
@@ -398,6 +402,7 @@ class Progress:
         self.t_line, self.it_line = self.t0, start
 
     def add(self, it: int, losses: torch.Tensor, optimizer) -> None:
+        """Note iteration `it`'s losses; print the line when it is due."""
         self.losses.append(losses.detach().float().mean())
         done = it + 1
         if done % self.args.print_freq and done != self.args.iters:
@@ -423,6 +428,7 @@ class Progress:
 
 
 def main_or_clean_up(args, parser) -> int:
+    """main(); an --output_dir it created is removed again when it fails before writing anything."""
     try:
         code = main(args, parser)
     except BaseException:
@@ -434,6 +440,7 @@ def main_or_clean_up(args, parser) -> int:
 
 
 def run(argv: list[str] | None = None) -> int:
+    """The entry point: parse, run, and end as exits.finish says (one line per error)."""
     parser = get_args_parser()
     args = parser.parse_args(argv)
     return exits.finish(lambda: main_or_clean_up(args, parser), args)

@@ -30,6 +30,7 @@ class ConvModule(nn.Module):
 
 
 def resize(x: torch.Tensor, size) -> torch.Tensor:
+    """Bilinear resize without corner alignment (mmseg's resize with align_corners=False)."""
     return F.interpolate(x, size=size, mode='bilinear', align_corners=False)
 
 
