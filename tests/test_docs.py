@@ -144,6 +144,7 @@ def test_every_readme_command_runs_as_written(monkeypatch, tmp_path):
     import importlib
 
     import cli
+    from segmentation import train as seg_train
     commands = readme_commands()
     assert len(commands) >= 12, commands
     seen = set()
@@ -166,8 +167,12 @@ def test_every_readme_command_runs_as_written(monkeypatch, tmp_path):
             launched = shlex.split(p.stdout.strip().splitlines()[-1].lstrip('+ '))
             if 'main.py' in launched:
                 cli.get_args_parser().parse_args(launched[launched.index('main.py') + 1:])
+            elif 'segmentation/train.py' in launched:
+                seg_train.get_args_parser().parse_args(launched[launched.index('segmentation/train.py') + 1:])
         elif tool == 'python' and rest[0] == 'main.py':
             cli.get_args_parser().parse_args(rest[1:])
+        elif tool == 'python' and rest[0] == 'segmentation/train.py':
+            seg_train.get_args_parser().parse_args(rest[1:])
         elif tool == 'python' and rest[0].startswith('tools/'):
             module = importlib.import_module('tools.' + os.path.basename(rest[0])[:-3])
             _parse_only(monkeypatch, module.main, rest[1:])

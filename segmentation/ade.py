@@ -1,0 +1,260 @@
+"""ADE20K as unpacked from ADEChallengeData2016.zip, with mmseg's ADE20K pipelines.
+
+Layout: ``images/{training,validation}/*.jpg`` and ``annotations/{training,validation}/*.png`` of the same
+names; a label map holds 0 ("other", ignored) and the classes 1..150, which become 255 and 0..149 (mmseg's
+``reduce_zero_label``). A wrong layout, a missing label map, a label map of another size than its image or a
+label above the number of classes is one line naming the file and the fix (``LabelError``).
+
+Training (``TrainPipeline``, mmseg's ``train_pipeline``): rescale to ``img_scale`` (2048, 512) times a ratio in
+0.5..2.0 keeping the aspect ratio, a random crop (512²) that no class fills more than 75% of (10 tries), a
+horizontal flip, the photometric distortion, normalisation, padding to the crop (image 0, label 255). Every
+random choice of a sample comes from a generator seeded by (seed, epoch, index), so a sample's augmentation does
+not depend on the loader workers or on where a run was resumed. Evaluation: the image rescaled to fit
+``img_scale`` (short side 512 unless the long side would pass 2048), the label map at its original size.
+"""
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import Dataset
+
+from errors import first_line
+from image_folder import DataLayoutError
+
+IGNORE_INDEX = 255
+MEAN = (123.675, 116.28, 103.53)  # mmseg's img_norm_cfg (RGB, 0..255)
+STD = (58.395, 57.12, 57.375)
+SPLITS = {'train': 'training', 'val': 'validation'}
+LAYOUT = ('images/{training,validation}/*.jpg and annotations/{training,validation}/*.png of the same names '
+          '(ADEChallengeData2016 as unpacked from ADEChallengeData2016.zip)')
+IMAGE_SUFFIXES = ('.jpg', '.jpeg', '.png')
+
+
+class LabelError(DataLayoutError):
+    """The data set on disk is not what the pipeline expects; str() is one line naming the file and the fix."""
+
+
+def error_line(e: BaseException) -> str:
+    """The one line of a LabelError, also when a data-loader worker raised it (torch then prefixes the worker's
+    traceback to the message and keeps the line last)."""
+    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return last.split('LabelError: ', 1)[-1]
+
+
+def scan(root: str, split: str) -> list[tuple[str, str]]:
+    """The (image, label map) paths of `split` ('training' or 'validation') under `root`, sorted by name."""
+    if not os.path.isdir(root):
+        raise LabelError(f'--data-path {root}: no such folder; point it at the ADEChallengeData2016 folder, which '
+                         f'holds images/ and annotations/')
+    image_dir, label_dir = os.path.join(root, 'images', split), os.path.join(root, 'annotations', split)
+    for d in (image_dir, label_dir):
+        if not os.path.isdir(d):
+            inner = os.path.join(root, 'ADEChallengeData2016')
+            hint = f' (--data-path {inner} holds it)' if os.path.isdir(inner) else ''
+            raise LabelError(f'{d}: no such folder{hint}; --data-path must hold {LAYOUT}')
+    images = sorted(f for f in os.listdir(image_dir) if f.lower().endswith(IMAGE_SUFFIXES))
+    if not images:
+        raise LabelError(f'{image_dir}: no images (.jpg); --data-path must hold {LAYOUT}')
+    labels = set(os.listdir(label_dir))
+    pairs = []
+    for name in images:
+        label = os.path.splitext(name)[0] + '.png'
+        if label not in labels:
+            raise LabelError(f'{os.path.join(label_dir, label)}: missing, the label map of '
+                             f'{os.path.join(image_dir, name)}; restore it from the ADE20K archive, or move the '
+                             f'image out of {image_dir}')
+        pairs.append((os.path.join(image_dir, name), os.path.join(label_dir, label)))
+    return pairs
+
+
+def read_pair(image_path: str, label_path: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(RGB image HxWx3 uint8, label map HxW uint8 with 255 ignored and classes 0..num_classes-1)."""
+    try:
+        with Image.open(image_path) as im:
+            image = np.array(im.convert('RGB'))
+    except OSError as e:
+        raise LabelError(f'{image_path}: cannot be decoded ({first_line(e)}); replace it from the ADE20K archive, '
+                         f'or move it and its label map out of the data set') from e
+    try:
+        with Image.open(label_path) as lm:
+            if lm.mode not in ('L', 'P'):
+                raise LabelError(f'{label_path}: a {lm.mode} image; label maps are single-channel 8-bit PNGs '
+                                 f'(mode L or P) of class indices, 0 for "other"')
+            label = np.asarray(lm)
+    except OSError as e:
+        raise LabelError(f'{label_path}: cannot be decoded ({first_line(e)}); replace it from the ADE20K archive') \
+            from e
+    if label.shape != image.shape[:2]:
+        raise LabelError(f'{label_path}: the label map is {label.shape[1]}x{label.shape[0]} but its image '
+                         f"{image_path} is {image.shape[1]}x{image.shape[0]}; a label map must have its image's "
+                         f'size: restore both from the ADE20K archive (or resize the label map with '
+                         f'nearest-neighbour interpolation)')
+    label = label - np.uint8(1)  # mmseg's reduce_zero_label: 0 ("other") -> 255, class k -> k - 1
+    label[label == 254] = IGNORE_INDEX  # a 255 in the file stays ignored
+    top = int(label[label != IGNORE_INDEX].max(initial=0))
+    if top >= num_classes:
+        raise LabelError(f'{label_path}: holds label {top + 1}, above the {num_classes} classes of --num-classes '
+                         f'{num_classes}; pass the number of classes of this data set')
+    return image, label
+
+
+# --------------------------------------------------------------------------------------------------
+# Resizing (OpenCV's sampling grid: half-pixel centres, no antialiasing, as mmcv's imresize)
+# --------------------------------------------------------------------------------------------------
+def rescale_size(h: int, w: int, scale: tuple[float, float]) -> tuple[int, int]:
+    """(height, width) of an image rescaled, aspect ratio kept, to fit `scale` = (long edge, short edge)
+    (mmcv's rescale_size)."""
+    factor = min(max(scale) / max(h, w), min(scale) / min(h, w))
+    return int(h * factor + 0.5), int(w * factor + 0.5)
+
+
+def resize_image(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of an HxWx3 uint8 image to `size` (height, width), rounded back to uint8."""
+    if image.shape[:2] == tuple(size):
+        return image
+    t = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
+    t = F.interpolate(t, size=size, mode='bilinear', align_corners=False)
+    return t[0].round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+def resize_label(label: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Nearest-neighbour resize of an HxW label map to `size` (height, width)."""
+    if label.shape == tuple(size):
+        return label
+    t = torch.from_numpy(np.ascontiguousarray(label))[None, None].float()
+    return F.interpolate(t, size=size, mode='nearest')[0, 0].to(torch.uint8).numpy()
+
+
+def normalize(image: np.ndarray) -> torch.Tensor:
+    """An HxWx3 uint8 RGB image as a normalised float32 3xHxW tensor (mmseg's img_norm_cfg)."""
+    t = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float()
+    return (t - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Photometric distortion (mmseg's PhotoMetricDistortion, in OpenCV's 8-bit HSV: hue 0..179)
+# --------------------------------------------------------------------------------------------------
+def _convert(x: np.ndarray, alpha: float = 1.0, beta: float = 0.0) -> np.ndarray:
+    return np.clip(x.astype(np.float32) * alpha + beta, 0, 255).astype(np.uint8)
+
+
+def rgb_to_hsv(image: np.ndarray) -> np.ndarray:
+    """uint8 RGB -> uint8 HSV on OpenCV's 8-bit scales (H = degrees / 2, S and V 0..255)."""
+    rgb = image.astype(np.float32)
+    v = rgb.max(-1)
+    delta = v - rgb.min(-1)
+    s = np.where(v > 0, delta / np.maximum(v, 1e-6) * 255, 0)
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    safe = np.maximum(delta, 1e-6)
+    h = np.where(v == r, 60 * (g - b) / safe, np.where(v == g, 120 + 60 * (b - r) / safe, 240 + 60 * (r - g) / safe))
+    h = np.where(delta > 0, h % 360, 0) / 2
+    return np.stack([np.round(h) % 180, np.round(s), v], -1).astype(np.uint8)
+
+
+def hsv_to_rgb(hsv: np.ndarray) -> np.ndarray:
+    """rgb_to_hsv's inverse (uint8 HSV on OpenCV's scales -> uint8 RGB): channel n is V - C clip(min(k, 4 - k),
+    0, 1) with k = (n + H / 60) mod 6 and n = 5, 3, 1 for R, G, B, and the chroma C = V S."""
+    sector = hsv[..., 0].astype(np.float32) / 30  # H in degrees / 60
+    v = hsv[..., 2].astype(np.float32)
+    c = v * hsv[..., 1].astype(np.float32) / 255
+    rgb = []
+    for n in (5, 3, 1):
+        k = (n + sector) % 6
+        rgb.append(v - c * np.clip(np.minimum(k, 4 - k), 0, 1))
+    return np.clip(np.round(np.stack(rgb, -1)), 0, 255).astype(np.uint8)
+
+
+def photometric_distortion(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """mmseg's PhotoMetricDistortion: brightness +-32, contrast and saturation x0.5..1.5, hue +-18 (of 180),
+    each with probability 1/2, contrast before or after the colour changes."""
+    if rng.integers(2):
+        image = _convert(image, beta=rng.uniform(-32, 32))
+    contrast_first = rng.integers(2)
+    if contrast_first and rng.integers(2):
+        image = _convert(image, alpha=rng.uniform(0.5, 1.5))
+    if rng.integers(2):
+        hsv = rgb_to_hsv(image)
+        hsv[..., 1] = _convert(hsv[..., 1], alpha=rng.uniform(0.5, 1.5))
+        image = hsv_to_rgb(hsv)
+    if rng.integers(2):
+        hsv = rgb_to_hsv(image)
+        hsv[..., 0] = (hsv[..., 0].astype(np.int64) + rng.integers(-18, 18)) % 180
+        image = hsv_to_rgb(hsv)
+    if not contrast_first and rng.integers(2):
+        image = _convert(image, alpha=rng.uniform(0.5, 1.5))
+    return image
+
+
+# --------------------------------------------------------------------------------------------------
+# Pipelines
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainPipeline:
+    """mmseg's ADE20K training pipeline (see the module docstring); sizes are (height, width)."""
+    crop: tuple[int, int] = (512, 512)
+    img_scale: tuple[int, int] = (2048, 512)  # (long edge, short edge) at ratio 1
+    ratio_range: tuple[float, float] = (0.5, 2.0)
+    cat_max_ratio: float = 0.75
+    flip_prob: float = 0.5
+    photometric: bool = True
+
+    def _crop_box(self, h: int, w: int, rng: np.random.Generator) -> tuple[int, int]:
+        return int(rng.integers(0, max(h - self.crop[0], 0) + 1)), int(rng.integers(0, max(w - self.crop[1], 0) + 1))
+
+    def crop_origin(self, label: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+        """A random crop's top-left corner; up to 10 draws until no class covers cat_max_ratio of its labelled
+        pixels (and it has more than one class), as mmseg's RandomCrop."""
+        y, x = self._crop_box(*label.shape, rng)
+        if self.cat_max_ratio < 1:
+            for _ in range(10):
+                counts = np.bincount(label[y:y + self.crop[0], x:x + self.crop[1]].ravel(), minlength=256)[:255]
+                counts = counts[counts > 0]
+                if len(counts) > 1 and counts.max() / counts.sum() < self.cat_max_ratio:
+                    break
+                y, x = self._crop_box(*label.shape, rng)
+        return y, x
+
+    def __call__(self, image: np.ndarray, label: np.ndarray, rng: np.random.Generator) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+        """(normalised 3 x crop image, crop label map uint8) of one sample."""
+        ratio = rng.random() * (self.ratio_range[1] - self.ratio_range[0]) + self.ratio_range[0]
+        size = rescale_size(*image.shape[:2], (int(self.img_scale[0] * ratio), int(self.img_scale[1] * ratio)))
+        image, label = resize_image(image, size), resize_label(label, size)
+        y, x = self.crop_origin(label, rng)
+        image, label = image[y:y + self.crop[0], x:x + self.crop[1]], label[y:y + self.crop[0], x:x + self.crop[1]]
+        if rng.random() < self.flip_prob:
+            image, label = image[:, ::-1], label[:, ::-1]
+        if self.photometric:
+            image = photometric_distortion(image, rng)
+        pad = (0, self.crop[1] - image.shape[1], 0, self.crop[0] - image.shape[0])  # bottom and right
+        out = F.pad(normalize(image), pad, value=0.0)
+        target = F.pad(torch.from_numpy(np.ascontiguousarray(label)), pad, value=IGNORE_INDEX)
+        return out, target
+
+
+class ADE20K(Dataset):
+    """One split of an ADE20K-layout folder. Training (`pipeline` given): items are keyed by (epoch, index) and
+    give (image, label) through the pipeline, its random choices seeded by (seed, epoch, index). Evaluation:
+    items are keyed by index and give (image rescaled to fit `eval_scale` and normalised, label map at the
+    original size, index)."""
+
+    def __init__(self, root: str, split: str, num_classes: int = 150, pipeline: TrainPipeline | None = None,
+                 eval_scale: tuple[int, int] = (2048, 512), seed: int = 0):
+        self.root, self.split, self.num_classes = root, split, num_classes
+        self.pairs = scan(root, split)
+        self.pipeline, self.eval_scale, self.seed = pipeline, eval_scale, seed
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, key):
+        if self.pipeline is not None:
+            epoch, index = key
+            image, label = read_pair(*self.pairs[index], self.num_classes)
+            return self.pipeline(image, label, np.random.default_rng([self.seed, epoch, index]))
+        image, label = read_pair(*self.pairs[key], self.num_classes)
+        image = resize_image(image, rescale_size(*image.shape[:2], self.eval_scale))
+        return normalize(image), torch.from_numpy(label.copy()), key

@@ -1,0 +1,160 @@
+"""What a segmentation run's checkpoint holds, how it is written and how a run resumes from it, on the
+classification engine's machinery: atomic writes and copies with a checksum (checkpoint_io), rank 0 writing
+while every rank agrees on failures (distributed.on_rank0), the RNG state of every rank (engine.get_rng_state),
+log.txt's JSON lines (run_dir.write_log_line).
+
+A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's state dict), ``optimizer``,
+``scaler`` (fp16's GradScaler or None), ``iter`` (iterations done), ``args``, ``rng_state`` (one per process),
+``bad_steps`` (consecutive skipped steps), ``best_miou`` and ``best_iter``, ``log`` (the last evaluation's
+log.txt record), ``files`` (the names it was written to), ``n_parameters`` and ``checksum``. The learning rate
+is a function of ``iter`` (train.lr_at), so no scheduler state is needed.
+"""
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import distributed
+import run_dir
+from checkpoint import args_to_dict, saved_args
+from checkpoint_io import (
+    checkpoint_identity,
+    checksums,
+    copy_atomic,
+    describe_identity,
+    in_directory,
+    load_checkpoint_file,
+    save_atomic,
+)
+from engine import gather_rng, get_rng_state, set_rng_state
+from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from segmentation.backbone import TASK
+from weights import load_weights_into
+
+#: the flags that shape the model: a checkpoint loads only into a model built with the same
+MODEL_FLAGS = ('model', 'num_classes', 'channels', 'aux_weight')
+
+
+@dataclass
+class Resumed:
+    """Where a run continues: the iteration, the consecutive skipped steps, the best mIoU so far and at which
+    iteration, and the loaded checkpoint (None when the run starts afresh)."""
+    start_iter: int = 0
+    bad_steps: int = 0
+    best_miou: float = -1.0
+    best_iter: int | None = None
+    ckpt: Any = None
+
+
+class SegCheckpoints:
+    """Writes the checkpoints of one segmentation run into --output_dir and resumes a run from one."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, scaler: Any,
+                 device: Any, n_parameters: int):
+        self.args, self.model, self.optimizer, self.scaler = args, model, optimizer, scaler
+        self.device, self.n_parameters = device, n_parameters
+        self.output_dir = args.output_dir
+
+    def save(self, done: int, names: list[str], extra: dict[str, Any]) -> None:
+        """Write the state after `done` iterations to the first of `names`, then copy it to the others (rank 0;
+        collective: every rank calls it, the RNG states are gathered)."""
+        rng = gather_rng(get_rng_state())
+        if not self.output_dir:
+            return
+        first = os.path.join(self.output_dir, names[0])
+
+        def write() -> None:
+            state = {'task': TASK, 'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
+                     'scaler': self.scaler.state_dict() if self.scaler is not None else None, 'iter': done,
+                     'args': args_to_dict(self.args), 'rng_state': rng, 'n_parameters': self.n_parameters,
+                     'files': list(names), **extra}
+            state['checksum'] = {'sha256': checksums(state)}
+            try:
+                save_atomic(state, first)
+                for name in names[1:]:
+                    copy_atomic(first, os.path.join(self.output_dir, name))
+            except UserError:
+                raise
+            except Exception as e:  # not an OSError (save_atomic names those): say what it was
+                raise CheckpointWriteError(f'could not write checkpoint {first}: {type(e).__name__}: '
+                                           f'{first_line(e)}; the previous {names[0]} (if any) is kept') from e
+
+        distributed.on_rank0(write, self.device, f'could not write checkpoint {first}')
+
+    def append_log(self, record: dict[str, Any]) -> None:
+        """One JSON line in --output_dir/log.txt (rank 0)."""
+        if self.output_dir:
+            distributed.on_rank0(lambda: run_dir.write_log_line(self.output_dir, record), self.device,
+                                 f'could not append to {os.path.join(self.output_dir, "log.txt")}')
+
+    def load(self, path: str) -> Any:
+        """`path` loaded on every rank, checked to be the same segmentation checkpoint everywhere (one line for a
+        rank that cannot read it or reads another file, a classification checkpoint, a file of another model),
+        its weights loaded into the model."""
+        ckpt = distributed.on_every_rank(lambda: load_checkpoint_file(path), self.device, f'--resume {path}')
+        distributed.check_same_everywhere({'checkpoint': describe_identity(checkpoint_identity(ckpt, path))},
+                                          self.device, 'every node must see the same --output_dir and --resume file')
+        if not isinstance(ckpt, dict) or ckpt.get('task') != TASK:
+            raise CheckpointError(f'{path} is not a segmentation checkpoint (a classification checkpoint or '
+                                  f'release?): start from its backbone with --pretrained {path}')
+        saved = saved_args(ckpt)
+        other = [f'--{k.replace("_", "-")} {saved[k]}' for k in MODEL_FLAGS
+                 if k in saved and saved[k] != getattr(self.args, k)
+                 and not (k == 'aux_weight' and bool(saved[k]) == bool(self.args.aux_weight))]
+        if other:
+            raise CheckpointError(f'{path} holds a model built with {" ".join(other)}; pass the same flags')
+        load_weights_into(self.model, ckpt['model'], self.args.model, path)
+        return ckpt
+
+    def resume(self, path: str) -> Resumed:
+        """Continue the run of `path`: weights, optimizer, scaler, iteration, skipped-step count, best mIoU, and
+        each rank's RNG state when the number of processes is the one that wrote it."""
+        if not path:
+            return Resumed()
+        ckpt = self.load(path)
+        try:
+            self.optimizer.load_state_dict(ckpt['optimizer'])
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f'the optimizer state in {path} does not fit this run ({first_line(e)}); start '
+                                  f'a new run from its weights in another --output_dir') from e
+        if self.scaler is not None and ckpt.get('scaler'):
+            self.scaler.load_state_dict(ckpt['scaler'])
+        saved = saved_args(ckpt)
+        changed = [f'--{k.replace("_", "-")} {saved[k]} -> {getattr(self.args, k)}'
+                   for k in ('batch_size', 'world_size', 'iters', 'lr', 'seed', 'crop_size')
+                   if k in saved and saved[k] != getattr(self.args, k)]
+        if changed:
+            print('Note: changed since the checkpoint: ' + '; '.join(changed) + '; following the command line')
+        rng, world = ckpt.get('rng_state'), distributed.get_world_size()
+        if isinstance(rng, list) and len(rng) == world:
+            set_rng_state(rng[distributed.get_rank()])
+        else:
+            print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "?"} process(es), '
+                  f'this run has {world}: random-number state not restored')
+        if self.output_dir and in_directory(path, self.output_dir):
+            distributed.on_rank0(lambda: add_missing_log_line(self.output_dir, ckpt.get('log')), self.device,
+                                 f'could not repair {os.path.join(self.output_dir, "log.txt")}')
+        return Resumed(int(ckpt['iter']), int(ckpt.get('bad_steps', 0)), float(ckpt.get('best_miou', -1.0)),
+                       ckpt.get('best_iter'), ckpt)
+
+
+def add_missing_log_line(directory: str, record: Any) -> None:
+    """Append the checkpoint's last evaluation record to log.txt when log.txt lacks it (a stop or a full disk
+    between the save and the append)."""
+    if not isinstance(record, dict) or 'iter' not in record:
+        return
+    path = os.path.join(directory, 'log.txt')
+    seen = set()
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    seen.add(json.loads(line).get('iter'))
+                except (ValueError, AttributeError):
+                    continue
+    if record['iter'] not in seen:
+        run_dir.write_log_line(directory, record)
+        print(f'Repaired {path}: added the evaluation of iteration {record["iter"]} from the checkpoint')

@@ -1,0 +1,375 @@
+"""segmentation/: the ADE20K layout and its one-line errors, the training pipeline, the UperNet head's shapes
+and names, the --pretrained loading rules, the confusion matrix and scores, the schedule and the sampler that
+resumes mid-epoch. Real processes (exact distributed mIoU, resume): tests/integration/test_segmentation_runs.py."""
+import json
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import timm
+import torch
+from conftest import REPO, env
+from PIL import Image
+
+from segmentation import ade, backbone, miou, scenes, upernet
+from segmentation import train as seg_train
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory):
+    return scenes.make_scenes(str(tmp_path_factory.mktemp('ade')), n_train=6, n_val=3, size=(40, 48))
+
+
+def _copy(root, tmp_path):
+    import shutil
+    shutil.copytree(root, tmp_path / 'ade')
+    return str(tmp_path / 'ade')
+
+
+# --------------------------------------------------------------------------------------------------- layout
+def test_the_layout_is_read_and_labels_are_reduced(root):
+    pairs = ade.scan(root, 'training')
+    assert len(pairs) == 6 and all(p[0].endswith('.jpg') and p[1].endswith('.png') for p in pairs)
+    raw = np.asarray(Image.open(pairs[0][1]))
+    _, label = ade.read_pair(*pairs[0], num_classes=5)
+    assert np.array_equal(label == 255, raw == 0) and np.array_equal(label[raw > 0], raw[raw > 0] - 1)
+
+
+def test_layout_errors_name_the_folder_and_the_fix(root, tmp_path):
+    with pytest.raises(ade.LabelError, match=r'--data-path .*nope: no such folder; point it at the '
+                                             r'ADEChallengeData2016 folder'):
+        ade.scan(str(tmp_path / 'nope'), 'training')
+    parent = tmp_path / 'parent'
+    os.makedirs(parent)
+    os.symlink(root, parent / 'ADEChallengeData2016')
+    with pytest.raises(ade.LabelError, match=r'images/training: no such folder \(--data-path .*parent/'
+                                             r'ADEChallengeData2016 holds it\)'):
+        ade.scan(str(parent), 'training')
+
+
+def test_a_missing_label_map_is_named(root, tmp_path):
+    data = _copy(root, tmp_path)
+    os.remove(os.path.join(data, 'annotations', 'validation', 'ADE_val_00000002.png'))
+    with pytest.raises(ade.LabelError) as e:
+        ade.scan(data, 'validation')
+    line = str(e.value)
+    assert line.startswith(os.path.join(data, 'annotations', 'validation', 'ADE_val_00000002.png') + ': missing, '
+                           'the label map of ') and 'restore it from the ADE20K archive' in line and '\n' not in line
+
+
+def test_a_label_map_of_another_size_and_a_label_above_the_classes_are_named(root, tmp_path):
+    data = _copy(root, tmp_path)
+    image, label = ade.scan(data, 'training')[1]
+    Image.fromarray(np.ones((20, 24), np.uint8)).save(label)
+    with pytest.raises(ade.LabelError, match=r'the label map is 24x20 but its image .* is 48x40; a label map must '
+                                             r"have its image's size"):
+        ade.read_pair(image, label, 5)
+    Image.fromarray(np.full((40, 48), 7, np.uint8)).save(label)
+    with pytest.raises(ade.LabelError, match=r'holds label 7, above the 5 classes of --num-classes 5'):
+        ade.read_pair(image, label, 5)
+    Image.fromarray(np.zeros((40, 48, 3), np.uint8)).save(label)
+    with pytest.raises(ade.LabelError, match=r'a RGB image; label maps are single-channel'):
+        ade.read_pair(image, label, 5)
+
+
+def test_an_error_raised_in_a_loader_worker_keeps_its_one_line():
+    wrapped = ade.LabelError('Caught LabelError in DataLoader worker process 0.\nOriginal Traceback:\n  ...\n'
+                             'segmentation.ade.LabelError: x.png: missing, the label map of x.jpg')
+    assert ade.error_line(wrapped) == 'x.png: missing, the label map of x.jpg'
+
+
+# ------------------------------------------------------------------------------------------------- pipeline
+def test_the_training_pipeline_is_a_function_of_seed_epoch_and_index(root):
+    pipe = ade.TrainPipeline(crop=(32, 32), img_scale=(64, 32))
+    data = ade.ADE20K(root, 'training', 5, pipe, seed=3)
+    a, b, c = data[(0, 2)], data[(0, 2)], data[(1, 2)]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], c[0])
+    assert a[0].shape == (3, 32, 32) and a[0].dtype == torch.float32 and a[1].shape == (32, 32)
+    assert set(a[1].unique().tolist()) <= {0, 1, 2, 3, 4, 255}
+
+
+def test_small_images_are_padded_with_zero_and_ignored_labels():
+    pipe = ade.TrainPipeline(crop=(64, 64), img_scale=(20, 10), ratio_range=(1.0, 1.0), photometric=False)
+    image, label = np.full((10, 20, 3), 200, np.uint8), np.zeros((10, 20), np.uint8)
+    out, target = pipe(image, label, np.random.default_rng(0))
+    assert out.shape == (3, 64, 64) and torch.all(out[:, 10:] == 0) and torch.all(target[10:] == 255)
+    assert torch.all(target[:10, :20] == 0)
+
+
+def test_the_crop_avoids_one_class_filling_it():
+    label = np.zeros((64, 64), np.uint8)
+    label[:, 48:] = 1  # a crop of 32 is all class 0 unless it reaches past column 32
+    pipe = ade.TrainPipeline(crop=(32, 32))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        y, x = pipe.crop_origin(label, rng)
+        counts = np.bincount(label[y:y + 32, x:x + 32].ravel())
+        assert len(counts) == 2 and counts.max() / counts.sum() < 0.75
+
+
+def test_hsv_round_trip_and_hue_range():
+    """8-bit HSV keeps the hue in steps of 2 degrees, 255 / 30 of a channel at full saturation: a round trip
+    comes back within half a step."""
+    rgb = np.random.default_rng(0).integers(0, 256, (64, 64, 3)).astype(np.uint8)
+    hsv = ade.rgb_to_hsv(rgb)
+    assert hsv[..., 0].max() < 180
+    back = ade.hsv_to_rgb(hsv).astype(int)
+    assert np.abs(back - rgb).max() <= 5 and np.abs(back - rgb).mean() < 0.5
+    assert np.array_equal(ade.hsv_to_rgb(ade.rgb_to_hsv(np.full((2, 2, 3), 77, np.uint8))), np.full((2, 2, 3), 77))
+
+
+# ---------------------------------------------------------------------------------------------------- model
+def test_upernet_shapes_and_mmseg_names(one_thread):
+    model = backbone.build_segmentor('NALAFORMER_XT', 7, channels=16)
+    x = torch.randn(2, 3, 64, 96)
+    logits, aux = model.train()(x)
+    assert logits.shape == (2, 7, 16, 24) and aux.shape == (2, 7, 4, 6)  # stride 4; the auxiliary head: stride 16
+    assert model.eval()(x).shape == (2, 7, 64, 96)
+    keys = model.state_dict()
+    for k in ('decode_head.psp_modules.3.1.conv.weight', 'decode_head.bottleneck.bn.running_var',
+              'decode_head.lateral_convs.2.conv.weight', 'decode_head.fpn_convs.0.bn.weight',
+              'decode_head.fpn_bottleneck.conv.weight', 'decode_head.conv_seg.bias',
+              'auxiliary_head.convs.0.conv.weight', 'auxiliary_head.conv_seg.weight'):
+        assert k in keys, k
+    assert keys['decode_head.fpn_bottleneck.conv.weight'].shape == (16, 64, 3, 3)
+    assert 'decode_head.conv_seg.weight' in keys and not any(k.startswith('backbone.model.head') for k in keys)
+    assert backbone.build_segmentor('NALAFORMER_XT', 7, channels=16, aux=False).train()(x)[1] is None
+
+
+def test_the_loss_averages_over_every_pixel_as_mmseg():
+    logits = torch.randn(1, 3, 4, 4)
+    labels = torch.randint(0, 3, (1, 4, 4))
+    labels[0, 0] = 255
+    loss = upernet.SegLoss(0.4).pixel_ce(logits, labels)
+    per_pixel = torch.nn.functional.cross_entropy(logits, labels, ignore_index=255, reduction='sum') / 16
+    assert torch.allclose(loss, per_pixel)
+
+
+def test_upernet_matches_segmentation_models_pytorch_without_its_input_norms(one_thread):
+    """smp's UPerNetDecoder is mmseg's UPerHead plus a LayerNorm on every input map: with those norms taken out
+    and the same weights, the two fused maps agree (why segmentation/ keeps its own head: docs/segmentation.md)."""
+    smp = pytest.importorskip('segmentation_models_pytorch.decoders.upernet.decoder',
+                              reason='segmentation-models-pytorch is optional (requirements-optional.txt)')
+    torch.manual_seed(0)
+    chans = [8, 16, 24, 32]
+    ours = upernet.UPerHead(chans, num_classes=3, channels=12).eval()
+    theirs = smp.UPerNetDecoder([3, 0] + chans, encoder_depth=5, decoder_channels=12).eval()
+    theirs.feature_norms = torch.nn.ModuleList(torch.nn.Identity() for _ in chans)
+    pairs = [(ours.psp_modules[i][1], theirs.psp.blocks[i][1]) for i in range(4)]
+    pairs += [(ours.bottleneck, theirs.psp.out_conv), (ours.fpn_bottleneck, theirs.fusion_block)]
+    pairs += [(ours.lateral_convs[2 - i], theirs.fpn_lateral_blocks[i].conv_norm_relu) for i in range(3)]
+    pairs += [(ours.fpn_convs[2 - i], theirs.fpn_conv_blocks[i]) for i in range(3)]
+    for mine, other in pairs:
+        convs = [m for m in other.modules() if isinstance(m, torch.nn.Conv2d)]
+        bns = [m for m in other.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        convs[0].load_state_dict(mine.conv.state_dict())
+        bns[0].load_state_dict(mine.bn.state_dict())
+    feats = [torch.randn(1, c, 32 // 2 ** i, 40 // 2 ** i) for i, c in enumerate(chans)]
+    fused = ours.fpn_bottleneck(torch.cat(_levels(ours, feats), 1))
+    assert torch.allclose(fused, theirs([None, None] + feats), atol=1e-5)
+
+
+def _levels(head, feats):
+    laterals = [conv(f) for conv, f in zip(head.lateral_convs, feats)] + [head.psp_forward(feats[-1])]
+    for i in range(3, 0, -1):
+        laterals[i - 1] = laterals[i - 1] + upernet.resize(laterals[i], laterals[i - 1].shape[2:])
+    outs = [conv(lat) for conv, lat in zip(head.fpn_convs, laterals)] + [laterals[-1]]
+    return [outs[0]] + [upernet.resize(o, outs[0].shape[2:]) for o in outs[1:]]
+
+
+# --------------------------------------------------------------------------------------------- --pretrained
+@pytest.fixture(scope='module')
+def xt_checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    src = timm.create_model('NALAFORMER_XT', num_classes=10)
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in src.state_dict().items()}
+    path = str(tmp_path_factory.mktemp('ck') / 'cls.pth')
+    torch.save({'model': src.state_dict(), 'model_ema': ema, 'epoch': 3}, path)
+    return path, ema
+
+
+def test_pretrained_takes_the_ema_backbone_and_drops_the_classifier(xt_checkpoint):
+    path, ema = xt_checkpoint
+    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    line = backbone.load_pretrained(model, path, 'NALAFORMER_XT')
+    assert '(model_ema weights)' in line and 'dropped the classifier (head.bias, head.weight, norm.bias' in line
+    w = 'patch_embed.proj.0.weight'
+    assert torch.equal(model.state_dict()['backbone.model.' + w], ema[w])
+
+
+def test_pretrained_refuses_other_weights_in_one_line(xt_checkpoint, tmp_path):
+    path, ema = xt_checkpoint
+    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    broken = {k: v for k, v in ema.items() if k != 'layers.1.blocks.0.attn.qkvg.weight'}
+    torch.save({'model': broken}, tmp_path / 'missing.pth')
+    with pytest.raises(backbone.CheckpointError, match=r'does not hold NALAFORMER_XT classification weights: 1 '
+                                                       r'backbone tensors missing \(e.g. layers.1.blocks.0.attn.qkvg'):
+        backbone.load_pretrained(model, str(tmp_path / 'missing.pth'), 'NALAFORMER_XT')
+    torch.save({'model': timm.create_model('NALAFORMER_T').state_dict()}, tmp_path / 't.pth')
+    with pytest.raises(backbone.CheckpointError, match=r'backbone tensors of other shapes .* pass a checkpoint or '
+                                                       r'release of --model NALAFORMER_XT'):
+        backbone.load_pretrained(model, str(tmp_path / 't.pth'), 'NALAFORMER_XT')
+    torch.save({'model': {**ema, 'extra.weight': torch.zeros(1)}}, tmp_path / 'extra.pth')
+    with pytest.raises(backbone.CheckpointError, match=r"1 tensors that are not NALAFORMER_XT's \(e.g. extra.weight"):
+        backbone.load_pretrained(model, str(tmp_path / 'extra.pth'), 'NALAFORMER_XT')
+    torch.save({'task': 'segmentation', 'model': model.state_dict()}, tmp_path / 'seg.pth')
+    with pytest.raises(backbone.CheckpointError, match=r'is a segmentation checkpoint; continue it with --resume'):
+        backbone.load_pretrained(model, str(tmp_path / 'seg.pth'), 'NALAFORMER_XT')
+
+
+def test_weight_decay_skips_norms_and_biases():
+    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    decay, no_decay = backbone.param_groups(model, 0.01)
+    assert decay['weight_decay'] == 0.01 and no_decay['weight_decay'] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim > 1 for p in decay['params'])
+    assert {'decode_head.conv_seg.bias', 'decode_head.bottleneck.bn.weight'} <= {names[id(p)] for p in
+                                                                                 no_decay['params']}
+
+
+# ---------------------------------------------------------------------------------------------------- mIoU
+def test_confusion_matrix_counts_every_labelled_pixel():
+    g = torch.Generator().manual_seed(0)
+    pred, label = torch.randint(0, 4, (3, 9, 7), generator=g), torch.randint(0, 4, (3, 9, 7), generator=g)
+    label[0, :2] = 255
+    m = miou.confusion_matrix(pred, label, 4)
+    plain = torch.zeros(4, 4, dtype=torch.int64)
+    for p, t in zip(pred.flatten().tolist(), label.flatten().tolist()):
+        if t != 255:
+            plain[t, p] += 1
+    assert torch.equal(m, plain)
+    tm = pytest.importorskip('torchmetrics.functional.classification',
+                             reason='torchmetrics is optional (requirements-optional.txt)')
+    assert torch.equal(m, tm.multiclass_confusion_matrix(pred, label, 4, ignore_index=255))
+
+
+def test_scores_follow_mmseg():
+    m = torch.tensor([[8, 2, 0], [1, 4, 0], [0, 0, 0]])  # class 2: neither labelled nor predicted
+    s = miou.scores(m)
+    assert s['IoU'][:2] == pytest.approx([100 * 8 / 11, 100 * 4 / 7]) and s['IoU'][2] is None
+    assert s['mIoU'] == pytest.approx((800 / 11 + 400 / 7) / 2)
+    assert s['mAcc'] == pytest.approx((80 + 80) / 2) and s['aAcc'] == pytest.approx(100 * 12 / 15)
+
+
+def test_slide_inference_of_a_pointwise_model_equals_whole(one_thread):
+    model = torch.nn.Conv2d(3, 4, 1)
+    x = torch.randn(1, 3, 50, 70)
+    assert torch.allclose(miou.slide_logits(model, x, 4, crop=32, stride=21), model(x), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- the schedule
+def test_poly_schedule_with_linear_warmup():
+    args = seg_train.get_args_parser().parse_args(['--data-path', 'x', '--iters', '1000', '--warmup-iters', '100'])
+    assert seg_train.lr_at(0, args) == pytest.approx(6e-5 * 1e-6)
+    assert seg_train.lr_at(100, args) == pytest.approx(6e-5 * 0.9)
+    assert seg_train.lr_at(50, args) == pytest.approx(6e-5 * 0.95 * (1 - 0.5 * (1 - 1e-6)))
+    assert seg_train.lr_at(999, args) == pytest.approx(6e-5 / 1000)
+
+
+def test_the_sampler_resumes_inside_an_epoch_and_splits_ranks():
+    full = seg_train.IterationSampler(11, world=2, rank=0, batch_size=2, seed=1)
+    assert full.steps == 3  # ceil(11 / 2) = 6 per rank per epoch: 3 batches of 2
+    first = [k for k, _ in zip(full, range(20))]
+    resumed = [k for k, _ in zip(seg_train.IterationSampler(11, 2, 0, 2, 1, start=4), range(12))]
+    assert resumed == first[8:20] and first[5][0] == 0 and first[6][0] == 1
+    other = [k for k, _ in zip(seg_train.IterationSampler(11, 2, 1, 2, 1), range(6))]
+    assert {i for _, i in first[:6]} | {i for _, i in other} == set(range(11))
+
+
+def test_batch_size_one_is_refused_without_sync_bn(capsys):
+    with pytest.raises(SystemExit) as e:
+        seg_train.run(['--data-path', 'x', '--device', 'cpu', '--batch-size', '1'])
+    assert e.value.code == 2 and 'BatchNorm cannot train on; use --batch-size 2' in capsys.readouterr().err
+
+
+def test_train_sh_runs_dry_and_its_command_parses(tmp_path):
+    p = subprocess.run(['bash', os.path.join(REPO, 'segmentation', 'train.sh'), '--eval-mode', 'slide'],
+                       env={**env(), 'DRY_RUN': '1', 'PRETRAINED': 'ck.pth'}, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    words = p.stdout.strip().splitlines()[-1].split()
+    args = seg_train.get_args_parser().parse_args(words[words.index('segmentation/train.py') + 1:])
+    assert (args.iters, args.batch_size, args.lr, args.pretrained, args.eval_mode) == (160000, 2, 6e-5, 'ck.pth',
+                                                                                      'slide')
+    assert '--nproc_per_node=8' in words
+
+
+def test_the_benchmark_prints_a_row_per_model(tmp_path, capsys, one_thread):
+    from segmentation import benchmark
+    out = tmp_path / 'b.jsonl'
+    assert benchmark.main(['--models', 'NALAFORMER_XT,convnext_atto', '--size', '32', '-b', '2', '--steps', '1',
+                           '--warmup', '0', '--channels', '16', '--output', str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r['model'] for r in rows] == ['NALAFORMER_XT', 'convnext_atto']
+    assert all(r['peak_step_mib'] > 0 and r['img_s'] > 0 for r in rows)
+    table = capsys.readouterr().out
+    assert 'UperNet (16 channels) training step, batch 2, 32x32, fp32, cpu' in table and 'speed ' in table
+
+
+def test_the_benchmark_times_the_pipeline(capsys):
+    from segmentation import benchmark
+    threads = torch.get_num_threads()
+    try:
+        assert benchmark.main(['--pipeline', '2']) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert re.search(r'2 512x683 JPEGs: training pipeline [\d.]+ img/s', capsys.readouterr().out)
+
+
+def test_the_benchmark_counts_macs_of_backbone_and_head(capsys, one_thread):
+    from segmentation import benchmark
+    assert benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '64', '--channels', '16']) == 0
+    m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 64x64 \(backbone ([\d.]+), UperNet head ([\d.]+)\)',
+                  capsys.readouterr().out)
+    assert m and float(m.group(2)) > 0 and float(m.group(3)) > 0
+
+
+def test_slurm_train_sbatch_runs_the_segmentation_script():
+    p = subprocess.run(['bash', os.path.join(REPO, 'slurm', 'train.sbatch')], cwd=REPO, capture_output=True, text=True,
+                       env={**env(), 'DRY_RUN': '1', 'SCRIPT': 'segmentation/train.sh'}, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip().endswith('segmentation/train.sh'), p.stdout + p.stderr
+
+
+def test_pretrained_takes_a_safetensors_release(xt_checkpoint, tmp_path):
+    from safetensors.torch import save_file
+    _, ema = xt_checkpoint
+    path = str(tmp_path / 'nalaformer_xt.safetensors')
+    save_file({k: v.contiguous() for k, v in ema.items()}, path)
+    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    assert 'of ' + path + ' (weights); dropped the classifier' in backbone.load_pretrained(model, path, 'NALAFORMER_XT')
+    w = 'layers.2.blocks.0.attn.qkvg.weight'
+    assert torch.equal(model.state_dict()['backbone.model.' + w], ema[w])
+
+
+def test_eval_of_a_classification_checkpoint_is_one_line(root, xt_checkpoint, capsys):
+    import signal
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = seg_train.run(['--eval', '--resume', xt_checkpoint[0], '--data-path', root, '--device', 'cpu',
+                              '--cpu-malloc', 'system', '--model', 'NALAFORMER_XT', '--num-classes', '5',
+                              '--channels', '16', '--num_workers', '0'])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert code == 1 and f'error: {xt_checkpoint[0]} is not a segmentation checkpoint' in err
+    assert f'--pretrained {xt_checkpoint[0]}' in err and 'Traceback' not in err
+
+
+def test_a_checkpoint_names_the_model_flags_it_needs(root, tmp_path, capsys):
+    import signal
+    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    path = str(tmp_path / 'seg.pth')
+    torch.save({'task': 'segmentation', 'model': model.state_dict(), 'iter': 3,
+                'args': {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 16, 'aux_weight': 0.4}}, path)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = seg_train.run(['--eval', '--resume', path, '--data-path', root, '--device', 'cpu', '--cpu-malloc',
+                              'system', '--model', 'NALAFORMER_XT', '--num-classes', '5', '--num_workers', '0'])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert code == 1 and f'error: {path} holds a model built with --channels 16; pass the same flags' in \
+        capsys.readouterr().err
