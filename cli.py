@@ -16,9 +16,9 @@ import datasets
 import distributed
 import metrics
 import run_dir
+from cpu import DEFAULT_NUM_WORKERS
 from errors import CheckpointError, first_line
 from models.nalaformer import VARIANTS
-from utils import DEFAULT_NUM_WORKERS
 
 
 def ranged(kind=float, lo=None, hi=None, lo_open=False, hi_open=False):

@@ -16,7 +16,17 @@ from timm.data.random_erasing import RandomErasing
 import datasets
 import distributed
 import samplers
-from utils import DataLoader, worker_init_fn
+from signals import stop_signals_blocked, worker_init_fn
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader whose worker processes ignore the stop signals from birth, whatever the start
+    method: they are started with the signals blocked (a spawned worker takes seconds to import torch
+    before `worker_init_fn` runs), and `worker_init_fn` ignores them."""
+
+    def __iter__(self):
+        with stop_signals_blocked():
+            return super().__iter__()
 
 
 def build_loaders(args: argparse.Namespace, dataset_train: Any, dataset_val: Any) -> tuple[Any, Any, Any]:

@@ -22,6 +22,7 @@ import torch
 
 import checkpoint
 import cli
+import cpu
 import datasets
 import distributed
 import engine
@@ -32,7 +33,7 @@ import loaders
 import metrics
 import optim_step
 import run_dir
-import utils
+import signals
 from errors import FlagError, UserError, first_line
 from models.flops import count_flops
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
@@ -184,17 +185,17 @@ def main(args, parser):
     distributed.init_distributed_mode(args)
     if args.amp == 'bf16':  # on the process's own GPU, now the current one
         distributed.check_bf16(args.device)
-    stop_flag = utils.StopFlag()
+    stop_flag = signals.StopFlag()
     stop_flag.install()
     if want_cuda and args.device == 'cpu':
         print('No GPU available: running on the CPU')
     device = torch.device(args.device)
-    if device.type == 'cpu' and args.cpu_malloc == 'retain' and not utils.retain_freed_cpu_memory():
+    if device.type == 'cpu' and args.cpu_malloc == 'retain' and not cpu.retain_freed_cpu_memory():
         print('--cpu-malloc retain: this C library has no mallopt; using its defaults')
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), backend {args.dist_backend or "none"}, device {device}')
     if args.num_workers is None:
-        args.num_workers, why = utils.default_num_workers()
+        args.num_workers, why = cpu.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
     for note in cli.compatibility_notes(args):
         print(note)

@@ -26,12 +26,14 @@ import timm  # noqa: E402
 import torch  # noqa: E402
 
 import cli  # noqa: E402
+import cpu  # noqa: E402
 import distributed  # noqa: E402
 import exits  # noqa: E402
+import loaders  # noqa: E402
 import optim_step  # noqa: E402
 import run_dir  # noqa: E402
 import samplers  # noqa: E402
-import utils  # noqa: E402
+import signals  # noqa: E402
 from engine import preserved_rng  # noqa: E402
 from errors import NonFiniteLossError, UserError, eprint  # noqa: E402
 from image_folder import DataLayoutError  # noqa: E402
@@ -167,10 +169,10 @@ def build_loaders(args, train_set, val_set, start_iter: int):
     share with --dist-eval)."""
     world, rank = distributed.get_world_size(), distributed.get_rank()
     common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and str(args.device).startswith('cuda'),
-                  worker_init_fn=utils.worker_init_fn)
+                  worker_init_fn=signals.worker_init_fn)
     sampler_val = (samplers.DistributedEvalSampler(val_set, world, rank) if args.dist_eval and world > 1
                    else torch.utils.data.SequentialSampler(val_set))
-    val = utils.DataLoader(val_set, sampler=sampler_val, batch_size=1, **common)
+    val = loaders.DataLoader(val_set, sampler=sampler_val, batch_size=1, **common)
     if train_set is None:
         return None, val
     sampler = IterationSampler(len(train_set), world, rank, args.batch_size, args.seed, start_iter)
@@ -178,7 +180,7 @@ def build_loaders(args, train_set, val_set, start_iter: int):
         raise UserError(f'the training set ({len(train_set)} images) gives no full batch of {args.batch_size} per '
                         f'process on {world} process(es); lower --batch-size')
     # its own generator: creating the iterator draws no number from the run's random stream (exact resume)
-    train = utils.DataLoader(train_set, sampler=sampler, batch_size=args.batch_size, drop_last=True,
+    train = loaders.DataLoader(train_set, sampler=sampler, batch_size=args.batch_size, drop_last=True,
                              generator=torch.Generator(), persistent_workers=False, **common)
     return train, val
 
@@ -206,13 +208,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     distributed.init_distributed_mode(args)
     if args.amp == 'bf16':  # on the process's own GPU
         distributed.check_bf16(args.device)
-    stop_flag = utils.StopFlag()
+    stop_flag = signals.StopFlag()
     stop_flag.install()
     device = torch.device(args.device)
     if device.type == 'cpu' and args.cpu_malloc == 'retain':
-        utils.retain_freed_cpu_memory()
+        cpu.retain_freed_cpu_memory()
     if args.num_workers is None:
-        args.num_workers, why = utils.default_num_workers()
+        args.num_workers, why = cpu.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process ({why})')
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')

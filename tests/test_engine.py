@@ -15,7 +15,7 @@ import engine
 import errors
 import metrics
 import optim_step
-import utils
+import signals
 
 
 # -------------------------------------------------------------------------------- evaluate, stops
@@ -111,7 +111,7 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = Loader([(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))] * 5)
-    flag = utils.StopFlag()
+    flag = signals.StopFlag()
     flag.signum = 15
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
     res = engine.train_one_epoch(model, crit, loader, optim_step.OptimizerStep(opt, 'cpu'), epoch=0, stop_flag=flag,
@@ -126,7 +126,7 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
 def test_a_stop_signal_cuts_evaluation_short():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2))
     loader = Loader([(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))] * 3)
-    flag = utils.StopFlag()
+    flag = signals.StopFlag()
     assert not engine.evaluate(loader, model, 'cpu', stop_flag=flag)['aborted']
     flag.signum = 15
     st = engine.evaluate(loader, model, 'cpu', stop_flag=flag)

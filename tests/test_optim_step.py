@@ -7,7 +7,7 @@ from test_engine import Loader, assert_bitwise_equal, batches, bn_model, ce, lin
 
 import engine
 import optim_step
-import utils
+import signals
 
 
 def tf32_reads():
@@ -92,7 +92,7 @@ def test_accumulating_two_batches_equals_one_double_batch(one_thread):
 def test_a_shorter_last_window_still_steps_and_stops_only_at_window_boundaries(one_thread):
     _, _, _, opt = run_accum(batches(5), 2)
     assert steps(opt) == 3  # windows of 2, 2 and 1 batches
-    flag = utils.StopFlag()
+    flag = signals.StopFlag()
     flag.signum = 15  # already requested: the first optimizer step ends the epoch
     _, _, res, opt = run_accum(batches(5), 2, stop_flag=flag)
     assert res.stopped and res.state.step == 2

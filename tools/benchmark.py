@@ -57,10 +57,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import timm
 from timm.models import get_pretrained_cfg
 
+import cpu
 import engine
 import models  # noqa: F401  (registers the variants)
 import optim_step
-import utils
 from models import VARIANTS
 from tools.published import published_top1
 
@@ -572,10 +572,10 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict
     import tempfile
 
     from torchvision.datasets import ImageFolder
+    from cpu import available_cpus
 
     import datasets
     from cli import get_args_parser
-    from utils import available_cpus
     workers = (args.data_workers or [available_cpus()])[0]
     recipe = get_args_parser().parse_args(['--input-size', str(args.input_size[0])])
     with tempfile.TemporaryDirectory(prefix='nalaformer-photos-') as root:
@@ -907,7 +907,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
     parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default=None,
-                        help="CPU allocator setting, as main.py's flag (utils.retain_freed_cpu_memory); "
+                        help="CPU allocator setting, as main.py's flag (cpu.retain_freed_cpu_memory); "
                              "default retain for one model (as main.py), system (a plain process) with "
                              "--compare")
     parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=None,
@@ -1009,7 +1009,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # None off CUDA, where there is no TF32
     args.tf32_applied = args.tf32 if optim_step.set_tf32(args.device, args.tf32) else None
     if not args.device.startswith('cuda') and args.cpu_malloc == 'retain':
-        args.cpu_malloc = 'retain' if utils.retain_freed_cpu_memory() else 'system'
+        args.cpu_malloc = 'retain' if cpu.retain_freed_cpu_memory() else 'system'
     if args.sweep:
         results = sweep(args)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -128,8 +128,8 @@ def test_under_torchrun_each_message_comes_once_and_every_rank_fails(data, tmp_p
 SCRIPT = r"""
 import resource, sys
 import torch
-import utils
-retained = utils.retain_freed_cpu_memory() if sys.argv[1] == 'retain' else None
+import cpu
+retained = cpu.retain_freed_cpu_memory() if sys.argv[1] == 'retain' else None
 faults = []
 for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -34,8 +34,9 @@ from conftest import (
 from image_folders import make_imagefolder
 
 import checkpoint_io
+import loaders
 import run_dir
-import utils
+import signals
 
 pytestmark = pytest.mark.slow  # main.py and data-loader workers in real processes, signals and kills
 
@@ -353,7 +354,7 @@ def test_usr1_to_every_process_with_spawned_workers_saves_and_resumes(data, tmp_
 def stop_signals_held_off():
     """For each stop signal: does this process hold it back (blocked) or ignore it?"""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    return [s in blocked or signal.getsignal(s) == signal.SIG_IGN for s in utils.STOP_SIGNALS]
+    return [s in blocked or signal.getsignal(s) == signal.SIG_IGN for s in signals.STOP_SIGNALS]
 
 
 class SignalState(torch.utils.data.Dataset):
@@ -378,10 +379,10 @@ def test_spawned_workers_ignore_the_stop_signals_from_birth():
     """A spawned worker spends seconds importing torch before `worker_init_fn` runs: a stop signal must not
     kill it in that window either. The main process gets its signal mask back afterwards."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    loader = utils.DataLoader(SignalState(), num_workers=1, multiprocessing_context='spawn',
-                              worker_init_fn=utils.worker_init_fn)
+    loader = loaders.DataLoader(SignalState(), num_workers=1, multiprocessing_context='spawn',
+                              worker_init_fn=signals.worker_init_fn)
     (state,) = list(loader)
     at_birth, loading = state.tolist()[0]
-    assert at_birth[utils.STOP_SIGNALS.index(signal.SIGUSR1)]  # what SLURM's requeue sends to every process
+    assert at_birth[signals.STOP_SIGNALS.index(signal.SIGUSR1)]  # what SLURM's requeue sends to every process
     assert all(loading)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
