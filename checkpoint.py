@@ -15,8 +15,8 @@ and ours: ``best_weights`` ('model' or 'model_ema': which weights gave max_accur
 ``best_acc1`` (the two accuracies of that epoch), ``acc1`` (this epoch's two accuracies), ``log`` (the
 epoch's log.txt record), ``files`` (the names this state was written to), ``rng_state`` (one entry per
 process), ``train_carry`` (the skipped-step counts), mid-epoch stops add ``step``, ``epoch_rng_state`` and
-``loss_meter`` (these and ``rng_state``, ``train_carry`` hold an ``engine.EpochState``:
-``engine.epoch_state_entries`` and ``TrainingCheckpoints.resume``), and ``checksum`` (a sha256 of every
+``loss_meter`` (these and ``rng_state``, ``train_carry`` hold an ``train_state.EpochState``:
+``train_state.epoch_state_entries`` and ``TrainingCheckpoints.resume``), and ``checksum`` (a sha256 of every
 part, verified on load).
 
 A state is serialised once, to its first file name; its other names (best.pth, checkpoint_NNNN.pth) are
@@ -47,8 +47,8 @@ from checkpoint_io import (
     load_checkpoint_file,
     save_atomic,
 )
-from engine import SKIP_COUNTS_KEY, EpochState, set_rng_state
 from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from train_state import SKIP_COUNTS_KEY, EpochState, set_rng_state
 from weights import load_weights_into, select_weights
 
 #: optimizer settings that come from the command line (the LR comes from the schedule)

@@ -2,17 +2,14 @@
 a graceful stop at optimizer-step boundaries, mid-epoch resume and a bounded number of skipped non-finite
 steps that leave the model exactly as it was).
 
-`train_one_epoch` runs a optim_step.OptimizerStep per window of micro-batches; `TrainSettings` holds the loop's
-settings for a run; `EpochState` is where training stands inside an epoch, which `train_one_epoch` takes and
-returns and `epoch_state_entries` turns into checkpoint entries, with the random-number state
-(`get_rng_state`) that makes a resumed epoch replay its batches; `evaluate_models` scores several models
+`train_one_epoch` runs an optim_step.OptimizerStep per window of micro-batches; `TrainSettings` holds the loop's
+settings for a run; it takes and returns a train_state.EpochState, where training stands inside an epoch (with
+the random-number state that makes a resumed epoch replay its batches); `evaluate_models` scores several models
 (the model and its EMA) in one pass over the validation set."""
-import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from timm.utils import unwrap_model
 
@@ -20,93 +17,7 @@ from distributed import get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
 from optim_step import OptimizerStep, autocast
-
-
-# --------------------------------------------------------------------------------------------------
-# Where training stands: random-number state (torch, CUDA, numpy, python) and the epoch's position
-# --------------------------------------------------------------------------------------------------
-def get_rng_state() -> dict:
-    """torch, numpy and python RNG state (and this process's CUDA device's) as objects that
-    torch.load(weights_only=True) reads back."""
-    np_state = np.random.get_state()
-    state = {
-        'torch': torch.get_rng_state(),
-        'numpy': {'name': str(np_state[0]), 'keys': torch.from_numpy(np_state[1].astype(np.int64)),
-                  'pos': int(np_state[2]), 'has_gauss': int(np_state[3]), 'cached_gaussian': float(np_state[4])},
-        'python': random.getstate(),  # (version, tuple of ints, float or None): plain already
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # this process's own device only: another launch may see fewer GPUs per process
-        state['cuda'] = torch.cuda.get_rng_state(torch.cuda.current_device())
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore get_rng_state()'s result; the CUDA state goes to this process's current device."""
-    torch.set_rng_state(state['torch'])
-    n = state['numpy']
-    np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'],
-                         n['cached_gaussian']))
-    py = state['python']
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    cuda = state.get('cuda')
-    if cuda is not None and torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state
-            cuda = cuda[device] if device < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-
-
-class preserved_rng:
-    """Context manager: the torch/numpy/python RNG state is the same after the block as before."""
-
-    def __enter__(self):
-        self.state = get_rng_state()
-
-    def __exit__(self, *exc):
-        set_rng_state(self.state)
-        return False
-
-
-def gather_rng(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's RNG state, in rank order (collective under torch.distributed)."""
-    if not is_dist_avail_and_initialized():
-        return [state]
-    out = [None] * get_world_size()
-    torch.distributed.all_gather_object(out, state)
-    return out
-
-
-
-
-@dataclass
-class EpochState:
-    """Where training stands inside an epoch: the first step not yet run, what a resume at that step needs,
-    and the skipped-step counts. train_one_epoch takes and returns it; epoch_state_entries and
-    checkpoint.TrainingCheckpoints.resume save and load it (docs/usage.md#checkpoints)."""
-    step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
-    rng_state: dict | None = None        # RNG state at `step` (a mid-epoch stop)
-    epoch_rng_state: dict | None = None  # RNG state before the epoch's data iterator was created
-    loss_meter: dict | None = None       # the epoch's loss meter so far: {'total': ..., 'count': ...}
-    bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
-    skipped_steps: int = 0  # optimizer steps skipped so far in this epoch
-
-
-#: the checkpoint entry of EpochState's skipped-step counts (the name older checkpoints carry)
-SKIP_COUNTS_KEY = 'train_carry'
-
-
-def epoch_state_entries(state: EpochState) -> dict[str, Any]:
-    """The checkpoint entries of where training stands (collective: every rank calls it). Between epochs
-    (``state.step`` 0): every rank's RNG state now; inside an epoch: ``step``, every rank's RNG state at
-    the stop and before the epoch's data iterator, and the loss meter. Always the skipped-step counts."""
-    skip_counts = {'bad_steps': state.bad_steps, 'skipped_steps': state.skipped_steps}
-    if not state.step:
-        return {'rng_state': gather_rng(get_rng_state()), SKIP_COUNTS_KEY: skip_counts}
-    return {'step': state.step, 'rng_state': gather_rng(state.rng_state),
-            'epoch_rng_state': gather_rng(state.epoch_rng_state), 'loss_meter': state.loss_meter,
-            SKIP_COUNTS_KEY: skip_counts}
+from train_state import EpochState, get_rng_state, set_rng_state
 
 
 @dataclass

@@ -34,6 +34,7 @@ import metrics
 import optim_step
 import run_dir
 import signals
+import train_state
 from errors import FlagError, UserError, first_line
 from models.flops import count_flops
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
@@ -362,7 +363,7 @@ def main(args, parser):
                                               mixup_fn, state, stop_flag, logger=tb, random_erasing=random_erasing)
         state = epoch_result.state
         if epoch_result.stopped and state.step:
-            save(epoch, engine.epoch_state_entries(state), ['checkpoint.pth'])
+            save(epoch, train_state.epoch_state_entries(state), ['checkpoint.pth'])
             where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
                   f'{state.step}; checkpoint {where}; run the same command again to resume')
@@ -376,7 +377,7 @@ def main(args, parser):
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
         bad = image_folder.bad_sample_count_all_ranks(dataset_train, device)
 
-        with engine.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
+        with train_state.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
             test_stats, ema_stats = evaluate_with_ema(args, loader_val, eval_model, model_ema, eval_ema, device,
                                                       amp_dtype, sum_over_ranks, stop_flag)
         # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
@@ -409,7 +410,7 @@ def main(args, parser):
                      'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
                      'bad_train_images': bad}
         # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
-        save(epoch, {**engine.epoch_state_entries(state), 'log': log_stats}, names)
+        save(epoch, {**train_state.epoch_state_entries(state), 'log': log_stats}, names)
         checkpoints.append_log(log_stats)
         if args.log_dir:
             distributed.on_rank0(lambda s=log_stats, e=epoch: tb.log_epoch(s, e), device,

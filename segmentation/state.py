@@ -1,6 +1,6 @@
 """What a segmentation run's checkpoint holds, how it is written and how a run resumes from it, on the
 classification engine's machinery: atomic writes and copies with a checksum (checkpoint_io), rank 0 writing
-while every rank agrees on failures (distributed.on_rank0), the RNG state of every rank (engine.get_rng_state),
+while every rank agrees on failures (distributed.on_rank0), the RNG state of every rank (train_state.get_rng_state),
 log.txt's JSON lines (run_dir.write_log_line).
 
 A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's state dict), ``optimizer``,
@@ -29,9 +29,9 @@ from checkpoint_io import (
     load_checkpoint_file,
     save_atomic,
 )
-from engine import gather_rng, get_rng_state, set_rng_state
 from errors import CheckpointError, CheckpointWriteError, UserError, first_line
 from segmentation.backbone import TASK
+from train_state import gather_rng, get_rng_state, set_rng_state
 from weights import load_weights_into
 
 #: the flags that shape the model: a checkpoint loads only into a model built with the same

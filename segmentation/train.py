@@ -34,11 +34,11 @@ import optim_step  # noqa: E402
 import run_dir  # noqa: E402
 import samplers  # noqa: E402
 import signals  # noqa: E402
-from engine import preserved_rng  # noqa: E402
 from errors import NonFiniteLossError, UserError, eprint  # noqa: E402
 from image_folder import DataLayoutError  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
+from train_state import preserved_rng  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:

@@ -13,8 +13,8 @@ from test_checkpoint import _run, _Tiny, _write_state
 
 import checkpoint
 import checkpoint_io
-import engine
 import errors
+import train_state
 
 
 def test_corruption_inside_a_checkpoint_is_detected(tmp_path):
@@ -173,7 +173,7 @@ def _state():
     m(torch.ones(1, 3)).sum().backward()
     opt.step()
     return {'model': m.state_dict(), 'optimizer': opt.state_dict(), 'epoch': 4, 'max_accuracy': 12.5,
-            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [engine.get_rng_state()]}
+            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [train_state.get_rng_state()]}
 
 
 def test_checkpoint_round_trip_weights_only(tmp_path):

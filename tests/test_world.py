@@ -26,11 +26,11 @@ from PIL import Image
 import checkpoint
 import checkpoint_io
 import cli
-import engine
 import errors
 import exits
 import image_folder
 import run_dir
+import train_state
 
 # ------------------------------------------------------------------------------ one job per output dir
 LOCK_HOLDER = ('import sys, run_dir\n'
@@ -158,9 +158,9 @@ def test_a_changed_data_path_is_a_note_naming_both_paths(tmp_path, monkeypatch, 
 # ------------------------------------------------------------------------------ mid-epoch resume, other world
 def test_a_mid_epoch_checkpoint_under_another_batch_restarts_the_epoch(tmp_path, capsys):
     run = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24)
-    state = engine.EpochState(step=2, rng_state=engine.get_rng_state(),
-                              epoch_rng_state=engine.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
-    run.save(1, engine.epoch_state_entries(state), ['checkpoint.pth'])
+    state = train_state.EpochState(step=2, rng_state=train_state.get_rng_state(),
+                              epoch_rng_state=train_state.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
+    run.save(1, train_state.epoch_state_entries(state), ['checkpoint.pth'])
     path = str(tmp_path / 'checkpoint.pth')
     same = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24).resume(path)
     assert (same.start_epoch, same.state.step) == (1, 2)

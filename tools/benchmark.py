@@ -572,10 +572,10 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict
     import tempfile
 
     from torchvision.datasets import ImageFolder
-    from cpu import available_cpus
 
     import datasets
     from cli import get_args_parser
+    from cpu import available_cpus
     workers = (args.data_workers or [available_cpus()])[0]
     recipe = get_args_parser().parse_args(['--input-size', str(args.input_size[0])])
     with tempfile.TemporaryDirectory(prefix='nalaformer-photos-') as root:
