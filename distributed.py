@@ -143,15 +143,6 @@ def check_gpus_per_node(n_gpus: int) -> None:
                         f'{n_gpus} per node (torchrun --nproc_per_node={n_gpus}) or make more GPUs visible')
 
 
-def check_bf16(device: Any) -> None:
-    """Refuse --amp bf16 on a GPU without native bfloat16 (e.g. V100, T4), where torch would emulate it
-    many times slower. Called after the process's GPU is made current, so every rank checks its own."""
-    device = torch.device(device)
-    if device.type == 'cuda' and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise UserError(f'--amp bf16: {torch.cuda.get_device_name(device)} has no native bfloat16 (it would be '
-                        f'emulated, many times slower); use --amp fp16')
-
-
 def barrier() -> None:
     if is_dist_avail_and_initialized():
         dist.barrier()

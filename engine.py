@@ -16,7 +16,8 @@ from timm.utils import unwrap_model
 from distributed import get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
-from optim_step import OptimizerStep, autocast
+from optim_step import OptimizerStep
+from precision import autocast
 from train_state import EpochState, get_rng_state, set_rng_state
 
 

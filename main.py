@@ -35,8 +35,11 @@ import optim_step
 import run_dir
 import signals
 import train_state
+from ema import ModelEma, ema_decay
 from errors import FlagError, UserError, first_line
 from models.flops import count_flops
+from precision import amp_dtype as precision_dtype
+from precision import check_bf16, set_tf32
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
 
 
@@ -185,7 +188,7 @@ def main(args, parser):
     want_cuda = str(args.device).startswith('cuda')
     distributed.init_distributed_mode(args)
     if args.amp == 'bf16':  # on the process's own GPU, now the current one
-        distributed.check_bf16(args.device)
+        check_bf16(args.device)
     stop_flag = signals.StopFlag()
     stop_flag.install()
     if want_cuda and args.device == 'cpu':
@@ -212,7 +215,7 @@ def main(args, parser):
     random_seed(args.seed, rank)  # torch, numpy and python seeded with --seed + rank
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
-    optim_step.set_tf32(device, args.tf32)
+    set_tf32(device, args.tf32)
 
     output_dir = args.output_dir
     run_dir.prepare_output_dir(args, device)
@@ -288,8 +291,8 @@ def main(args, parser):
     global_batch = args.batch_size * world * args.accum_steps  # images per optimizer step
     model_ema = None
     if args.model_ema and not args.eval:  # --eval measures the EMA weights the checkpoint holds
-        decay = args.model_ema_decay ** (global_batch / 512.0)
-        model_ema = optim_step.ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
+        decay = ema_decay(args.model_ema_decay, global_batch)
+        model_ema = ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
         print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
 
     train_model, model_without_ddp, eval_model = wrap_model(args, model, device)
@@ -299,7 +302,7 @@ def main(args, parser):
         args.lr = args.lr * global_batch / 512.0
     optimizer = cli.build_optimizer(args, model_without_ddp)
     lr_scheduler = cli.build_lr_scheduler(args, optimizer)
-    amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    amp_dtype = precision_dtype(args.amp)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     accum = f' = {args.batch_size} x {world} x {args.accum_steps} accumulated' if args.accum_steps > 1 else ''
     tf32 = '+TF32' if args.tf32 and device.type == 'cuda' else ''

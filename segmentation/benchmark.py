@@ -28,7 +28,7 @@ elif os.path.dirname(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-from optim_step import autocast, set_tf32  # noqa: E402
+from precision import autocast, set_tf32  # noqa: E402
 from segmentation.backbone import build_segmentor, param_groups  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from tools.benchmark import peak_bytes  # noqa: E402

@@ -31,6 +31,7 @@ import distributed  # noqa: E402
 import exits  # noqa: E402
 import loaders  # noqa: E402
 import optim_step  # noqa: E402
+import precision  # noqa: E402
 import run_dir  # noqa: E402
 import samplers  # noqa: E402
 import signals  # noqa: E402
@@ -207,7 +208,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     validate_args(args, parser)
     distributed.init_distributed_mode(args)
     if args.amp == 'bf16':  # on the process's own GPU
-        distributed.check_bf16(args.device)
+        precision.check_bf16(args.device)
     stop_flag = signals.StopFlag()
     stop_flag.install()
     device = torch.device(args.device)
@@ -220,7 +221,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
     resume_path = run_dir.agree_on_resume_path(args, device)
     timm.utils.random_seed(args.seed, rank)
-    optim_step.set_tf32(device, args.tf32)
+    precision.set_tf32(device, args.tf32)
     run_dir.prepare_output_dir(args, device)
     train_set, val_set = build_data(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '

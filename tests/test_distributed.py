@@ -10,6 +10,7 @@ import torch
 import cli
 import distributed
 import errors
+import precision
 
 
 @pytest.fixture
@@ -190,9 +191,9 @@ def test_bf16_is_checked_natively_on_the_process_own_gpu(monkeypatch):
     distributed.init_distributed_mode(argparse.Namespace(device='cuda:1', local_rank=None, dist_url='env://',
                                                          dist_timeout=60))
     with pytest.raises(errors.UserError, match=r'--amp bf16: Tesla V100\S* has no native bfloat16 .*use --amp fp16'):
-        distributed.check_bf16('cuda:1')
+        precision.check_bf16('cuda:1')
     assert cuda.bf16_asked == [(1, False)]
     cuda.native_bf16 = True
-    distributed.check_bf16('cuda:1')  # an A100/H100: accepted
-    distributed.check_bf16('cpu')  # CPU autocast: no GPU asked
+    precision.check_bf16('cuda:1')  # an A100/H100: accepted
+    precision.check_bf16('cpu')  # CPU autocast: no GPU asked
     assert cuda.bf16_asked == [(1, False), (1, False)]

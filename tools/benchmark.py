@@ -61,6 +61,8 @@ import cpu
 import engine
 import models  # noqa: F401  (registers the variants)
 import optim_step
+import precision
+from ema import ModelEma
 from models import VARIANTS
 from tools.published import published_top1
 
@@ -158,7 +160,7 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str
         model.eval()
 
         def step() -> None:
-            with torch.no_grad(), optim_step.autocast(device, amp_dtype(dtype)):
+            with torch.no_grad(), precision.autocast(device, amp_dtype(dtype)):
                 fwd(x)
         return step, None
 
@@ -537,14 +539,14 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
 
     def bare() -> None:
         model.zero_grad(set_to_none=True)
-        with optim_step.autocast(device, amp_dtype(dtype)):
+        with precision.autocast(device, amp_dtype(dtype)):
             loss = cross_entropy(model(x), target)
         loss.backward()
     bare_s = statistics.median(time_call(bare, device, args.steps, args.warmup))
     optimizer = build_optimizer(get_args_parser().parse_args(['--model', name]), model)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
-    ema = optim_step.ModelEma(model, decay=0.9999)
+    ema = ModelEma(model, decay=0.9999)
 
     def epoch(n: int) -> None:
         with contextlib.redirect_stdout(io.StringIO()):  # the epoch's progress lines
@@ -769,13 +771,13 @@ def data_loading(args: argparse.Namespace) -> dict:
     return result
 
 
-# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against optim_step.ModelEma -------------
+# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against ema.ModelEma -------------
 EMA_MODELS = ('NALAFORMER_XT', 'NALAFORMER_L')
 
 
 def ema_update_times(args: argparse.Namespace) -> list[dict]:
     """ms per EMA update of each model (default XT and L) on ``args.device``: timm's ModelEmaV3 and main.py's
-    optim_step.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
+    ema.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
     ``args.warmup``."""
     from timm.utils import ModelEmaV3
     device = torch.device(args.device)
@@ -783,7 +785,7 @@ def ema_update_times(args: argparse.Namespace) -> list[dict]:
     for name in args.preset_models or EMA_MODELS:
         model = create_any(name, device, args.fast_path)
         emas = {'timm ModelEmaV3': ModelEmaV3(model, decay=0.9999),
-                'optim_step.ModelEma': optim_step.ModelEma(model, decay=0.9999)}
+                'ema.ModelEma': ModelEma(model, decay=0.9999)}
         times: dict[str, list[float]] = {k: [] for k in emas}
         for i in range(args.warmup + args.steps):
             for label, ema in emas.items():
@@ -834,12 +836,12 @@ def sweep(args: argparse.Namespace) -> dict:
                 sin, cos = rope((side, side))
                 if args.mode == 'train':
                     block.train()
-                    with optim_step.autocast(device, amp_dtype(dtype)):
+                    with precision.autocast(device, amp_dtype(dtype)):
                         out = block(x, sin, cos)
                     out.float().sum().backward()
                 else:
                     block.eval()
-                    with torch.no_grad(), optim_step.autocast(device, amp_dtype(dtype)):
+                    with torch.no_grad(), precision.autocast(device, amp_dtype(dtype)):
                         block(x, sin, cos)
             # small sizes take milliseconds: repeat them for >= 1 s and keep the fastest step, the
             # best estimate of the block's own cost on a machine shared with other processes
@@ -954,7 +956,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--tiny', action='store_true',
                         help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--ema-update', action='store_true',
-                        help="ms per EMA update, timm's ModelEmaV3 against main.py's optim_step.ModelEma "
+                        help="ms per EMA update, timm's ModelEmaV3 against main.py's ema.ModelEma "
                              '(--preset-models, default XT and L)')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
@@ -1007,7 +1009,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     # main.py's fp32 setting (TF32 on CUDA unless --no-tf32), so that fp32 figures are those training runs at;
     # None off CUDA, where there is no TF32
-    args.tf32_applied = args.tf32 if optim_step.set_tf32(args.device, args.tf32) else None
+    args.tf32_applied = args.tf32 if precision.set_tf32(args.device, args.tf32) else None
     if not args.device.startswith('cuda') and args.cpu_malloc == 'retain':
         args.cpu_malloc = 'retain' if cpu.retain_freed_cpu_memory() else 'system'
     if args.sweep:
