@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 import distributed
-import run_dir
+import metrics
+import run_repair
 from checkpoint_io import (
     checkpoint_identity,
     checksums,
@@ -300,7 +301,7 @@ class TrainingCheckpoints:
         """Append the epoch's record to log.txt (rank 0; a failure stops every rank with one line). The record
         is also in the checkpoint, so a line lost to a crash or a full disk is written at the next resume."""
         if self.output_dir:
-            distributed.on_rank0(lambda: run_dir.write_log_line(self.output_dir, record), self.device,
+            distributed.on_rank0(lambda: metrics.write_log_line(self.output_dir, record), self.device,
                                  f'could not append to {os.path.join(self.output_dir, "log.txt")}')
 
     def estimate_bytes(self, resume_path: str = '') -> int:
@@ -393,7 +394,7 @@ class TrainingCheckpoints:
             print(f'Note: the checkpoint was written by {writers} '
                   f'process(es), this run has {world}: random-number state not restored')
         if self.output_dir:
-            distributed.on_rank0(lambda: run_dir.repair(self.output_dir, path, ckpt), self.device,
+            distributed.on_rank0(lambda: run_repair.repair(self.output_dir, path, ckpt), self.device,
                                  f'could not repair the files of {self.output_dir} from {path}')
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
         r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {self.max_accuracy:.2f}%'

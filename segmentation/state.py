@@ -1,7 +1,7 @@
 """What a segmentation run's checkpoint holds, how it is written and how a run resumes from it, on the
 classification engine's machinery: atomic writes and copies with a checksum (checkpoint_io), rank 0 writing
 while every rank agrees on failures (distributed.on_rank0), the RNG state of every rank (train_state.get_rng_state),
-log.txt's JSON lines (run_dir.write_log_line).
+log.txt's JSON lines (metrics.write_log_line).
 
 A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's state dict), ``optimizer``,
 ``scaler`` (fp16's GradScaler or None), ``iter`` (iterations done), ``args``, ``rng_state`` (one per process),
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import distributed
-import run_dir
+import metrics
 from checkpoint import args_to_dict, saved_args
 from checkpoint_io import (
     checkpoint_identity,
@@ -87,7 +87,7 @@ class SegCheckpoints:
     def append_log(self, record: dict[str, Any]) -> None:
         """One JSON line in --output_dir/log.txt (rank 0)."""
         if self.output_dir:
-            distributed.on_rank0(lambda: run_dir.write_log_line(self.output_dir, record), self.device,
+            distributed.on_rank0(lambda: metrics.write_log_line(self.output_dir, record), self.device,
                                  f'could not append to {os.path.join(self.output_dir, "log.txt")}')
 
     def load(self, path: str) -> Any:
@@ -156,5 +156,5 @@ def add_missing_log_line(directory: str, record: Any) -> None:
                 except (ValueError, AttributeError):
                     continue
     if record['iter'] not in seen:
-        run_dir.write_log_line(directory, record)
+        metrics.write_log_line(directory, record)
         print(f'Repaired {path}: added the evaluation of iteration {record["iter"]} from the checkpoint')

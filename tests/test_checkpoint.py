@@ -18,7 +18,7 @@ import checkpoint_io
 import cli
 import errors
 import metrics
-import run_dir
+import run_repair
 import train_state
 
 
@@ -200,7 +200,7 @@ def test_in_a_run_an_older_version_hard_linked_saves_and_repairs_replace_names_n
         run.save(2, {}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
     assert best.read_bytes() == backup.read_bytes() == epoch1 != ck.read_bytes()
-    monkeypatch.setattr(run_dir, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
+    monkeypatch.setattr(run_repair, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
     _run(out).resume(str(ck))  # repairs best.pth, linked to checkpoint_0001.pth: by a rename
     assert checkpoint_io.load_checkpoint_file(str(best))['epoch'] == 2 and backup.read_bytes() == epoch1
 

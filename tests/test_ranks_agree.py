@@ -20,6 +20,7 @@ import distributed
 import loaders
 import metrics
 import run_dir
+import run_lock
 from errors import CheckpointError, UserError
 
 HOST = socket.gethostname()
@@ -80,7 +81,7 @@ def test_a_lock_file_that_cannot_be_written_stops_every_rank(world, tmp_path, mo
     monkeypatch.setattr(run_dir.os, 'pwrite', quota)
     out = tmp_path / 'out'
     results = world.run(lambda rank: run_dir.prepare_output_dir(parse('--output_dir', str(out)), 'cpu'))
-    assert_rank_failed(results, 0, f'cannot write the lock file {out}/{run_dir.LOCK_NAME}: '
+    assert_rank_failed(results, 0, f'cannot write the lock file {out}/{run_lock.LOCK_NAME}: '
                                    f'{os.strerror(errno.EDQUOT)}; make --output_dir writable or choose another')
 
 

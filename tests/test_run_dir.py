@@ -14,6 +14,7 @@ import cli
 import errors
 import main
 import run_dir
+import run_lock
 
 
 # ------------------------------------------------------------------------------------------ output directory
@@ -32,7 +33,7 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
            '--no-auto-resume to continue it' in str(e.value) and '--overwrite' in str(e.value)
     run_dir.prepare_output_dir(_args(tmp_path), 'cpu')  # resuming it is fine
     run_dir.prepare_output_dir(_args(tmp_path, '--eval'), 'cpu')  # so is evaluating
-    run_files = lambda: sorted(f for f in os.listdir(tmp_path) if f != run_dir.LOCK_NAME)  # noqa: E731
+    run_files = lambda: sorted(f for f in os.listdir(tmp_path) if f != run_lock.LOCK_NAME)  # noqa: E731
     assert len(run_files()) == 5
     run_dir.prepare_output_dir(_args(tmp_path, '--overwrite'), 'cpu')
     assert run_files() == ['notes.md']
@@ -54,7 +55,7 @@ def test_an_unwritable_output_dir_is_found_before_anything_else(tmp_path, monkey
     _read_only(monkeypatch, tmp_path)
     with pytest.raises(errors.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
         run_dir.prepare_output_dir(_args(tmp_path), 'cpu')
-    assert not os.path.exists(tmp_path / run_dir.LOCK_NAME)
+    assert not os.path.exists(tmp_path / run_lock.LOCK_NAME)
     run_dir.prepare_output_dir(_args(tmp_path, '--eval'), 'cpu')  # evaluation writes nothing there
 
 
@@ -148,16 +149,16 @@ def test_a_failed_start_leaves_no_output_dir_it_created(tmp_path, existed, capsy
     assert code == 1 and 'data path does not exist' in capsys.readouterr().err
     assert os.listdir(tmp_path) == (['output'] if existed else [])
     if existed:
-        assert os.listdir(out) == [run_dir.LOCK_NAME]  # the lock file of a folder it did not create stays
+        assert os.listdir(out) == [run_lock.LOCK_NAME]  # the lock file of a folder it did not create stays
 
 
 def test_only_an_unused_folder_is_removed(tmp_path):
     out = tmp_path / 'a' / 'b'
     run_dir.make_output_dir(str(out))
-    assert run_dir.lock_run_dir(str(out)) is None
+    assert run_lock.lock_run_dir(str(out)) is None
     (out / 'notes.md').write_text('mine')  # something else arrived: nothing is removed
     run_dir.remove_unused_output_dir(str(out))
-    assert sorted(os.listdir(out)) == sorted([run_dir.LOCK_NAME, 'notes.md'])
+    assert sorted(os.listdir(out)) == sorted([run_lock.LOCK_NAME, 'notes.md'])
     run_dir.make_output_dir(str(tmp_path / 'a' / 'c'))
     (tmp_path / 'a' / 'c' / 'x').mkdir()
     run_dir.remove_unused_output_dir(str(tmp_path / 'a' / 'c'))

@@ -30,11 +30,12 @@ import errors
 import exits
 import image_folder
 import run_dir
+import run_lock
 import train_state
 
 # ------------------------------------------------------------------------------ one job per output dir
-LOCK_HOLDER = ('import sys, run_dir\n'
-               'assert run_dir.lock_run_dir(sys.argv[1]) is None\n'
+LOCK_HOLDER = ('import sys, run_lock\n'
+               'assert run_lock.lock_run_dir(sys.argv[1]) is None\n'
                'print("held", flush=True)\n'
                'sys.stdin.read()\n')
 
@@ -51,7 +52,7 @@ def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_p
     no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
     try:
         assert holder.stdout.readline().strip() == 'held'
-        err = run_dir.lock_run_dir(str(tmp_path))
+        err = run_lock.lock_run_dir(str(tmp_path))
         line = f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host '
         assert err and line in err
         # the holder's checkpoint being written: a refused job must not clean it away
@@ -62,7 +63,7 @@ def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_p
         with pytest.raises(errors.UserError, match=re.escape(line)):
             run_dir.prepare_output_dir(no_lock, 'cpu')
         with monkeypatch.context() as m:  # a filesystem whose locks fail: the recorded process still runs
-            m.setattr(run_dir.fcntl, 'lockf', _no_locks)
+            m.setattr(run_lock.fcntl, 'lockf', _no_locks)
             with pytest.raises(errors.UserError, match=re.escape(line)):
                 run_dir.prepare_output_dir(no_lock, 'cpu')
         assert saving.exists()
@@ -70,13 +71,13 @@ def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_p
         holder.stdin.close()
         holder.wait(timeout=30)
     run_dir.prepare_output_dir(no_lock, 'cpu')  # its process ended, so did its lock
-    assert str(tmp_path) not in run_dir._held_locks  # --no-lock took none
+    assert str(tmp_path) not in run_lock._held_locks  # --no-lock took none
     # nothing stale is left behind
-    assert run_dir.lock_run_dir(str(tmp_path)) is None
+    assert run_lock.lock_run_dir(str(tmp_path)) is None
 
 
 def test_no_lock_ignores_a_recorded_process_number_that_a_later_process_reuses(tmp_path):
-    lock = tmp_path / run_dir.LOCK_NAME
+    lock = tmp_path / run_lock.LOCK_NAME
     no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
     other = subprocess.Popen(['sleep', '30'])
     try:
@@ -92,17 +93,17 @@ def test_no_lock_ignores_a_recorded_process_number_that_a_later_process_reuses(t
 
 
 def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_dir.fcntl, 'lockf', _no_locks)
-    assert run_dir.lock_run_dir(str(tmp_path)) is None
+    monkeypatch.setattr(run_lock.fcntl, 'lockf', _no_locks)
+    assert run_lock.lock_run_dir(str(tmp_path)) is None
     out = capsys.readouterr().out
     assert 'does not support file locks' in out and 'running without a lock' in out
 
 
 def test_no_lock_leaves_the_output_dir_unlocked(tmp_path):
     run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'a'), '--no-lock'), 'cpu')
-    assert not os.path.exists(tmp_path / 'a' / run_dir.LOCK_NAME)
+    assert not os.path.exists(tmp_path / 'a' / run_lock.LOCK_NAME)
     run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'b')), 'cpu')
-    assert os.path.exists(tmp_path / 'b' / run_dir.LOCK_NAME)
+    assert os.path.exists(tmp_path / 'b' / run_lock.LOCK_NAME)
 
 
 # ------------------------------------------------------------------------------ classes of a resumed run

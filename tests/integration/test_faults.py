@@ -35,7 +35,7 @@ from image_folders import make_imagefolder
 
 import checkpoint_io
 import loaders
-import run_dir
+import run_lock
 import signals
 
 pytestmark = pytest.mark.slow  # main.py and data-loader workers in real processes, signals and kills
@@ -277,7 +277,7 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
     assert p.returncode == 9, p.stderr[-2000:]
     ck = torch.load(out / 'checkpoint.pth', weights_only=True)
     assert ck['epoch'] == 0 and ck['files'] == ['checkpoint.pth', 'best.pth'] and ck['best_epoch'] == 0
-    assert sorted(f for f in os.listdir(out) if f != run_dir.LOCK_NAME) == ['checkpoint.pth']
+    assert sorted(f for f in os.listdir(out) if f != run_lock.LOCK_NAME) == ['checkpoint.pth']
     p = run_main(args)  # the same command: nothing left to train, the state is repaired
     assert re.search(r'Repaired \S+best\.pth: it was missing', p.stdout), p.stdout[-3000:]
     assert 'added the line of epoch 0' in p.stdout
