@@ -49,11 +49,10 @@ from checkpoint_io import (
     save_atomic,
 )
 from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from optimizer import FOLLOWED_OPTIMIZER_KEYS
+from schedule import SCHEDULE_FLAGS
 from train_state import SKIP_COUNTS_KEY, EpochState, set_rng_state
 from weights import load_weights_into, select_weights
-
-#: optimizer settings that come from the command line (the LR comes from the schedule)
-FOLLOWED_OPTIMIZER_KEYS = ('weight_decay', 'betas', 'eps', 'momentum', 'lr_scale')
 
 
 def saved_args(ckpt: Any) -> dict[str, Any]:
@@ -124,9 +123,6 @@ def _ema_decay(a: dict[str, Any]) -> float | None:
     return float(a['model_ema_decay']) ** (gb / 512.0)
 
 
-#: flags that shape the LR schedule, as the command line names them
-SCHEDULE_FLAGS = ('epochs', 'sched', 'warmup_epochs', 'warmup_lr', 'min_lr', 'decay_epochs', 'cooldown_epochs',
-                  'decay_rate', 'lr_noise', 'lr_noise_pct', 'lr_noise_std', 'seed')
 
 
 def _flag(name: str) -> str:

@@ -4,8 +4,10 @@ train mode), and what the optimizer and schedule flags build. Every process of a
 command line; a bad one ends in one error line (and a pointer to --help) before anything starts.
 """
 import argparse
+import dataclasses
 import math
 import os
+from typing import TypeVar
 
 import timm
 import torch
@@ -19,6 +21,10 @@ import run_dir
 from cpu import DEFAULT_NUM_WORKERS
 from errors import CheckpointError, first_line
 from models.nalaformer import VARIANTS
+from optimizer import OptimizerSettings, build_optimizer
+from schedule import SCHEDULERS, Schedule, build_lr_scheduler
+
+T = TypeVar('T')
 
 
 def ranged(kind=float, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -55,12 +61,6 @@ NON_NEGATIVE = ranged(float, 0)
 NON_NEGATIVE_INT = ranged(int, 0)
 POSITIVE = ranged(float, 0, lo_open=True)
 POSITIVE_INT = ranged(int, 1)
-
-
-# the schedules of timm's create_scheduler_v2 that fit a per-epoch step without a metric: 'plateau' needs a
-# validation metric at every step, is deprecated by timm and cannot save its state in a checkpoint (a resumed
-# run would restart it); 'none' builds no scheduler at all
-SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 'rsqrt')
 
 
 class LauncherArgumentParser(argparse.ArgumentParser):
@@ -377,7 +377,7 @@ def check_optimizer(args, parser):
         parser.error(f'--opt {args.opt}: unknown optimizer' + (f"; did you mean {', '.join(close)}?" if close else '')
                      + f' ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)')
     try:
-        build_optimizer(args, torch.nn.Linear(1, 1))
+        build_optimizer(torch.nn.Linear(1, 1), settings(OptimizerSettings, args))
     except Exception as e:  # any failure here is a bad flag or a missing optional package
         parser.error(f'--opt {args.opt}: cannot build it with these flags ({first_line(e)})')
 
@@ -386,7 +386,8 @@ def check_scheduler(args, parser):
     """Build the --sched schedule once on a dummy optimizer: timm checks its flag combinations
     (e.g. wsd's --decay-epochs against --epochs) only when it is built."""
     try:
-        build_lr_scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr))
+        build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr),
+                           settings(Schedule, args))
     except (ValueError, AssertionError, TypeError) as e:
         parser.error(f'--sched {args.sched}: {first_line(e)}')
 
@@ -478,63 +479,7 @@ def mixup_is_active(args: argparse.Namespace) -> bool:
     return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
 
 
-#: the --opt names whose torch optimizer has a fused CUDA kernel (torch.optim.Adam and AdamW)
-FUSED_OPTIMIZERS = ('adam', 'adamw')
-
-
-def build_optimizer(args, model):
-    """timm optimizer with the command line's settings; --layer-decay scales each parameter group's LR by
-    decay^(layers above it), layers as the model's group_matcher defines them.
-
-    Adam/AdamW with every parameter on a GPU use torch's fused kernel: one kernel for all parameters, step
-    counts kept on the GPU (the multi-tensor kernel reads each parameter's back to the host every step);
-    its results differ from the multi-tensor kernel's by rounding only (docs/performance.md). Elsewhere
-    torch's default, the multi-tensor kernel. A checkpoint's parameter groups carry the kernel choice of the
-    run that wrote it; loading one keeps this run's choice."""
-    from timm.optim import create_optimizer_v2
-    fused = (args.opt.lower().removeprefix('lookahead_') in FUSED_OPTIMIZERS
-             and all(p.is_cuda for p in model.parameters()))
-    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                                    momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
-                                    **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}),
-                                    **({'fused': True} if fused else {}))
-    # timm's Lookahead (--opt lookahead_*) loads its state through the optimizer it wraps, which holds the hooks
-    getattr(optimizer, '_base_optimizer', optimizer).register_load_state_dict_pre_hook(_keep_kernel_choice)
-    return optimizer
-
-
-def _keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """Optimizer load_state_dict pre-hook: the loaded parameter groups take this optimizer's kernel
-    settings (fused, foreach) instead of those of the run that saved them."""
-    kernel = {k: optimizer.defaults[k] for k in ('fused', 'foreach') if k in optimizer.defaults}
-    return {**state_dict, 'param_groups': [{**group, **kernel} for group in state_dict['param_groups']]}
-
-
-def build_lr_scheduler(args, optimizer):
-    """timm scheduler stepped per epoch; call `.step(epoch)` at the START of epoch `epoch`, so that
-    epoch e runs at the LR of epoch e (warmup from --warmup-lr over --warmup-epochs, then cosine)."""
-    from timm.scheduler import create_scheduler_v2
-    lr_scheduler, _ = create_scheduler_v2(
-        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
-        cooldown_epochs=args.cooldown_epochs, decay_rate=args.decay_rate,
-        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
-        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
-    return lr_scheduler
-
-
-#: the schedules that decay towards --min-lr (timm's create_scheduler_v2 gives it to these as their floor)
-DECAY_TO_MIN_LR = ('cosine', 'tanh', 'poly', 'wsd', 'rsqrt')
-
-
-def lr_floor_note(args: argparse.Namespace, global_batch: int) -> str:
-    """A note when the run's LR (`args.lr`, already scaled by the global batch unless --unscale-lr) lies below
-    --min-lr, naming both and the fixes: the schedule would then rise to --min-lr instead of decaying to it.
-    '' otherwise."""
-    if args.sched not in DECAY_TO_MIN_LR or args.lr >= args.min_lr:
-        return ''
-    what = (f'--lr {args.lr:.3g}' if args.unscale_lr else
-            f'the LR {args.lr:.3g} (--lr {args.lr * 512.0 / global_batch:.3g} x global batch {global_batch} / 512)')
-    fix = ('raise --lr or lower --min-lr' if args.unscale_lr else
-           'use a larger batch, --unscale-lr (the --lr as given), or a lower --min-lr')
-    return (f'Note: {what} is below --min-lr {args.min_lr:.3g}, so the {args.sched} schedule rises to --min-lr '
-            f'instead of decaying to it: {fix}')
+def settings(kind: type[T], args: argparse.Namespace) -> T:
+    """The settings object `kind` (a dataclass whose fields are named as flags' argparse destinations) of the
+    command line `args`: the one place where the parsed flags are handed to the code below main.py."""
+    return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind)})

@@ -33,11 +33,13 @@ import loaders
 import metrics
 import optim_step
 import run_dir
+import schedule
 import signals
 import train_state
 from ema import ModelEma, ema_decay
 from errors import FlagError, UserError, first_line
 from models.flops import count_flops
+from optimizer import OptimizerSettings, build_optimizer
 from precision import amp_dtype as precision_dtype
 from precision import check_bf16, set_tf32
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
@@ -298,10 +300,10 @@ def main(args, parser):
     train_model, model_without_ddp, eval_model = wrap_model(args, model, device)
     eval_ema = torch.compile(model_ema.module) if args.compile and model_ema is not None else None
 
-    if not args.unscale_lr:
-        args.lr = args.lr * global_batch / 512.0
-    optimizer = cli.build_optimizer(args, model_without_ddp)
-    lr_scheduler = cli.build_lr_scheduler(args, optimizer)
+    args.lr = schedule.scaled_lr(args.lr, global_batch, args.unscale_lr)
+    optimizer = build_optimizer(model_without_ddp, cli.settings(OptimizerSettings, args))
+    lr_schedule = cli.settings(schedule.Schedule, args)
+    lr_scheduler = schedule.build_lr_scheduler(optimizer, lr_schedule)
     amp_dtype = precision_dtype(args.amp)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     accum = f' = {args.batch_size} x {world} x {args.accum_steps} accumulated' if args.accum_steps > 1 else ''
@@ -310,7 +312,7 @@ def main(args, parser):
     print(f'Evaluation: {precision}' if args.eval else
           f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup '
           f'{args.warmup_epochs} epochs from {args.warmup_lr}, min {args.min_lr}; {precision}')
-    print_lines('' if args.eval else cli.lr_floor_note(args, global_batch))
+    print_lines('' if args.eval else schedule.lr_floor_note(args.lr, lr_schedule, global_batch, args.unscale_lr))
 
     criterion = build_criterion(args, mixup_active)
     teacher_model = None
@@ -361,7 +363,7 @@ def main(args, parser):
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):
         sampler_train.set_epoch(epoch)
-        lr_scheduler.step(epoch)  # epoch e runs at the LR of epoch e (the reference lagged one epoch)
+        schedule.start_epoch(lr_scheduler, epoch)
         epoch_result = engine.train_one_epoch(train_model, criterion, loader_train, step, epoch, settings, model_ema,
                                               mixup_fn, state, stop_flag, logger=tb, random_erasing=random_erasing)
         state = epoch_result.state

@@ -14,6 +14,8 @@ from image_folders import make_imagefolder
 
 import cli
 import main
+import optimizer
+import schedule
 
 
 @pytest.fixture(scope='module')
@@ -29,6 +31,16 @@ def one_thread():
 def build_xt(num_classes=3):
     """NALAFORMER_XT as main.py builds it."""
     return main.build_model(cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT']), num_classes)
+
+
+def optimizer_of(args, model):
+    """main.py's optimizer of the command line `args` for `model`."""
+    return optimizer.build_optimizer(model, cli.settings(optimizer.OptimizerSettings, args))
+
+
+def scheduler_of(args, opt):
+    """main.py's LR schedule of the command line `args` for the optimizer `opt`."""
+    return schedule.build_lr_scheduler(opt, cli.settings(schedule.Schedule, args))
 
 
 def parse(*argv):

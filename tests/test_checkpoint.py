@@ -12,6 +12,7 @@ import shutil
 import pytest
 import timm
 import torch
+from conftest import scheduler_of
 
 import checkpoint
 import checkpoint_io
@@ -47,7 +48,7 @@ def _run(tmp_path, argv=(), model=None, with_state=False):
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                               momentum=args.momentum, eps=args.opt_eps,
                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
-    run = checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 7, 'cpu')
+    run = checkpoint.TrainingCheckpoints(args, model, None, opt, scheduler_of(args, opt), None, 7, 'cpu')
     if with_state:
         model.norm(model.fc(torch.randn(2, 4))).sum().backward()
         opt.step()  # the optimizer has its moments

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import parse
+from conftest import optimizer_of, parse, scheduler_of
 
 import cli
 import loaders
@@ -60,13 +60,13 @@ def test_layer_decay_scales_lr_by_depth(one_thread):
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.5', '--lr', '1e-3',
                                               '--warmup-epochs', '0', '--epochs', '10'])
     model = timm.create_model('NALAFORMER_XT', num_classes=10)
-    optimizer = cli.build_optimizer(args, model)
-    scheduler = cli.build_lr_scheduler(args, optimizer)
+    optimizer = optimizer_of(args, model)
+    scheduler = scheduler_of(args, optimizer)
     scheduler.step(3)
     # the schedule's LR at epoch 3, from the same flags without layer decay
     args.layer_decay = None
-    plain = cli.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
-    cli.build_lr_scheduler(args, plain).step(3)
+    plain = optimizer_of(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    scheduler_of(args, plain).step(3)
     sched_lr = plain.param_groups[0]['lr']
     assert sched_lr < 1e-3
     group_of = {id(p): g for g in optimizer.param_groups for p in g['params']}
@@ -82,7 +82,7 @@ def test_layer_decay_scales_lr_by_depth(one_thread):
 
 def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--lr', '1e-3'])
-    optimizer = cli.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    optimizer = optimizer_of(args, timm.create_model('NALAFORMER_XT', num_classes=10))
     assert {g['lr'] for g in optimizer.param_groups} == {1e-3}
     assert all(g.get('lr_scale', 1.0) == 1.0 for g in optimizer.param_groups)
 
@@ -90,12 +90,12 @@ def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
 def test_adam_and_adamw_take_the_fused_kernel_when_every_parameter_is_on_a_gpu(monkeypatch):
     model = torch.nn.Linear(4, 3)
     adamw = cli.get_args_parser().parse_args(['--opt', 'adamw'])
-    cpu = cli.build_optimizer(adamw, model)
+    cpu = optimizer_of(adamw, model)
     assert not cpu.defaults.get('fused')  # on the CPU: torch's default, the multi-tensor kernel
     monkeypatch.setattr(torch.Tensor, 'is_cuda', property(lambda self: True))  # the parameters "on a GPU"
-    gpu = cli.build_optimizer(adamw, model)
-    adam = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'adam']), model)
-    sgd = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'sgd']), model)
+    gpu = optimizer_of(adamw, model)
+    adam = optimizer_of(cli.get_args_parser().parse_args(['--opt', 'adam']), model)
+    sgd = optimizer_of(cli.get_args_parser().parse_args(['--opt', 'sgd']), model)
     monkeypatch.undo()
     assert gpu.defaults['fused'] and adam.defaults['fused'] and not sgd.defaults.get('fused')
     # a checkpoint keeps the kernel of the run that loads it, not that of the run that wrote it
@@ -111,7 +111,7 @@ def test_a_lookahead_optimizer_is_built_and_resumed_with_the_kernel_of_its_run()
     """timm's Lookahead wraps the optimizer without the hooks of torch's Optimizer: the kernel choice rides on
     the optimizer it wraps, which loads the state."""
     model = torch.nn.Linear(4, 3)
-    optimizer = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'lookahead_adamw']), model)
+    optimizer = optimizer_of(cli.get_args_parser().parse_args(['--opt', 'lookahead_adamw']), model)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     saved = optimizer.state_dict()
@@ -130,7 +130,7 @@ def _expected_lr(e, lr, epochs, warmup, warmup_lr, min_lr):
 def test_lr_of_every_epoch_is_the_intended_one():
     a = parse('--epochs', '30', '--lr', '1e-3', '--warmup-epochs', '5')
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched = cli.build_lr_scheduler(a, opt)
+    sched = scheduler_of(a, opt)
     for e in range(a.epochs):
         sched.step(e)  # as main.py does at the start of epoch e
         assert opt.param_groups[0]['lr'] == pytest.approx(_expected_lr(e, 1e-3, 30, 5, 1e-6, 1e-5), rel=1e-9), e
@@ -144,11 +144,11 @@ def test_lr_of_every_epoch_is_the_intended_one():
 def test_scheduler_state_round_trip_keeps_lr():
     a = parse('--epochs', '10')
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched = cli.build_lr_scheduler(a, opt)
+    sched = scheduler_of(a, opt)
     sched.step(3)
     sd = sched.state_dict()
     opt2 = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched2 = cli.build_lr_scheduler(a, opt2)
+    sched2 = scheduler_of(a, opt2)
     sched2.load_state_dict(sd)
     for e in range(4, 10):
         sched.step(e)

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 import pytest
-from conftest import build_xt
+from conftest import build_xt, optimizer_of, scheduler_of
 
 import checkpoint
 import cli
@@ -114,8 +114,8 @@ def test_a_resume_is_announced_only_once_the_output_dir_can_take_the_run(data, t
     argv = RUN + ['--data-path', data, '--output_dir', str(out)]
     args = cli.get_args_parser().parse_args(argv)
     model = build_xt(3)
-    opt = cli.build_optimizer(args, model)
-    run = checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 0, 'cpu')
+    opt = optimizer_of(args, model)
+    run = checkpoint.TrainingCheckpoints(args, model, None, opt, scheduler_of(args, opt), None, 0, 'cpu')
     run.save(0, {}, ['checkpoint.pth'])  # epoch 0 of a run that the same command resumes at epoch 1
     before = (out / 'checkpoint.pth').read_bytes()
     for problem, error in (('read-only', r'cannot write to --output_dir .*: Read-only file system'),

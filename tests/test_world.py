@@ -20,12 +20,12 @@ from conftest import (
     env,
     load,
     parse,
+    scheduler_of,
 )
 from PIL import Image
 
 import checkpoint
 import checkpoint_io
-import cli
 import errors
 import exits
 import image_folder
@@ -113,7 +113,7 @@ def _tiny_run(tmp_path, argv=(), classes=None, n_train_images=None):
     args = parse('--output_dir', str(tmp_path), '--epochs', '4', '--no-model-ema', *argv)
     model = torch.nn.Linear(4, 3)
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay)
-    return checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 15, 'cpu',
+    return checkpoint.TrainingCheckpoints(args, model, None, opt, scheduler_of(args, opt), None, 15, 'cpu',
                                           classes=classes, n_train_images=n_train_images)
 
 

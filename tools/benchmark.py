@@ -165,7 +165,7 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str
         return step, None
 
     model.train()
-    # main.py's AdamW: the fused kernel on a GPU (cli.build_optimizer)
+    # main.py's AdamW: the fused kernel on a GPU (optimizer.build_optimizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05,
                                   **({'fused': True} if device.type == 'cuda' else {}))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
@@ -531,7 +531,8 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
     import contextlib
     import io
 
-    from cli import build_optimizer, get_args_parser
+    from cli import get_args_parser, settings
+    from optimizer import OptimizerSettings, build_optimizer
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
     model = create_any(name, device, True, x.shape[-2:]).train()
@@ -543,7 +544,7 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
             loss = cross_entropy(model(x), target)
         loss.backward()
     bare_s = statistics.median(time_call(bare, device, args.steps, args.warmup))
-    optimizer = build_optimizer(get_args_parser().parse_args(['--model', name]), model)
+    optimizer = build_optimizer(model, settings(OptimizerSettings, get_args_parser().parse_args(['--model', name])))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
     ema = ModelEma(model, decay=0.9999)
