@@ -28,7 +28,7 @@ from image_folder import (
     list_classes,
     load_image,
 )
-from models.weights import small_input_eval
+from models.weight_files import small_input_eval
 
 __all__ = [
     'INatDataset', 'build_dataset', 'build_transform', 'data_config', 'eval_transform', 'default_data_path',

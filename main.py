@@ -38,7 +38,7 @@ import signals
 import train_state
 from ema import ModelEma, ema_decay
 from errors import FlagError, UserError, first_line
-from models.flops import count_flops
+from models.flop_count import count_flops
 from optimizer import OptimizerSettings, build_optimizer
 from precision import amp_dtype as precision_dtype
 from precision import check_bf16, set_tf32

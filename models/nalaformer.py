@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from .compat import is_fx_symbolic_tracing
 from .nala import NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
-from .weights import file_eval_config, file_num_classes, weights_key
+from .weight_files import file_eval_config, file_num_classes, weights_key
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'PAPER_FIGURES', 'MODEL_NAMES', 'checkpoint_filter_fn', 'from_reference_layout',
            'to_reference_layout', 'is_reference_layout', 'set_fast_path', 'batch_slices', 'BATCH_SLICE_BYTES']
@@ -503,7 +503,7 @@ def to_reference_layout(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 def checkpoint_filter_fn(state_dict: dict[str, Any], model: NaLaFormer) -> dict[str, torch.Tensor]:
     """Accept a bare state dict or a training checkpoint, with or without a DDP ``module.`` prefix, in
     this model's layout or the reference layout (``from_reference_layout``). A training checkpoint gives
-    the weights of the repository's one loader rule (models/weights.py: ``model_ema`` when present, as
+    the weights of the repository's one loader rule (models/weight_files.py: ``model_ema`` when present, as
     timm's ``load_checkpoint`` does)."""
     from timm.models import clean_state_dict
     key = weights_key(state_dict)

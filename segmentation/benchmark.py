@@ -121,7 +121,7 @@ def pipeline_speed(n: int) -> str:
 def macs_lines(args: argparse.Namespace) -> list[str]:
     """fvcore multiply-adds of one image at --size through each model in eval mode (the auxiliary head is not
     run there), and how they split between the backbone and the UperNet head."""
-    from models.flops import count_flops
+    from models.flop_count import count_flops
     lines = []
     for name in args.models.split(','):
         model = build_segmentor(name, 150, channels=args.channels, img_size=args.size)

@@ -14,7 +14,7 @@ import cli
 import loaders
 import main
 import models
-from models.flops import count_flops
+from models.flop_count import count_flops
 
 
 # ------------------------------------------------------------------------------------------------ model

@@ -13,7 +13,7 @@ from conftest import REPO
 from reference_impl import read_keys, reference_forward, seeded_state_dict
 
 from models import VARIANTS
-from models.flops import count_flops, count_params
+from models.flop_count import count_flops, count_params
 from models.nala import NALA_EPS, RoPE, apply_rope, nala_attention_fast, nala_attention_plain, nala_kernel_terms
 from models.nalaformer import from_reference_layout, to_reference_layout
 
