@@ -42,6 +42,9 @@ from models.flop_count import count_flops
 from optimizer import OptimizerSettings, build_optimizer
 from precision import amp_dtype as precision_dtype
 from precision import check_bf16, set_tf32
+from resume import ResumeSettings, resume
+from saver import CheckpointSaver
+from train_state import TrainingParts
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
 
 
@@ -325,17 +328,16 @@ def main(args, parser):
                                  args.distillation_tau)
 
     # ---------------- resume ----------------
-    checkpoints = checkpoint.TrainingCheckpoints(
-        args, model_without_ddp, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
-        # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
-        classes=datasets.data_classes(dataset_val if args.eval else dataset_train),
-        n_train_images=len(dataset_train) if dataset_train is not None else None)
-    resumed = checkpoints.resume(resume_path, eval_only=args.eval)
+    parts = TrainingParts(model_without_ddp, model_ema, optimizer, lr_scheduler, loss_scaler)
+    # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
+    saver = CheckpointSaver(output_dir, args.save_freq, parts, checkpoint.args_to_dict(args), n_parameters, device,
+                            classes=datasets.data_classes(dataset_val if args.eval else dataset_train),
+                            n_train_images=len(dataset_train) if dataset_train is not None else None)
+    resumed = resume(resume_path, saver, cli.settings(ResumeSettings, args), eval_only=args.eval)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
-    max_accuracy = checkpoints.max_accuracy
+    max_accuracy = saver.max_accuracy
     if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
-        run_dir.check_room(output_dir, checkpoints.estimate_bytes(resume_path), device,
-                           run_dir.checkpoints_at_peak(args, start_epoch))
+        saver.check_room(start_epoch, args.epochs, resume_path)
     print_lines(resumed.message, run_dir.resume_elsewhere_note(args, resume_path))
 
     # evaluation uses the bare module: a DDP forward may broadcast buffers, a collective that would hang
@@ -350,7 +352,6 @@ def main(args, parser):
     resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
 
     # ---------------- train ----------------
-    save = checkpoints.save
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype, loss_scaler, args.clip_grad, args.clip_mode,
                                 args.accum_steps)
     settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
@@ -368,8 +369,7 @@ def main(args, parser):
                                               mixup_fn, state, stop_flag, logger=tb, random_erasing=random_erasing)
         state = epoch_result.state
         if epoch_result.stopped and state.step:
-            save(epoch, train_state.epoch_state_entries(state), ['checkpoint.pth'])
-            where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
+            where = saver.save_stop(epoch, train_state.epoch_state_entries(state))
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
                   f'{state.step}; checkpoint {where}; run the same command again to resume')
             return exits.stopped_status(args, stop_flag)
@@ -399,15 +399,10 @@ def main(args, parser):
             print(accuracy_line(test_stats, len(dataset_val)))
             if ema_stats:
                 print(accuracy_line(ema_stats, len(dataset_val), 'EMA '))
-            improved = checkpoints.record_accuracy(epoch, test_stats['acc1'], ema_stats['acc1'] if ema_stats else None)
-            max_accuracy = checkpoints.max_accuracy
+            improved = saver.record_accuracy(epoch, test_stats['acc1'], ema_stats['acc1'] if ema_stats else None)
+            max_accuracy = saver.max_accuracy
         print(f'Max accuracy: {max_accuracy:.2f}%' + (f'  (undecodable training images so far: {bad})' if bad else ''))
 
-        names = ['checkpoint.pth']
-        if improved:
-            names.append('best.pth')
-        if args.save_freq and (epoch + 1) % args.save_freq == 0:
-            names.append(f'checkpoint_{epoch:04d}.pth')
         log_stats = {**{f'train_{k}': v for k, v in epoch_result.stats.items()},
                      **({f'test_{k}': v for k, v in test_stats.items() if k != 'aborted'} if not eval_aborted else {}),
                      **({f'test_ema_{k}': v for k, v in ema_stats.items() if k != 'aborted'}
@@ -415,8 +410,8 @@ def main(args, parser):
                      'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
                      'bad_train_images': bad}
         # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
-        save(epoch, {**train_state.epoch_state_entries(state), 'log': log_stats}, names)
-        checkpoints.append_log(log_stats)
+        saver.save_epoch(epoch, {**train_state.epoch_state_entries(state), 'log': log_stats}, improved)
+        saver.append_log(log_stats)
         if args.log_dir:
             distributed.on_rank0(lambda s=log_stats, e=epoch: tb.log_epoch(s, e), device,
                                  f'--log-dir {args.log_dir}: cannot write TensorBoard events')

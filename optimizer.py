@@ -6,6 +6,9 @@ from typing import Any
 
 import torch
 
+from checkpoint import comparable
+from errors import CheckpointError, first_line
+
 #: the --opt names whose torch optimizer has a fused CUDA kernel (torch.optim.Adam and AdamW)
 FUSED_OPTIMIZERS = ('adam', 'adamw')
 
@@ -52,3 +55,39 @@ def _keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict) -> d
     settings (fused, foreach) instead of those of the run that saved them."""
     kernel = {k: optimizer.defaults[k] for k in ('fused', 'foreach') if k in optimizer.defaults}
     return {**state_dict, 'param_groups': [{**group, **kernel} for group in state_dict['param_groups']]}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: str, saved_opt: Any,
+                         opt: str) -> None:
+    """Load the optimizer `state` of checkpoint `path` (written by a run with --opt `saved_opt`, None where it does
+    not record it) into `optimizer` (this run's, --opt `opt`), refusing one of another optimizer, then apply the
+    command line's weight decay, betas, eps, momentum and layer-wise LR scale (as the LR schedule follows it)."""
+    fresh = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]
+    groups = state.get('param_groups') or [{}]
+    kind = {k for k in ('betas', 'momentum') if k in groups[0]}
+    if (saved_opt and str(saved_opt).lower() != str(opt).lower()) \
+            or kind != {k for k in ('betas', 'momentum') if k in fresh[0]}:
+        was = (f'--opt {saved_opt}' if saved_opt
+               else f'an optimizer with {", ".join(sorted(kind)) or "other settings"}')
+        raise CheckpointError(f'the optimizer state in {path} is from {was}, '
+                              f'this run has --opt {opt}: '
+                              f'relaunch with --opt {saved_opt or "as before"}, '
+                              f'or start a new run from its weights with --finetune {path} in another --output_dir')
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f'the optimizer state in {path} does not fit this run ({first_line(e)}); '
+                              f'were --opt/--attn-only different? use --finetune to start from its weights') from e
+    changed: dict[str, list[tuple[Any, Any]]] = {}
+    for group, want in zip(optimizer.param_groups, fresh):
+        for k in FOLLOWED_OPTIMIZER_KEYS:
+            if k in want and comparable(group.get(k)) != comparable(want[k]):
+                pair = (comparable(group.get(k)), comparable(want[k]))
+                if pair not in changed.setdefault(k, []):
+                    changed[k].append(pair)
+                group[k] = want[k]
+    if changed:
+        print('Note: optimizer settings changed since the checkpoint ('
+              + ', '.join(f'{k}: ' + ', '.join(f'{a} -> {b}' for a, b in changed[k][:3])
+                          for k in FOLLOWED_OPTIMIZER_KEYS if k in changed)
+              + '); following the command line')

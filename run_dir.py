@@ -4,9 +4,7 @@ for the checkpoints before training starts, log.txt's lines, and the repairs aft
 between two writes, an older version's hard links or a resume from an older state left behind)."""
 import argparse
 import json
-import math
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -39,7 +37,7 @@ def agree_on_resume_path(args: argparse.Namespace, device: Any) -> str:
     rank. A rank whose own view differs (a node-local --output_dir, a file not yet visible over NFS after a quick
     restart) stops every rank with one line: ranks that resumed from different states would train on together
     with different weights, epochs and learning rates. That every rank reads the same file is checked when they
-    load it (TrainingCheckpoints.resume)."""
+    load it (resume.load_agreed)."""
     mine = find_resume_path(args)
     decided = distributed.broadcast_object(mine)
     err = None
@@ -187,51 +185,5 @@ def remove_unused_output_dir(directory: str) -> None:
             os.rmdir(folder)
         except OSError:  # not empty, or gone: keep it and the folders above it
             return
-
-
-def checkpoints_at_peak(args: argparse.Namespace, start_epoch: int) -> int:
-    """How many checkpoints --output_dir holds at the peak of the saves from `start_epoch` on: checkpoint.pth
-    and its replacement while that is written, best.pth holding an older state, and a numbered backup once a
-    --save-freq epoch is behind and another save follows (each further backup adds one more, for good)."""
-    freq = args.save_freq
-    backup = bool(freq) and any((e + 1) % freq == 0 for e in range(start_epoch, args.epochs - 1))
-    return 3 + int(backup)
-
-
-def _held_bytes(directory: str) -> int:
-    """Bytes of the checkpoints in `directory` that the saves to come replace (checkpoint.pth, best.pth),
-    each file once (names an older version hard-linked are one file)."""
-    seen = {}
-    for name in ('checkpoint.pth', 'best.pth'):
-        try:
-            st = os.stat(os.path.join(directory, name))
-        except OSError:
-            continue
-        seen[(st.st_dev, st.st_ino)] = st.st_size
-    return sum(seen.values())
-
-
-def check_room(directory: str, nbytes: int, device: Any, copies: int = 3) -> None:
-    """Before training: room in `directory` for the peak of the saves to come, `copies` checkpoints of about
-    `nbytes` (checkpoints_at_peak), less what checkpoint.pth and best.pth hold already. Copies are counted in
-    full, also where the filesystem shares blocks between them (reflinks). Rank 0 checks, every rank stops."""
-    if not directory:
-        return
-
-    def check() -> None:
-        held = _held_bytes(directory)
-        need = max(copies * nbytes - held, 0)
-        free = shutil.disk_usage(directory).free
-        if free < need:
-            mib = 2 ** 20
-            there = f', {held / mib:.0f} MiB of them are there already' if held else ''
-            raise UserError(f'--output_dir {directory} has {free / mib:.0f} MiB free, but the saves to come need '
-                            f'{need / mib:.0f} MiB more (at their peak the directory holds {copies} checkpoints of '
-                            f'about {nbytes / mib:.0f} MiB: checkpoint.pth, its replacement while it is written, '
-                            f'best.pth{", a numbered backup" if copies > 3 else ""}{there}): '
-                            f'{math.ceil((need - free) / mib)} MiB are missing; free that much space or choose '
-                            f'another --output_dir')
-
-    distributed.on_rank0(check, device, f'cannot check the room in --output_dir {directory}')
 
 

@@ -1,6 +1,6 @@
-"""Where training stands, for an exact resume: the random-number state of every generator a step draws from
-(torch, CUDA, numpy, python) and the position inside an epoch (EpochState), and the checkpoint entries that hold
-them (epoch_state_entries)."""
+"""What a run trains and where training stands, for an exact resume: the trained objects (TrainingParts), the
+random-number state of every generator a step draws from (torch, CUDA, numpy, python) and the position inside an
+epoch (EpochState), and the checkpoint entries that hold them (epoch_state_entries)."""
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +9,17 @@ import numpy as np
 import torch
 
 from distributed import get_world_size, is_dist_avail_and_initialized
+
+
+@dataclass
+class TrainingParts:
+    """What a training run trains and what its checkpoints hold besides the weights: the bare model (no DDP, not
+    compiled), its EMA (or None), the optimizer, the LR scheduler and the fp16 GradScaler (or None)."""
+    model: torch.nn.Module
+    model_ema: Any = None
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    loss_scaler: Any = None
 
 
 def get_rng_state() -> dict:
@@ -70,7 +81,7 @@ def gather_rng(state: dict[str, Any]) -> list[dict[str, Any]]:
 class EpochState:
     """Where training stands inside an epoch: the first step not yet run, what a resume at that step needs,
     and the skipped-step counts. train_one_epoch takes and returns it; epoch_state_entries and
-    checkpoint.TrainingCheckpoints.resume save and load it (docs/usage.md#checkpoints)."""
+    saver.CheckpointSaver and resume.resume save and load it (docs/usage.md#checkpoints)."""
     step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
     rng_state: dict | None = None        # RNG state at `step` (a mid-epoch stop)
     epoch_rng_state: dict | None = None  # RNG state before the epoch's data iterator was created

@@ -1,7 +1,7 @@
 """What a segmentation run's checkpoint holds, how it is written and how a run resumes from it, on the
-classification engine's machinery: atomic writes and copies with a checksum (checkpoint_io), rank 0 writing
-while every rank agrees on failures (distributed.on_rank0), the RNG state of every rank (train_state.get_rng_state),
-log.txt's JSON lines (metrics.write_log_line).
+classification engine's machinery: the saver's writes (saver.write_state: rank 0 writes atomically with a checksum
+and copies to the other names, every rank agrees on failures) and log.txt lines (saver.append_log), the RNG state
+of every rank (train_state.get_rng_state).
 
 A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's state dict), ``optimizer``,
 ``scaler`` (fp16's GradScaler or None), ``iter`` (iterations done), ``args``, ``rng_state`` (one per process),
@@ -22,14 +22,12 @@ import metrics
 from checkpoint import args_to_dict, saved_args
 from checkpoint_io import (
     checkpoint_identity,
-    checksums,
-    copy_atomic,
     describe_identity,
     in_directory,
     load_checkpoint_file,
-    save_atomic,
 )
-from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from errors import CheckpointError, first_line
+from saver import append_log, write_state
 from segmentation.backbone import TASK
 from train_state import gather_rng, get_rng_state, set_rng_state
 from weights import load_weights_into
@@ -64,31 +62,15 @@ class SegCheckpoints:
         rng = gather_rng(get_rng_state())
         if not self.output_dir:
             return
-        first = os.path.join(self.output_dir, names[0])
-
-        def write() -> None:
-            state = {'task': TASK, 'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
-                     'scaler': self.scaler.state_dict() if self.scaler is not None else None, 'iter': done,
-                     'args': args_to_dict(self.args), 'rng_state': rng, 'n_parameters': self.n_parameters,
-                     'files': list(names), **extra}
-            state['checksum'] = {'sha256': checksums(state)}
-            try:
-                save_atomic(state, first)
-                for name in names[1:]:
-                    copy_atomic(first, os.path.join(self.output_dir, name))
-            except UserError:
-                raise
-            except Exception as e:  # not an OSError (save_atomic names those): say what it was
-                raise CheckpointWriteError(f'could not write checkpoint {first}: {type(e).__name__}: '
-                                           f'{first_line(e)}; the previous {names[0]} (if any) is kept') from e
-
-        distributed.on_rank0(write, self.device, f'could not write checkpoint {first}')
+        state = {'task': TASK, 'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
+                 'scaler': self.scaler.state_dict() if self.scaler is not None else None, 'iter': done,
+                 'args': args_to_dict(self.args), 'rng_state': rng, 'n_parameters': self.n_parameters,
+                 'files': list(names), **extra}
+        write_state(state, self.output_dir, names, self.device)
 
     def append_log(self, record: dict[str, Any]) -> None:
         """One JSON line in --output_dir/log.txt (rank 0)."""
-        if self.output_dir:
-            distributed.on_rank0(lambda: metrics.write_log_line(self.output_dir, record), self.device,
-                                 f'could not append to {os.path.join(self.output_dir, "log.txt")}')
+        append_log(self.output_dir, record, self.device)
 
     def load(self, path: str) -> Any:
         """`path` loaded on every rank, checked to be the same segmentation checkpoint everywhere (one line for a

@@ -34,6 +34,7 @@ import optim_step  # noqa: E402
 import precision  # noqa: E402
 import run_dir  # noqa: E402
 import samplers  # noqa: E402
+import saver  # noqa: E402
 import signals  # noqa: E402
 from errors import NonFiniteLossError, UserError, eprint  # noqa: E402
 from image_folder import DataLayoutError  # noqa: E402
@@ -248,7 +249,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # room for checkpoint.pth, its replacement while it is written and best.pth: weights and AdamW's two moments
     nbytes = sum(t.numel() * t.element_size() for t in bare.state_dict().values()) + 2 * sum(
         p.numel() * p.element_size() for p in bare.parameters())
-    run_dir.check_room(args.output_dir, nbytes, device, copies=3)
+    saver.check_room(args.output_dir, nbytes, device, copies=3)
     if resumed.ckpt is not None:
         print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}')
         resumed.ckpt = None

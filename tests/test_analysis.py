@@ -10,8 +10,8 @@ import timm
 import torch
 import torch.nn.functional as F
 
-import checkpoint
 import datasets
+import errors
 import models  # noqa: F401
 from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain
 from tools import analyze_attention as aa
@@ -226,7 +226,7 @@ def test_cli_with_checkpoint_and_images(tmp_path, capsys):
     loaded, meta = aa.load_model('NALAFORMER_XT', str(ckpt))
     assert meta['input_size'] == 32 and loaded.head.weight.shape[0] == 10
     torch.testing.assert_close(loaded.layers[0].blocks[0].attn.qkvg.weight, model.layers[0].blocks[0].attn.qkvg.weight)
-    with pytest.raises(checkpoint.CheckpointError, match='model_ema'):
+    with pytest.raises(errors.CheckpointError, match='model_ema'):
         aa.load_model('NALAFORMER_XT', str(ckpt), weights='model_ema')
 
 

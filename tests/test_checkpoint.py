@@ -12,7 +12,7 @@ import shutil
 import pytest
 import timm
 import torch
-from conftest import scheduler_of
+from conftest import TrainingRun, scheduler_of
 
 import checkpoint
 import checkpoint_io
@@ -20,6 +20,7 @@ import cli
 import errors
 import metrics
 import run_repair
+import saver
 import train_state
 
 
@@ -41,14 +42,14 @@ class _Tiny(torch.nn.Module):
 
 
 def _run(tmp_path, argv=(), model=None, with_state=False):
-    """A TrainingCheckpoints for a tiny model and the optimizer/schedule main.py builds from `argv`."""
+    """A TrainingRun for a tiny model and the optimizer/schedule main.py builds from `argv`."""
     from timm.optim import create_optimizer_v2
     args = cli.get_args_parser().parse_args(['--output_dir', str(tmp_path), '--epochs', '4', *argv])
     model = model or _Tiny()
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                               momentum=args.momentum, eps=args.opt_eps,
                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
-    run = checkpoint.TrainingCheckpoints(args, model, None, opt, scheduler_of(args, opt), None, 7, 'cpu')
+    run = TrainingRun(args, model, None, opt, scheduler_of(args, opt), None, 7, 'cpu')
     if with_state:
         model.norm(model.fc(torch.randn(2, 4))).sum().backward()
         opt.step()  # the optimizer has its moments
@@ -82,7 +83,7 @@ def test_a_state_is_written_once_and_copied_to_its_other_names(tmp_path, monkeyp
     run = _run(tmp_path, with_state=True)
     written = []
     real = checkpoint_io.save_atomic
-    monkeypatch.setattr(checkpoint, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
+    monkeypatch.setattr(saver, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
                                                                         real(state, path)))
     run.save(0, {}, ['checkpoint.pth', 'best.pth', 'checkpoint_0000.pth'])
     assert written == ['checkpoint.pth']
@@ -166,7 +167,7 @@ def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, mon
     run.save(0, {'log': log0}, ['checkpoint.pth', 'best.pth'])
     run.append_log(log0)
     run.record_accuracy(1, 45.0, None)
-    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)  # dies after the first file: the others are copies
+    monkeypatch.setattr(saver, 'copy_atomic', _killed)  # dies after the first file: the others are copies
     with pytest.raises(SystemExit):
         run.save(1, {'log': {'epoch': 1, 'test_acc1': 45.0}}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
@@ -196,7 +197,7 @@ def test_in_a_run_an_older_version_hard_linked_saves_and_repairs_replace_names_n
     epoch1 = ck.read_bytes()
     run = _run(out, with_state=True)
     run.record_accuracy(2, 50.0)
-    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)
+    monkeypatch.setattr(saver, 'copy_atomic', _killed)
     with pytest.raises(SystemExit):  # killed after checkpoint.pth, before best.pth
         run.save(2, {}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()

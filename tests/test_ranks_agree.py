@@ -14,11 +14,11 @@ from test_world import _tiny_run
 from thread_world import ThreadWorld
 from torchvision.datasets import ImageFolder
 
-import checkpoint
 import checkpoint_io
 import distributed
 import loaders
 import metrics
+import resume
 import run_dir
 import run_lock
 from errors import CheckpointError, UserError
@@ -147,7 +147,7 @@ def test_ranks_that_read_different_checkpoints_under_one_name_stop_every_rank(tm
            for p in (path, str(tmp_path / 'b' / 'checkpoint.pth'))]
     world = ThreadWorld(2, monkeypatch)
     real = checkpoint_io.load_checkpoint_file
-    monkeypatch.setattr(checkpoint, 'load_checkpoint_file', lambda p, **kw: real(
+    monkeypatch.setattr(resume, 'load_checkpoint_file', lambda p, **kw: real(
         p.replace('/a/', '/b/') if world.rank() == 1 else p, **kw))  # rank 1's node holds another file there
     results = world.run(lambda rank: _tiny_run(tmp_path / 'a').resume(path))
     assert ids[0].startswith('epoch 0, sha256 ') and ids[1].startswith('epoch 1, sha256 ')
@@ -167,7 +167,7 @@ def test_a_rank_that_cannot_read_the_resumed_checkpoint_stops_every_rank(tmp_pat
         if world.rank() == 1:
             raise CheckpointError(f'checkpoint {p} does not exist')
         return real(p, **kw)
-    monkeypatch.setattr(checkpoint, 'load_checkpoint_file', load)
+    monkeypatch.setattr(resume, 'load_checkpoint_file', load)
     results = world.run(lambda rank: _tiny_run(tmp_path).resume(path))
     assert_rank_failed(results, 1, f'rank 1 on host {HOST} cannot read {path}, which rank 0 resumes from '
                                    f'(checkpoint {path} does not exist): every node must see the same --output_dir '

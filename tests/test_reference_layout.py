@@ -6,7 +6,7 @@ import os
 
 import timm
 import torch
-from conftest import REPO, optimizer_of, scheduler_of
+from conftest import REPO, TrainingRun, optimizer_of, scheduler_of
 from reference_impl import read_keys, reference_forward
 
 import checkpoint
@@ -90,7 +90,7 @@ def test_every_loader_takes_a_reference_layout_checkpoint(tmp_path, one_thread, 
     }
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--output_dir', str(tmp_path / 'run')])
     evaluated = _xt(9)                                                       # main.py --eval --resume
-    run = checkpoint.TrainingCheckpoints(args, evaluated, None, None, None, None, 7, 'cpu')
+    run = TrainingRun(args, evaluated, None, None, None, None, 7, 'cpu')
     run.resume(path, eval_only=True)
     assert _same(evaluated.state_dict(), raw.state_dict())
     _, ema_sd = weights.select_weights(run.resume(path, eval_only=True).ckpt, path, 'model_ema')
@@ -127,7 +127,7 @@ def test_training_resumes_bit_exactly_from_a_reference_layout_checkpoint(tmp_pat
 
     resumed = _xt(5, drop_path_rate=0.0).train()
     resumed_opt = optimizer_of(args, resumed)
-    run = checkpoint.TrainingCheckpoints(args, resumed, None, resumed_opt, scheduler_of(args, resumed_opt),
+    run = TrainingRun(args, resumed, None, resumed_opt, scheduler_of(args, resumed_opt),
                                          None, 7, 'cpu')
     assert run.resume(path).start_epoch == 1
     _step(model, optimizer, 2)

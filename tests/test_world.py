@@ -17,6 +17,7 @@ import torch
 from conftest import (
     PY,
     REPO,
+    TrainingRun,
     env,
     load,
     parse,
@@ -29,6 +30,7 @@ import checkpoint_io
 import errors
 import exits
 import image_folder
+import resume
 import run_dir
 import run_lock
 import train_state
@@ -108,12 +110,12 @@ def test_no_lock_leaves_the_output_dir_unlocked(tmp_path):
 
 # ------------------------------------------------------------------------------ classes of a resumed run
 def _tiny_run(tmp_path, argv=(), classes=None, n_train_images=None):
-    """TrainingCheckpoints for a tiny model, with the optimizer and schedule main.py builds from `argv`."""
+    """A TrainingRun for a tiny model, with the optimizer and schedule main.py builds from `argv`."""
     from timm.optim import create_optimizer_v2
     args = parse('--output_dir', str(tmp_path), '--epochs', '4', '--no-model-ema', *argv)
     model = torch.nn.Linear(4, 3)
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay)
-    return checkpoint.TrainingCheckpoints(args, model, None, opt, scheduler_of(args, opt), None, 15, 'cpu',
+    return TrainingRun(args, model, None, opt, scheduler_of(args, opt), None, 15, 'cpu',
                                           classes=classes, n_train_images=n_train_images)
 
 
@@ -121,10 +123,10 @@ def test_other_classes_stop_a_resume_naming_the_first_difference(tmp_path, capsy
     _tiny_run(tmp_path, classes=['a', 'b', 'c'], n_train_images=24).save(0, {}, ['checkpoint.pth'])
     path = str(tmp_path / 'checkpoint.pth')
     assert load(path)['classes'] == ['a', 'b', 'c'] and load(path)['n_train_images'] == 24
-    with pytest.raises(checkpoint.CheckpointError, match=r"class 0 is 'a' in the checkpoint but 'd' in the data.*"
+    with pytest.raises(errors.CheckpointError, match=r"class 0 is 'a' in the checkpoint but 'd' in the data.*"
                                                          r"--finetune"):
         _tiny_run(tmp_path, classes=['d', 'b', 'c']).resume(path)
-    with pytest.raises(checkpoint.CheckpointError, match=r"3 classes, the data 4 \(class 3 'e' only in the data\)"):
+    with pytest.raises(errors.CheckpointError, match=r"3 classes, the data 4 \(class 3 'e' only in the data\)"):
         _tiny_run(tmp_path, classes=['a', 'b', 'c', 'e']).resume(path)
     _tiny_run(tmp_path, classes=['a', 'b', 'c'], n_train_images=30).resume(path)
     assert 'the training set has 30 images, 24 when the checkpoint was written' in capsys.readouterr().out
@@ -221,12 +223,12 @@ def test_resume_notes_name_the_flags_and_what_they_change():
     now = parse('--batch-size', '4', '--accum-steps', '1', '--epochs', '3')
     now.world_size, now.lr = 2, 5e-4 * 8 / 512
     decay = 0.99996
-    lines = checkpoint.flag_changes(saved, now)
+    lines = resume.flag_changes(saved, vars(now))
     assert lines[0] == (f'--accum-steps 2 -> 1: global batch 16 -> 8, '
                         f'LR {5e-4 * 16 / 512:.4g} -> {5e-4 * 8 / 512:.4g}, '
                         f'EMA decay {decay ** (16 / 512):.8g} -> {decay ** (8 / 512):.8g}')
     assert lines[1:] == ['--epochs 2 -> 3']
-    assert checkpoint.flag_changes(saved, parse()) != [] and checkpoint.flag_changes({}, now) == []
+    assert resume.flag_changes(saved, vars(parse())) != [] and resume.flag_changes({}, vars(now)) == []
 
 
 # ------------------------------------------------------------------------------ file names in messages
@@ -246,6 +248,6 @@ def test_a_deleted_output_dir_is_reported_as_gone(tmp_path):
     out.mkdir()
     checkpoint_io.save_atomic({'epoch': 0}, str(out / 'checkpoint.pth'))
     shutil.rmtree(out)  # the whole run directory deleted while the run goes on
-    with pytest.raises(checkpoint.CheckpointWriteError) as e:
+    with pytest.raises(errors.CheckpointWriteError) as e:
         checkpoint_io.save_atomic({'epoch': 1}, str(out / 'checkpoint.pth'))
     assert f'the output directory {out} is gone' in str(e.value) and 'is kept' not in str(e.value)

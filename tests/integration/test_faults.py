@@ -264,13 +264,13 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
     args = BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(out), '--no-model-ema']
     script = tmp_path / 'inject.py'
     script.write_text(
-        'import os, sys, checkpoint, main\n'
-        'real = checkpoint.save_atomic\n'
+        'import os, sys, saver, main\n'
+        'real = saver.save_atomic\n'
         'def save(state, path):\n'
         '    real(state, path)\n'
         '    if path.endswith("checkpoint.pth"):\n'
         '        os._exit(9)\n'
-        'checkpoint.save_atomic = save\n'
+        'saver.save_atomic = save\n'
         'sys.exit(main.run(sys.argv[1:]))\n')
     p = subprocess.run([PY, str(script)] + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, capture_output=True,
                        text=True, timeout=240)
