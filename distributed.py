@@ -307,3 +307,30 @@ def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
         h.update(k.encode())
         h.update(v.view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b'')
     return h.hexdigest()[:16]
+
+
+def wrap_model(model: torch.nn.Module, device: torch.device, distributed: bool, sync_bn: bool,
+               compile: bool) -> tuple[Any, torch.nn.Module, Any]:
+    """(train_model, model_without_ddp, eval_model) for `model` on `device`: SyncBatchNorm (`sync_bn`, on GPUs)
+    and DDP in a `distributed` run, torch.compile with `compile`.
+
+    With `compile` BatchNorm stays per process: dynamo breaks the compiled graph at every SyncBatchNorm layer (a
+    collective inside the forward), which would leave little of the compiled speed; the line printed says so.
+    Evaluation runs the bare module (a DDP forward may broadcast buffers, a collective that would hang when
+    ranks get different numbers of validation batches), compiled as well with `compile`."""
+    sync_bn = distributed and device.type == 'cuda' and sync_bn
+    if sync_bn and compile:
+        sync_bn = False
+        print('BatchNorm: per-process statistics under --compile (SyncBatchNorm would break the compiled graph at '
+              'every layer); leave out --compile for SyncBatchNorm')
+    elif distributed and device.type == 'cuda':
+        print(f"BatchNorm: {'SyncBatchNorm across the processes' if sync_bn else 'per-process statistics'}")
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model_without_ddp = model
+    if distributed:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == 'cuda' else None, gradient_as_bucket_view=True)
+    if compile:
+        return torch.compile(model), model_without_ddp, torch.compile(model_without_ddp)
+    return model, model_without_ddp, model_without_ddp

@@ -96,7 +96,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
     g.add_argument('--dist-timeout', type=cli.POSITIVE, default=1800)
     g.add_argument('--local_rank', '--local-rank', dest='local_rank', type=int, default=None, help=argparse.SUPPRESS)
-    p.set_defaults(compile=False)
     return p
 
 
@@ -237,7 +236,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f'Model: UperNet ({args.channels} channels{", auxiliary FCN head" if args.aux_weight else ""}) over '
           f'{args.model}: {n_parameters / 1e6:.2f}M parameters')
     model.to(device)
-    train_model, bare, _ = _wrap(args, model, device)
+    train_model, bare, _ = distributed.wrap_model(model, device, distributed=args.distributed, sync_bn=args.sync_bn,
+                                                  compile=False)
     optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
     amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
@@ -268,12 +268,6 @@ def settled(code: int) -> int:
         distributed.barrier()
         time.sleep(0.2)
     return code
-
-
-def _wrap(args, model, device):
-    """main.py's wrapping: SyncBatchNorm on GPUs and DDP under a launcher."""
-    from main import wrap_model
-    return wrap_model(args, model, device)
 
 
 def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dtype, stop_flag) -> int:

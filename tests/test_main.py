@@ -11,6 +11,7 @@ import torch
 from conftest import optimizer_of, parse, scheduler_of
 
 import cli
+import distributed
 import loaders
 import main
 import models
@@ -303,9 +304,9 @@ def test_compile_keeps_batchnorm_per_process_and_covers_evaluation(compile_, syn
 
     monkeypatch.setattr(torch.nn.parallel, 'DistributedDataParallel', FakeDDP)
     monkeypatch.setattr(torch, 'compile', lambda m: compiled.append(m) or ('compiled', m))
-    args = argparse.Namespace(distributed=True, sync_bn=sync_bn, compile=compile_)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
-    train_model, bare, eval_model = main.wrap_model(args, model, torch.device('cuda', 0))
+    train_model, bare, eval_model = distributed.wrap_model(model, torch.device('cuda', 0), distributed=True,
+                                                           sync_bn=sync_bn, compile=compile_)
     has_sync = any(isinstance(m, torch.nn.SyncBatchNorm) for m in bare.modules())
     out = capsys.readouterr().out
     assert wrapped == [bare]
