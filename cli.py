@@ -96,7 +96,20 @@ class LauncherArgumentParser(argparse.ArgumentParser):
 def get_args_parser() -> LauncherArgumentParser:
     """main.py's command line: DeiT's flags and meanings, in groups as in timm's train.py."""
     p = LauncherArgumentParser(prog='main.py', description='NaLaFormer training and evaluation (DeiT command line)')
-    g = p.add_argument_group('Training')
+    for add_flags in (_training_flags, _model_flags, _optimizer_flags, _learning_rate_schedule_flags,
+                      _augmentation_flags, _distillation_flags, _fine_tuning_flags, _data_flags, _run_flags,
+                      _precision_and_speed_flags, _distributed_flags, _output_directory_flags):
+        add_flags(p)
+    compat = p.add_argument_group('compatibility', 'flags of the reference and DeiT command lines, accepted so '
+                                                   'that those run; each changes nothing here (a note says why)')
+    for flag, (dest, kwargs, why) in COMPATIBILITY_FLAGS.items():
+        compat.add_argument(flag, dest=dest, help=why, **kwargs)
+    return p
+
+
+def _training_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Training' flags."""
+    g = parser.add_argument_group('Training')
     g.add_argument('--batch-size', default=128, type=POSITIVE_INT, help='batch size per process (recipe: 128 x 8)')
     g.add_argument('--epochs', default=300, type=int)
     g.add_argument('--bce-loss', action='store_true',
@@ -108,7 +121,10 @@ def get_args_parser() -> LauncherArgumentParser:
                         'batch x processes x K, for the LR and EMA scaling)')
     g.add_argument('--unscale-lr', action='store_true', help='do not scale --lr by global batch / 512')
 
-    g = p.add_argument_group('Model')
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Model' flags."""
+    g = parser.add_argument_group('Model')
     g.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
     # None: not given; main() sets it (resolve_eval_transform): a checkpoint's recorded size, else the model's
     g.add_argument('--input-size', default=None, type=ranged(int, 8),
@@ -124,7 +140,10 @@ def get_args_parser() -> LauncherArgumentParser:
                    help='EMA decay at global batch 512; the decay used is this ** (global batch / 512)')
     g.add_argument('--model-ema-force-cpu', action='store_true')
 
-    g = p.add_argument_group('Optimizer')
+
+def _optimizer_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Optimizer' flags."""
+    g = parser.add_argument_group('Optimizer')
     g.add_argument('--opt', default='adamw', type=str, metavar='OPTIMIZER')
     g.add_argument('--opt-eps', default=1e-8, type=float, metavar='EPSILON')
     g.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA')
@@ -135,7 +154,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--layer-decay', type=ranged(float, 0, 1, lo_open=True), default=None,
                    help='layer-wise LR decay for fine-tuning: block i of n gets LR x decay^(n - i) (head: x1)')
 
-    g = p.add_argument_group('Learning rate schedule')
+
+def _learning_rate_schedule_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Learning rate schedule' flags (schedule.Schedule holds what they set)."""
+    g = parser.add_argument_group('Learning rate schedule')
     g.add_argument('--sched', default='cosine', type=str, choices=SCHEDULERS)
     g.add_argument('--lr', type=POSITIVE, default=5e-4, metavar='LR', help='base LR at global batch 512')
     g.add_argument('--lr-noise', type=float, nargs='+', default=None, metavar='pct, pct')
@@ -148,7 +170,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--cooldown-epochs', type=int, default=10)
     g.add_argument('--decay-rate', '--dr', type=float, default=0.1)
 
-    g = p.add_argument_group('Augmentation')
+
+def _augmentation_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Augmentation' flags."""
+    g = parser.add_argument_group('Augmentation')
     g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
     g.add_argument('--aa', type=str, default='rand-m9-mstd0.5-inc1', metavar='NAME')
     g.add_argument('--smoothing', type=RATE, default=0.1)
@@ -171,7 +196,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--mixup-switch-prob', type=PROBABILITY, default=0.5)
     g.add_argument('--mixup-mode', type=str, default='batch', choices=['batch', 'pair', 'elem'])
 
-    g = p.add_argument_group('Distillation')
+
+def _distillation_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Distillation' flags."""
+    g = parser.add_argument_group('Distillation')
     g.add_argument('--teacher-model', default='regnety_160', type=str, metavar='MODEL')
     g.add_argument('--teacher-path', type=str, default='')
     g.add_argument('--distillation-type', default='none', choices=['none', 'soft', 'hard'], type=str)
@@ -179,11 +207,17 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--distillation-tau', default=1.0, type=float)
     g.add_argument('--cosub', action='store_true', help='DeiT III cosub (not supported, refused)')
 
-    g = p.add_argument_group('Fine-tuning')
+
+def _fine_tuning_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Fine-tuning' flags."""
+    g = parser.add_argument_group('Fine-tuning')
     g.add_argument('--finetune', default='', help='start from this checkpoint, re-initialising a mismatched classifier')
     g.add_argument('--attn-only', action='store_true')
 
-    g = p.add_argument_group('Data')
+
+def _data_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Data' flags."""
+    g = parser.add_argument_group('Data')
     g.add_argument('--data-path', default=None, type=str, help='dataset root (DIGITS: ./data/digits)')
     g.add_argument('--data-set', default='IMNET', choices=datasets.DATA_SETS, type=str)
     g.add_argument('--inat-category', default='name', choices=datasets.INAT_CATEGORIES)
@@ -200,7 +234,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--real-labels', nargs='?', const='', default=None, metavar='REAL_JSON',
                    help="with --eval, also print ImageNet-ReaL accuracy (timm's bundled labels, or this real.json)")
 
-    g = p.add_argument_group('Run')
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Run' flags."""
+    g = parser.add_argument_group('Run')
     g.add_argument('--output_dir', '--output-dir', dest='output_dir', default='',
                    help='where checkpoints and log.txt go (empty: save nothing)')
     g.add_argument('--device', default='cuda', help='cuda, cuda:N or cpu (cuda falls back to cpu without a GPU)')
@@ -233,7 +270,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--max-bad-steps', default=20, type=NON_NEGATIVE_INT,
                    help='consecutive non-finite steps skipped before the run stops')
 
-    g = p.add_argument_group('Precision and speed')
+
+def _precision_and_speed_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Precision and speed' flags."""
+    g = parser.add_argument_group('Precision and speed')
     g.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'],
                    help='mixed precision: fp16 (with GradScaler, the default of a bare --amp) or bf16')
     g.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True,
@@ -244,7 +284,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--sync-bn', action=argparse.BooleanOptionalAction, default=True,
                    help='SyncBatchNorm in multi-GPU runs')
 
-    g = p.add_argument_group('Distributed')
+
+def _distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Distributed' flags."""
+    g = parser.add_argument_group('Distributed')
     g.add_argument('--world_size', '--world-size', dest='world_size', default=1, type=POSITIVE_INT,
                    help='number of processes; set by the launcher (torchrun, srun), checked against it')
     g.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
@@ -253,7 +296,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--local_rank', '--local-rank', dest='local_rank', default=None, type=int,
                    help=argparse.SUPPRESS)
 
-    g = p.add_argument_group('Output directory')
+
+def _output_directory_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Output directory' flags."""
+    g = parser.add_argument_group('Output directory')
     g.add_argument('--overwrite', action='store_true',
                    help='start a new run in an --output_dir that holds one: its checkpoints and log.txt are '
                         'deleted (without it such a run is refused; relaunching without flags resumes it)')
@@ -261,11 +307,6 @@ def get_args_parser() -> LauncherArgumentParser:
                    help='do not lock --output_dir (by default a second training job in the same directory is '
                         'refused while the first runs; for filesystems whose locks misbehave)')
 
-    compat = p.add_argument_group('compatibility', 'flags of the reference and DeiT command lines, accepted so '
-                                                   'that those run; each changes nothing here (a note says why)')
-    for flag, (dest, kwargs, why) in COMPATIBILITY_FLAGS.items():
-        compat.add_argument(flag, dest=dest, help=why, **kwargs)
-    return p
 
 
 #: accepted flags that change nothing here: flag -> (dest, argparse settings, why it changes nothing)
