@@ -12,7 +12,6 @@ from typing import TypeVar
 import timm
 import torch
 
-import checkpoint
 import checkpoint_io
 import datasets
 import distributed
@@ -126,7 +125,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     """The 'Model' flags."""
     g = parser.add_argument_group('Model')
     g.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
-    # None: not given; main() sets it (resolve_eval_transform): a checkpoint's recorded size, else the model's
+    # None: not given; a checkpoint's recorded size (resolve_eval_transform), else the model's (datasets.data_config)
     g.add_argument('--input-size', default=None, type=ranged(int, 8),
                    help="image size (default: 224, the model's; evaluating or resuming a checkpoint: the size "
                         "it records)")
@@ -452,15 +451,6 @@ def check_auto_augment(aa, parser):
 EVAL_TRANSFORM_FLAGS = ('input_size', 'eval_crop_ratio')
 
 
-def apply_checkpoint_args(args: argparse.Namespace, path: str) -> None:
-    """What the checkpoint `path` (the one --eval measures or a run resumes) records decides before anything is
-    built: a --model other than its own is refused (check_recorded_model), and its evaluation transform applies
-    (resolve_eval_transform). Its args are read once, without loading its weights."""
-    recorded = checkpoint.recorded_args(path) if path else {}
-    check_recorded_model(args, path, recorded)
-    resolve_eval_transform(args, path, recorded)
-
-
 def check_recorded_model(args: argparse.Namespace, path: str, recorded: dict) -> None:
     """Refuse a --model other than the one checkpoint `path` records (`recorded`: its args), in one line, before
     the model is built and its FLOPs counted (seconds for XT, minutes for L); the weights would not load into
@@ -471,13 +461,11 @@ def check_recorded_model(args: argparse.Namespace, path: str, recorded: dict) ->
                               f'pass --model {saved}, or another checkpoint')
 
 
-def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict | None = None) -> None:
+def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict) -> None:
     """--input-size and --eval-crop-ratio (None when not given): the command line's when given, else those the
-    checkpoint `path` records (the one --eval measures or a run resumes: evaluated as it was trained), else the
-    model's. A given value that differs from the recorded one is printed with both. The checkpoint's args
-    (`recorded`, read here when not given) are read without loading its weights."""
-    if recorded is None:
-        recorded = checkpoint.recorded_args(path) if path else {}
+    checkpoint `path` records in its command line `recorded` (the one --eval measures or a run resumes: evaluated
+    as it was trained), else None: the model's (datasets.data_config). A given value that differs from the
+    recorded one is printed with both."""
     taken, notes = [], []
     for key in EVAL_TRANSFORM_FLAGS:
         if key not in recorded:
@@ -494,8 +482,6 @@ def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict |
         else:
             notes.append(datasets.override_note(flag, given, "none (the model's crop_pct)" if saved is None
                                                 else saved, path))
-    if args.input_size is None:
-        args.input_size = datasets.data_config(args.model)['input_size'][-1]
     if taken:
         print(f"{' and '.join(taken)}: as recorded in {path} (pass the flag to choose another)")
     for note in filter(None, notes):

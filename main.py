@@ -79,7 +79,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                     args.clip_mode, args.accum_steps)
     settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
                                     max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
-    random_erasing = loaders.batch_random_erasing(args, device)  # the train transform's, on the device
+    random_erasing = loaders.batch_random_erasing(cli.settings(datasets.Augmentation, args), device)
     tb = metrics.tensorboard_logger(args.log_dir, device)
     end_epoch = EpochEnd(data.loader_val, run.eval_model, parts.model, parts.model_ema, run.eval_ema, saver,
                          data.dataset_train, args.log_dir, tb, device, run.amp_dtype, args.channels_last,
@@ -135,7 +135,11 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
         print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
     print_lines(*cli.compatibility_notes(args))
     resume_path = run_dir.agree_on_resume_path(args, device)  # rank 0 decides, every rank checks its own view
-    cli.apply_checkpoint_args(args, resume_path)  # before the data: its --model must be ours, its eval transform
+    # what the checkpoint records decides before anything is built: its --model must be ours, its eval transform
+    # applies (its command line is read without its weights)
+    recorded = checkpoint.recorded_args(resume_path) if resume_path else {}
+    cli.check_recorded_model(args, resume_path, recorded)
+    cli.resolve_eval_transform(args, resume_path, recorded)
     print_lines(*start_lines(args, resume_path))
     from timm.utils import random_seed
     random_seed(args.seed, distributed.get_rank())  # torch, numpy and python seeded with --seed + rank
@@ -169,8 +173,10 @@ def start_lines(args: argparse.Namespace, resume_path: str) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class Data:
-    """The data of a run: the data sets (no training set with --eval), the extra evaluation sets and ReaL labels
-    (--eval), the loaders (batches normalised on the device) and Mixup/CutMix (None when off)."""
+    """The data of a run: the data config (input size, crop, mean and std, computed once), the data sets (no
+    training set with --eval), the extra evaluation sets and ReaL labels (--eval), the loaders (batches
+    normalised on the device) and Mixup/CutMix (None when off)."""
+    cfg: dict
     dataset_train: Any
     dataset_val: Any
     nb_classes: int
@@ -182,19 +188,21 @@ class Data:
     mixup_fn: Any
 
 
-def build_data(args: argparse.Namespace, device: torch.device) -> Data:
-    """The data sets of the flags, their loaders, and Mixup/CutMix; a data set whose layout on disk is wrong, or a
-    training set without a full batch, ends in one line. Every rank checks that it sees the data of the others."""
+def build_datasets(args: argparse.Namespace, cfg: dict) -> tuple[Any, Any, int, list, Any]:
+    """(training set or None with --eval, validation set, classes, extra evaluation sets, ReaL labels or None) of
+    the flags, their images as uint8 tensors that the loaders normalise on the device; a layout on disk that does
+    not fit ends in one line."""
+    source = cli.settings(datasets.DataSource, args)
     try:
         # evaluation only never lists the training set (train/ may be absent); its classes come from val
-        # uint8 images: the loaders normalise them on the device (loaders.DeviceLoader)
-        dataset_train, nb_classes = ((None, None) if args.eval else
-                                     datasets.build_dataset(is_train=True, args=args, uint8=True))
-        dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args, uint8=True)
-        nb_classes = nb_val if nb_classes is None else nb_classes
+        val_transform = datasets.build_transform(False, cfg, uint8=True)
+        dataset_train, nb_classes = (None, None) if args.eval else datasets.build_dataset(True, source, (
+            datasets.build_transform(True, cfg, cli.settings(datasets.Augmentation, args), args.data_set, uint8=True)))
+        dataset_val, nb_val = datasets.build_dataset(False, source, val_transform)
         if (args.eval_sets or args.real_labels is not None) and not args.eval:
             raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
-        extra_sets = eval_sets.build_eval_sets(args, dataset_val, uint8=True)
+        extra_sets = eval_sets.build_eval_sets(args.eval_sets, dataset_val, val_transform, args.strict_data,
+                                               args.follow_links)
         real = None
         if args.real_labels is not None:
             try:
@@ -203,16 +211,26 @@ def build_data(args: argparse.Namespace, device: torch.device) -> Data:
                 raise FlagError(str(e)) from e
     except image_folder.DataLayoutError as e:
         raise UserError(str(e)) from e
+    return dataset_train, dataset_val, nb_val if nb_classes is None else nb_classes, extra_sets, real
+
+
+def build_data(args: argparse.Namespace, device: torch.device) -> Data:
+    """The data config (the model's, with --input-size and --eval-crop-ratio), the data sets of the flags, their
+    loaders, and Mixup/CutMix; a training set without a full batch ends in one line. Every rank checks that it
+    sees the data of the others."""
+    cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)
+    args.input_size = cfg['input_size'][-1]  # recorded in the checkpoints: the size it was trained at
+    dataset_train, dataset_val, nb_classes, extra_sets, real = build_datasets(args, cfg)
     # with ReaL labels the validation batches carry the sample indices the labels are looked up by
     sampler_train, loader_train, loader_val = loaders.build_loaders(
-        args, dataset_train, dataset_val if real is None else eval_sets.WithIndex(dataset_val))
-    loader_val = loaders.device_loader(loader_val, args, device)
+        dataset_train, dataset_val if real is None else eval_sets.WithIndex(dataset_val),
+        cli.settings(loaders.LoaderSettings, args))
+    loader_val = loaders.device_loader(loader_val, cfg, device)
     if loader_train is not None:
-        loader_train = loaders.device_loader(loader_train, args, device)
-    world = distributed.get_world_size()
+        loader_train = loaders.device_loader(loader_train, cfg, device)
     if not args.eval and len(loader_train) == 0:
         raise UserError(f'the training set ({len(dataset_train)} images) gives no full batch of {args.batch_size} '
-                        f'per process on {world} process(es); lower --batch-size')
+                        f'per process on {distributed.get_world_size()} process(es); lower --batch-size')
     n_train = f'{len(dataset_train)} train / ' if dataset_train is not None else ''
     print(f'Data: {args.data_set}, {n_train}{len(dataset_val)} val images, {nb_classes} classes')
     distributed.check_same_everywhere(loaders.data_facts(dataset_train, dataset_val, loader_train), device,
@@ -224,8 +242,8 @@ def build_data(args: argparse.Namespace, device: torch.device) -> Data:
         mixup_fn = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                          prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                          label_smoothing=args.smoothing, num_classes=nb_classes)
-    return Data(dataset_train, dataset_val, nb_classes, extra_sets, real, sampler_train, loader_train, loader_val,
-                mixup_fn)
+    return Data(cfg, dataset_train, dataset_val, nb_classes, extra_sets, real, sampler_train, loader_train,
+                loader_val, mixup_fn)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,7 +393,8 @@ def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, run: Tra
               f'{first["seen"]} of {len(dataset_val)} images: no accuracy reported')
         return exits.stopped_status(args, stop_flag, saved=False)
     extra = [(name, ds, engine.evaluate_models(  # build_loaders: only its validation loader is used
-        loaders.device_loader(loaders.build_loaders(args, ds, ds)[2], args, device), runners, device, run.amp_dtype,
+        loaders.device_loader(loaders.build_loaders(ds, ds, cli.settings(loaders.LoaderSettings, args))[2],
+                              data.cfg, device), runners, device, run.amp_dtype,
         args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks))
         for name, ds in data.extra_sets]
     for label, test_stats in test.items():

@@ -9,10 +9,12 @@ import pytest
 import timm
 import torch
 from conftest import optimizer_of, parse, scheduler_of
+from image_folders import loaders_of
 
+import checkpoint
 import cli
+import datasets
 import distributed
-import loaders
 import main
 import models
 from models.flop_count import count_flops
@@ -204,7 +206,7 @@ def draws(loader) -> list:
 
 def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     torch.manual_seed(0)
-    sampler, train, _ = loaders.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler, train, _ = loaders_of(loader_args(2), RandomDraws(), RandomDraws())
     sampler.set_epoch(0)
     draws(train)                         # epoch 0
     state = torch.get_rng_state()        # what a checkpoint after epoch 0 holds
@@ -212,7 +214,7 @@ def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     epoch1 = draws(train)
 
     torch.set_rng_state(state)           # a resumed run: fresh loaders, the saved state
-    sampler2, train2, _ = loaders.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler2, train2, _ = loaders_of(loader_args(2), RandomDraws(), RandomDraws())
     sampler2.set_epoch(1)
     assert draws(train2) == epoch1
 
@@ -233,7 +235,7 @@ def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch(
     workers that torch starts for that epoch (a plain DataLoader), from the same random state at its start."""
     args = loader_args(2)
     torch.manual_seed(0)
-    sampler, train, _ = loaders.build_loaders(args, WorkerDraws(), WorkerDraws())
+    sampler, train, _ = loaders_of(args, WorkerDraws(), WorkerDraws())
     persistent = []
     for epoch in range(2):
         sampler.set_epoch(epoch)
@@ -253,10 +255,11 @@ def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch(
 
 
 LOADER_LEFT_ALIVE = """
-import sys, torch, loaders
+import sys, torch
 sys.path.insert(0, 'tests')
+from image_folders import loaders_of
 from test_main import WorkerDraws, loader_args
-_, train, _ = loaders.build_loaders(loader_args(1), WorkerDraws(), WorkerDraws())
+_, train, _ = loaders_of(loader_args(1), WorkerDraws(), WorkerDraws())
 keep = [next(iter(train))]  # a loader alive to the end, its worker waiting for work
 print('loaded', flush=True)
 """
@@ -274,7 +277,7 @@ def test_a_loader_left_alive_does_not_hold_up_the_exit():
 
 def test_no_workers_loads_in_process():
     data = torch.utils.data.TensorDataset(torch.arange(8.0))
-    _, train, val = loaders.build_loaders(loader_args(0), data, data)
+    _, train, val = loaders_of(loader_args(0), data, data)
     assert train.num_workers == 0 and not train.persistent_workers
     assert len(list(val)) == 2
 
@@ -344,8 +347,9 @@ def test_the_eval_transform_is_the_checkpoints_unless_the_command_line_names_one
     path = _saved(tmp_path, args={'model': 'NALAFORMER_XT', **recorded}) if recorded else \
         _saved(tmp_path) if recorded == {} else ''
     args = parse('--model', 'NALAFORMER_XT', *argv)
-    cli.resolve_eval_transform(args, path)
-    assert (args.input_size, args.eval_crop_ratio) == expected
+    cli.resolve_eval_transform(args, path, checkpoint.recorded_args(path) if path else {})
+    cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)  # main.py's one data config
+    assert (cfg['input_size'][-1], args.eval_crop_ratio) == expected
     out = capsys.readouterr().out
     assert printed.replace('CK', path) in out if printed else out == ''
 

@@ -576,14 +576,11 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict
 
     from torchvision.datasets import ImageFolder
 
-    import datasets
-    from cli import get_args_parser
     from cpu import available_cpus
     workers = (args.data_workers or [available_cpus()])[0]
-    recipe = get_args_parser().parse_args(['--input-size', str(args.input_size[0])])
     with tempfile.TemporaryDirectory(prefix='nalaformer-photos-') as root:
         make_photo_jpegs(root, count=args.loader_images)
-        dataset = ImageFolder(root, transform=datasets.build_transform(True, recipe, uint8=True))
+        dataset = ImageFolder(root, transform=recipe_train_transform(args.input_size[0], uint8=True))
         n_batches = max(8, 4 * workers)
         sampler = torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=n_batches * args.batch_size)
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
@@ -595,7 +592,7 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict
             seen += images.shape[0]
         img_s = seen / (time.perf_counter() - start)
     per_worker = img_s / max(workers, 1)
-    row = dict(part='loader', workers=workers, batch_size=args.batch_size, input_size=recipe.input_size,
+    row = dict(part='loader', workers=workers, batch_size=args.batch_size, input_size=args.input_size[0],
                img_s=img_s, img_s_per_worker=per_worker,
                workers_needed={r['model']: math.ceil(r['engine_img_s'] / per_worker) for r in engine_rows})
     print(f"loader, {workers} workers (main.py's uint8 train transform, photo JPEGs): {img_s:.0f} img/s, "
@@ -712,6 +709,15 @@ def make_photo_jpegs(root: str, count: int = 200, quality: int = 90, classes: in
         img.save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
 
 
+def recipe_train_transform(input_size: int, uint8: bool = False):
+    """main.py's training transform with the recipe's flags (every default) at ``input_size``."""
+    import datasets
+    from cli import get_args_parser, settings
+    recipe = get_args_parser().parse_args(['--input-size', str(input_size)])
+    cfg = datasets.data_config(recipe.model, recipe.input_size, recipe.eval_crop_ratio)
+    return datasets.build_transform(True, cfg, settings(datasets.Augmentation, recipe), recipe.data_set, uint8)
+
+
 def _transform_times(dataset) -> tuple:
     """(wall s, process CPU s, per-image thread CPU s) of loading every item of ``dataset`` in this process."""
     import resource
@@ -736,17 +742,15 @@ def data_loading(args: argparse.Namespace) -> dict:
     Normalize, RandomErasing in the worker, as before) is given too."""
     from torchvision.datasets import ImageFolder
 
-    import datasets
-    from cli import get_args_parser
-    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
-    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe, uint8=True))
+    size = (list(args.input_size) * 2)[0]
+    dataset = ImageFolder(args.data_loading, transform=recipe_train_transform(size, uint8=True))
     torch.manual_seed(0)
     dataset[0]
     wall, cpu, per_image = _transform_times(dataset)
-    _, cpu_float, _ = _transform_times(ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe)))
+    _, cpu_float, _ = _transform_times(ImageFolder(args.data_loading, transform=recipe_train_transform(size)))
     ms = sorted(1e3 * t for t in per_image)
     quantiles = {f'p{q}': ms[min(len(ms) - 1, int(q / 100 * len(ms)))] for q in (10, 50, 90, 99)}
-    result = dict(data=args.data_loading, images=len(dataset), input_size=recipe.input_size,
+    result = dict(data=args.data_loading, images=len(dataset), input_size=size,
                   threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
                   one_worker_img_s_cpu=len(dataset) / cpu, image_cpu_ms_mean=statistics.mean(ms),
                   image_cpu_ms=quantiles, cpu_transform_img_s_cpu=len(dataset) / cpu_float, loaders=[])
