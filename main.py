@@ -9,6 +9,7 @@ and as a plain process; NCCL on GPUs, gloo on CPUs. See README "Training and eva
 """
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -66,7 +67,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
     if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
         saver.check_room(start_epoch, args.epochs, resume_path)
-    print_lines(resumed.message, run_dir.resume_elsewhere_note(args, resume_path))
+    print_lines(resumed.message, run_dir.resume_elsewhere_note(cli.settings(run_dir.RunDirSettings, args), resume_path))
     if not args.eval and start_epoch >= args.epochs:
         print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
               f'evaluating it (raise --epochs to train longer)')
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     end_epoch = EpochEnd(data.loader_val, run.eval_model, parts.model, parts.model_ema, run.eval_ema, saver,
                          data.dataset_train, args.log_dir, tb, device, run.amp_dtype, args.channels_last,
                          args.print_freq, bool(args.dist_eval and args.distributed), stop_flag)
-    run_dir.save_args(args, checkpoint.args_to_dict(args), device)
+    run_dir.save_args(args.output_dir, checkpoint.args_to_dict(args), device)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):
@@ -98,12 +99,12 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             where = saver.save_stop(epoch, train_state.epoch_state_entries(state))
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
                   f'{state.step}; checkpoint {where}; run the same command again to resume')
-            return exits.stopped_status(args, stop_flag)
+            return exits.stopped_status(args.launcher, stop_flag)
         test_stats, ema_stats, stop_now = end_epoch(epoch, result)
         if stop_now:
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
                   f'checkpoint saved; run the same command again to resume')
-            return exits.stopped_status(args, stop_flag)
+            return exits.stopped_status(args.launcher, stop_flag)
     report_end(parts.model, start_time, test_stats, ema_stats, saver.max_accuracy)
     return 0
 
@@ -118,7 +119,8 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     cli.validate_args(args, parser)
     train_mode = cli.resolve_train_mode(args)
     want_cuda = str(args.device).startswith('cuda')
-    distributed.init_distributed_mode(args)
+    process = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
+    vars(args).update(dataclasses.asdict(process))  # rank, world size, launcher, device: recorded in checkpoints
     if args.amp == 'bf16':  # on the process's own GPU, now the current one
         precision.check_bf16(args.device)
     stop_flag = signals.StopFlag()
@@ -134,7 +136,8 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
         args.num_workers, why = cpu.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
     print_lines(*cli.compatibility_notes(args))
-    resume_path = run_dir.agree_on_resume_path(args, device)  # rank 0 decides, every rank checks its own view
+    output = cli.settings(run_dir.RunDirSettings, args)
+    resume_path = run_dir.agree_on_resume_path(output, device)  # rank 0 decides, every rank checks its own view
     # what the checkpoint records decides before anything is built: its --model must be ours, its eval transform
     # applies (its command line is read without its weights)
     recorded = checkpoint.recorded_args(resume_path) if resume_path else {}
@@ -146,7 +149,7 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
     precision.set_tf32(device, args.tf32)
-    run_dir.prepare_output_dir(args, device)
+    run_dir.prepare_output_dir(output, device)
     return device, stop_flag, resume_path, train_mode
 
 
@@ -391,7 +394,7 @@ def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, run: Tra
     if first['aborted']:
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
               f'{first["seen"]} of {len(dataset_val)} images: no accuracy reported')
-        return exits.stopped_status(args, stop_flag, saved=False)
+        return exits.stopped_status(args.launcher, stop_flag, saved=False)
     extra = [(name, ds, engine.evaluate_models(  # build_loaders: only its validation loader is used
         loaders.device_loader(loaders.build_loaders(ds, ds, cli.settings(loaders.LoaderSettings, args))[2],
                               data.cfg, device), runners, device, run.amp_dtype,
@@ -444,7 +447,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = cli.get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: main_or_clean_up(args, parser), args)
+    return exits.finish(lambda: main_or_clean_up(args, parser), lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

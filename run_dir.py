@@ -1,11 +1,10 @@
 """The output directory of a training run (--output_dir): which checkpoint a run resumes from, one run per
-directory (a lock, and a refusal to start over another run's files without --overwrite), write access, room
-for the checkpoints before training starts, log.txt's lines, and the repairs after a resume (what a crash
-between two writes, an older version's hard links or a resume from an older state left behind)."""
-import argparse
+directory (run_lock.py's lock, and a refusal to start over another run's files without --overwrite), write
+access, the run's arguments (args.json), and removing a directory a failed start created."""
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 import distributed
@@ -21,24 +20,35 @@ from checkpoint_io import (
 from errors import UserError
 
 
-def find_resume_path(args: argparse.Namespace) -> str:
+@dataclass(frozen=True)
+class RunDirSettings:
+    """The flags of the output directory, each named as its argparse destination."""
+    output_dir: str
+    resume: str                   # --resume: this checkpoint (default: output_dir/checkpoint.pth, when it exists)
+    auto_resume: bool
+    overwrite: bool               # a new run where another one's files are: delete them
+    lock: bool                    # one run per directory (--no-lock: none)
+    eval: bool                    # evaluation only: nothing is written, nothing locked or cleaned
+
+
+def find_resume_path(settings: RunDirSettings) -> str:
     """--resume, else (auto-resume, no --overwrite) output_dir/checkpoint.pth when it exists, else '' (this
     process's view of the filesystem: in a process group, `agree_on_resume_path` decides)."""
-    if args.resume:
-        return args.resume
-    auto = os.path.join(args.output_dir, 'checkpoint.pth') if args.output_dir else ''
-    if auto and args.auto_resume and not args.overwrite and os.path.isfile(auto):
+    if settings.resume:
+        return settings.resume
+    auto = os.path.join(settings.output_dir, 'checkpoint.pth') if settings.output_dir else ''
+    if auto and settings.auto_resume and not settings.overwrite and os.path.isfile(auto):
         return auto
     return ''
 
 
-def agree_on_resume_path(args: argparse.Namespace, device: Any) -> str:
+def agree_on_resume_path(settings: RunDirSettings, device: Any) -> str:
     """The checkpoint the run resumes from, decided by rank 0 (`find_resume_path` on its filesystem) for every
     rank. A rank whose own view differs (a node-local --output_dir, a file not yet visible over NFS after a quick
     restart) stops every rank with one line: ranks that resumed from different states would train on together
     with different weights, epochs and learning rates. That every rank reads the same file is checked when they
     load it (resume.load_agreed)."""
-    mine = find_resume_path(args)
+    mine = find_resume_path(settings)
     decided = distributed.broadcast_object(mine)
     err = None
     fix = ('every node must see the same --output_dir (a shared filesystem), or pass --resume with a path every '
@@ -50,24 +60,25 @@ def agree_on_resume_path(args: argparse.Namespace, device: Any) -> str:
     return decided
 
 
-def resume_elsewhere_note(args: argparse.Namespace, path: str) -> str:
+def resume_elsewhere_note(settings: RunDirSettings, path: str) -> str:
     """A note when a training run resumes checkpoint `path` of another directory into --output_dir (both
     named): the checkpoints and log.txt go to --output_dir from here on. '' otherwise."""
-    if args.eval or not path or not args.output_dir or in_directory(path, args.output_dir):
+    out = settings.output_dir
+    if settings.eval or not path or not out or in_directory(path, out):
         return ''
-    return (f'Note: resuming {path} into another --output_dir: {args.output_dir} gets the checkpoints and log.txt '
+    return (f'Note: resuming {path} into another --output_dir: {out} gets the checkpoints and log.txt '
             f'from here on; {os.path.dirname(path) or "."} keeps those so far')
 
 
 ARGS_NAME = 'args.json'  # in --output_dir: the arguments of the latest start of the run
 
 
-def save_args(args: argparse.Namespace, arguments: dict[str, Any], device: Any) -> None:
+def save_args(output_dir: str, arguments: dict[str, Any], device: Any) -> None:
     """Write `arguments` (the run's whole command line, checkpoint.args_to_dict) to --output_dir/args.json as
     one indented JSON object (rank 0; a failure stops every rank with one line). Each start replaces it."""
-    if not args.output_dir:
+    if not output_dir:
         return
-    path = os.path.join(args.output_dir, ARGS_NAME)
+    path = os.path.join(output_dir, ARGS_NAME)
 
     def write() -> None:
         try:
@@ -89,13 +100,13 @@ def previous_run_files(directory: str) -> list[str]:
     return names
 
 
-def _check_previous_run(args: argparse.Namespace) -> str | None:
-    out = args.output_dir
-    resume = find_resume_path(args)
+def _check_previous_run(settings: RunDirSettings) -> str | None:
+    out = settings.output_dir
+    resume = find_resume_path(settings)
     old = previous_run_files(out)
     if not old or (resume and in_directory(resume, out)):
         return None  # an empty directory, or continuing the run it holds
-    if args.overwrite:
+    if settings.overwrite:
         for name in old:
             os.remove(os.path.join(out, name))
         print(f'--overwrite: removed the previous run from {out} ({", ".join(old)}); starting a new run')
@@ -123,40 +134,41 @@ def check_writable(directory: str) -> str | None:
     return None
 
 
-def prepare_output_dir(args: argparse.Namespace, device: Any) -> None:
+def prepare_output_dir(settings: RunDirSettings, device: Any) -> None:
     """Create --output_dir, check that files can be written there, lock it (training: one run per directory;
     --no-lock takes no lock but still stops beside a live holder) and remove temporaries of killed writes. A
     training run that would start over in a directory holding another run stops with one line, unless
     --overwrite (which deletes that run's checkpoints and log.txt, nothing is moved).
     Evaluation only neither locks nor cleans: it writes nothing there and may read a running job's files."""
-    if not args.output_dir:
+    out = settings.output_dir
+    if not out:
         return
 
     def prepare() -> None:  # rank 0; anything it raises stops every rank (distributed.on_rank0)
         err = None
         try:
-            make_output_dir(args.output_dir)
+            make_output_dir(out)
         except OSError as e:
-            err = f'cannot create --output_dir {args.output_dir}: {e.strerror}'
+            err = f'cannot create --output_dir {out}: {e.strerror}'
         else:
-            if not args.eval:
-                err = check_writable(args.output_dir)
-            if err is None and not args.eval:
-                if args.lock:
-                    err = run_lock.lock_run_dir(args.output_dir)
+            if not settings.eval:
+                err = check_writable(out)
+            if err is None and not settings.eval:
+                if settings.lock:
+                    err = run_lock.lock_run_dir(out)
                 else:  # no lock of our own, but never beside a run that holds one
-                    holder = run_lock.live_holder(args.output_dir)
-                    err = run_lock.in_use(args.output_dir, holder) if holder else None
-            if err is None and not args.eval:
-                remove_stale_tmp(args.output_dir)
+                    holder = run_lock.live_holder(out)
+                    err = run_lock.in_use(out, holder) if holder else None
+            if err is None and not settings.eval:
+                remove_stale_tmp(out)
                 try:
-                    err = _check_previous_run(args)
+                    err = _check_previous_run(settings)
                 except OSError as e:
-                    err = f'cannot clear --output_dir {args.output_dir}: {e.strerror} ({e.filename})'
+                    err = f'cannot clear --output_dir {out}: {e.strerror} ({e.filename})'
         if err:
             raise UserError(err)
 
-    distributed.on_rank0(prepare, device, f'cannot prepare --output_dir {args.output_dir}')
+    distributed.on_rank0(prepare, device, f'cannot prepare --output_dir {out}')
 
 
 # per --output_dir made by make_output_dir in this process, the folders on its path it created, deepest first:

@@ -12,6 +12,7 @@ linear warmup of 1500 iterations, auxiliary FCN head weighted 0.4, single-scale 
 command resumes from --output_dir/checkpoint.pth, also after a stop signal or SLURM's requeue warning.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -112,7 +113,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
         if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: no such file')
-    if args.eval and not run_dir.find_resume_path(args):
+    if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.ratio_range[0] > args.ratio_range[1]:
         parser.error(f'--ratio-range {args.ratio_range[0]} {args.ratio_range[1]}: MIN above MAX')
@@ -206,7 +207,8 @@ def eval_record(result: dict, args, **extra) -> dict:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     validate_args(args, parser)
-    distributed.init_distributed_mode(args)
+    process = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
+    vars(args).update(dataclasses.asdict(process))
     if args.amp == 'bf16':  # on the process's own GPU
         precision.check_bf16(args.device)
     stop_flag = signals.StopFlag()
@@ -219,10 +221,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f'Data loader: {args.num_workers} workers per process ({why})')
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
-    resume_path = run_dir.agree_on_resume_path(args, device)
+    output = cli.settings(run_dir.RunDirSettings, args)
+    resume_path = run_dir.agree_on_resume_path(output, device)
     timm.utils.random_seed(args.seed, rank)
     precision.set_tf32(device, args.tf32)
-    run_dir.prepare_output_dir(args, device)
+    run_dir.prepare_output_dir(output, device)
     train_set, val_set = build_data(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '
           f'{args.num_classes} classes')
@@ -239,12 +242,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     train_model, bare, _ = distributed.wrap_model(model, device, distributed=args.distributed, sync_bn=args.sync_bn,
                                                   compile=False)
     optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
-    amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    amp_dtype = precision.amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     checkpoints = state.SegCheckpoints(args, bare, optimizer, scaler, device, n_parameters)
     if args.eval:
-        return settled(evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype,
-                                           stop_flag))
+        return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype, stop_flag)
     resumed = checkpoints.resume(resume_path)
     # room for checkpoint.pth, its replacement while it is written and best.pth: weights and AdamW's two moments
     nbytes = sum(t.numel() * t.element_size() for t in bare.state_dict().values()) + 2 * sum(
@@ -256,18 +258,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype, scaler, args.clip_grad)
     run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag)
-    return settled(train(run, optimizer, resumed.start_iter, train_loader))
-
-
-def settled(code: int) -> int:
-    """`code`, once every process is here and the process group's threads are idle. torch 2.4's gloo process group
-    deadlocks when it is destroyed (exits.finish) while one of its worker threads still frees the tensor of a
-    recent collective: the thread waits for the GIL that the destroying thread holds (torch releases it there
-    since 2.8). A barrier, then a pause that releases the GIL, let a thread that a loaded machine held back finish."""
-    if distributed.is_dist_avail_and_initialized():
-        distributed.barrier()
-        time.sleep(0.2)
-    return code
+    return train(run, optimizer, resumed.start_iter, train_loader)
 
 
 def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dtype, stop_flag) -> int:
@@ -277,7 +268,7 @@ def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dty
     result = evaluate(args, model, val_loader, device, amp_dtype, stop_flag)
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
-        return exits.stopped_status(args, stop_flag, saved=False)
+        return exits.stopped_status(args.launcher, stop_flag, saved=False)
     print(miou.summary_line(result, args.eval_mode))
     checkpoints.append_log(eval_record(result, args, eval=path, iter=ckpt.get('iter')))
     return 0
@@ -302,7 +293,7 @@ class Run:
         """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
         print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
               f'checkpoint saved; run the same command again to resume')
-        return exits.stopped_status(self.args, self.stop_flag)
+        return exits.stopped_status(self.args.launcher, self.stop_flag)
 
     def count_bad(self, out, it: int) -> None:
         """Consecutive skipped steps (a non-finite loss, an fp16 overflow); too many end the run."""
@@ -441,7 +432,7 @@ def run(argv: list[str] | None = None) -> int:
     """The entry point: parse, run, and end as exits.finish says (one line per error)."""
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: main_or_clean_up(args, parser), args)
+    return exits.finish(lambda: main_or_clean_up(args, parser), lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

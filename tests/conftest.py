@@ -17,6 +17,7 @@ import cli
 import main
 import optimizer
 import resume
+import run_dir
 import saver
 import schedule
 import train_state
@@ -79,6 +80,11 @@ class TrainingRun:
 
     def resume(self, path, eval_only=False):
         return resume.resume(path, self.saver, cli.settings(resume.ResumeSettings, self.args), eval_only)
+
+
+def run_dir_of(args):
+    """The output-directory settings of the command line `args`."""
+    return cli.settings(run_dir.RunDirSettings, args)
 
 
 def parse(*argv):

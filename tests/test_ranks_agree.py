@@ -9,7 +9,7 @@ import socket
 
 import pytest
 import torch
-from conftest import parse
+from conftest import parse, run_dir_of
 from test_world import _tiny_run
 from thread_world import ThreadWorld
 from torchvision.datasets import ImageFolder
@@ -80,7 +80,7 @@ def test_a_lock_file_that_cannot_be_written_stops_every_rank(world, tmp_path, mo
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
     monkeypatch.setattr(run_dir.os, 'pwrite', quota)
     out = tmp_path / 'out'
-    results = world.run(lambda rank: run_dir.prepare_output_dir(parse('--output_dir', str(out)), 'cpu'))
+    results = world.run(lambda rank: run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(out))), 'cpu'))
     assert_rank_failed(results, 0, f'cannot write the lock file {out}/{run_lock.LOCK_NAME}: '
                                    f'{os.strerror(errno.EDQUOT)}; make --output_dir writable or choose another')
 
@@ -118,7 +118,8 @@ def test_a_rank_that_sees_another_resume_checkpoint_stops_every_rank(tmp_path, m
     _tiny_run(tmp_path).save(0, {}, ['checkpoint.pth'])
     world = ThreadWorld(2, monkeypatch)
     seen_by(world, blind, monkeypatch)
-    results = world.run(lambda rank: run_dir.agree_on_resume_path(parse('--output_dir', str(tmp_path)), 'cpu'))
+    settings = run_dir_of(parse('--output_dir', str(tmp_path)))
+    results = world.run(lambda rank: run_dir.agree_on_resume_path(settings, 'cpu'))
     fix = ('every node must see the same --output_dir (a shared filesystem), or pass --resume with a path every '
            'node sees')
     path = f'{tmp_path}/checkpoint.pth'
@@ -131,7 +132,8 @@ def test_a_rank_that_sees_another_resume_checkpoint_stops_every_rank(tmp_path, m
 def test_every_rank_takes_rank_0_resume_decision(tmp_path, monkeypatch):
     _tiny_run(tmp_path).save(0, {}, ['checkpoint.pth'])
     world = ThreadWorld(2, monkeypatch)
-    results = world.run(lambda rank: run_dir.agree_on_resume_path(parse('--output_dir', str(tmp_path)), 'cpu'))
+    settings = run_dir_of(parse('--output_dir', str(tmp_path)))
+    results = world.run(lambda rank: run_dir.agree_on_resume_path(settings, 'cpu'))
     assert results == [f'{tmp_path}/checkpoint.pth'] * 2
 
 

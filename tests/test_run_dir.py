@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 import pytest
-from conftest import TrainingRun, build_xt, optimizer_of, scheduler_of
+from conftest import TrainingRun, build_xt, optimizer_of, run_dir_of, scheduler_of
 
 import cli
 import errors
@@ -28,16 +28,16 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
     (tmp_path / 'log.txt').write_text('{"epoch": 0}\n')
     (tmp_path / 'notes.md').write_text('mine')
     with pytest.raises(errors.UserError) as e:
-        run_dir.prepare_output_dir(_args(tmp_path, '--no-auto-resume'), 'cpu')
+        run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--no-auto-resume')), 'cpu')
     assert 'already holds a run (checkpoint.pth, best.pth, checkpoint_0049.pth, log.txt): relaunch without ' \
            '--no-auto-resume to continue it' in str(e.value) and '--overwrite' in str(e.value)
-    run_dir.prepare_output_dir(_args(tmp_path), 'cpu')  # resuming it is fine
-    run_dir.prepare_output_dir(_args(tmp_path, '--eval'), 'cpu')  # so is evaluating
+    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path)), 'cpu')  # resuming it is fine
+    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--eval')), 'cpu')  # so is evaluating
     run_files = lambda: sorted(f for f in os.listdir(tmp_path) if f != run_lock.LOCK_NAME)  # noqa: E731
     assert len(run_files()) == 5
-    run_dir.prepare_output_dir(_args(tmp_path, '--overwrite'), 'cpu')
+    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--overwrite')), 'cpu')
     assert run_files() == ['notes.md']
-    assert run_dir.find_resume_path(_args(tmp_path, '--overwrite')) == ''
+    assert run_dir.find_resume_path(run_dir_of(_args(tmp_path, '--overwrite'))) == ''
 
 
 def _read_only(monkeypatch, directory):
@@ -54,9 +54,9 @@ def _read_only(monkeypatch, directory):
 def test_an_unwritable_output_dir_is_found_before_anything_else(tmp_path, monkeypatch):
     _read_only(monkeypatch, tmp_path)
     with pytest.raises(errors.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
-        run_dir.prepare_output_dir(_args(tmp_path), 'cpu')
+        run_dir.prepare_output_dir(run_dir_of(_args(tmp_path)), 'cpu')
     assert not os.path.exists(tmp_path / run_lock.LOCK_NAME)
-    run_dir.prepare_output_dir(_args(tmp_path, '--eval'), 'cpu')  # evaluation writes nothing there
+    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--eval')), 'cpu')  # evaluation writes nothing there
 
 
 def _disk(monkeypatch, free_mib):

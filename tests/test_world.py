@@ -21,6 +21,7 @@ from conftest import (
     env,
     load,
     parse,
+    run_dir_of,
     scheduler_of,
 )
 from PIL import Image
@@ -61,18 +62,18 @@ def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_p
         saving = tmp_path / (checkpoint_io.TMP_PREFIX + 'checkpoint.pth.x1')
         saving.write_bytes(b'half a checkpoint')
         with pytest.raises(errors.UserError, match='is in use by another run'):
-            run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
+            run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path))), 'cpu')
         with pytest.raises(errors.UserError, match=re.escape(line)):
-            run_dir.prepare_output_dir(no_lock, 'cpu')
+            run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         with monkeypatch.context() as m:  # a filesystem whose locks fail: the recorded process still runs
             m.setattr(run_lock.fcntl, 'lockf', _no_locks)
             with pytest.raises(errors.UserError, match=re.escape(line)):
-                run_dir.prepare_output_dir(no_lock, 'cpu')
+                run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         assert saving.exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    run_dir.prepare_output_dir(no_lock, 'cpu')  # its process ended, so did its lock
+    run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')  # its process ended, so did its lock
     assert str(tmp_path) not in run_lock._held_locks  # --no-lock took none
     # nothing stale is left behind
     assert run_lock.lock_run_dir(str(tmp_path)) is None
@@ -85,10 +86,10 @@ def test_no_lock_ignores_a_recorded_process_number_that_a_later_process_reuses(t
     try:
         lock.write_text(f'PID {other.pid} on host {socket.gethostname()}\n')
         os.utime(lock, (time.time() - 60, time.time() - 60))  # written before that process started
-        run_dir.prepare_output_dir(no_lock, 'cpu')
+        run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         os.utime(lock)  # written after it started: the process that wrote it
         with pytest.raises(errors.UserError, match=f'is in use by another run \\(PID {other.pid} on host'):
-            run_dir.prepare_output_dir(no_lock, 'cpu')
+            run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
     finally:
         other.kill()
         other.wait()
@@ -102,9 +103,9 @@ def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monke
 
 
 def test_no_lock_leaves_the_output_dir_unlocked(tmp_path):
-    run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'a'), '--no-lock'), 'cpu')
+    run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'a'), '--no-lock')), 'cpu')
     assert not os.path.exists(tmp_path / 'a' / run_lock.LOCK_NAME)
-    run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'b')), 'cpu')
+    run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'b'))), 'cpu')
     assert os.path.exists(tmp_path / 'b' / run_lock.LOCK_NAME)
 
 
