@@ -9,7 +9,6 @@ A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's st
 log.txt record), ``files`` (the names it was written to), ``n_parameters`` and ``checksum``. The learning rate
 is a function of ``iter`` (train.lr_at), so no scheduler state is needed.
 """
-import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import torch
 
 import distributed
 import metrics
-from checkpoint import args_to_dict, saved_args
+from checkpoint import saved_args
 from checkpoint_io import (
     checkpoint_identity,
     describe_identity,
@@ -50,11 +49,11 @@ class Resumed:
 class SegCheckpoints:
     """Writes the checkpoints of one segmentation run into --output_dir and resumes a run from one."""
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, scaler: Any,
-                 device: Any, n_parameters: int):
-        self.args, self.model, self.optimizer, self.scaler = args, model, optimizer, scaler
+    def __init__(self, output_dir: str, run_args: dict[str, Any], model: torch.nn.Module, optimizer: Any,
+                 scaler: Any, device: Any, n_parameters: int):
+        self.run_args, self.model, self.optimizer, self.scaler = run_args, model, optimizer, scaler
         self.device, self.n_parameters = device, n_parameters
-        self.output_dir = args.output_dir
+        self.output_dir = output_dir
 
     def save(self, done: int, names: list[str], extra: dict[str, Any]) -> None:
         """Write the state after `done` iterations to the first of `names`, then copy it to the others (rank 0;
@@ -64,7 +63,7 @@ class SegCheckpoints:
             return
         state = {'task': TASK, 'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
                  'scaler': self.scaler.state_dict() if self.scaler is not None else None, 'iter': done,
-                 'args': args_to_dict(self.args), 'rng_state': rng, 'n_parameters': self.n_parameters,
+                 'args': dict(self.run_args), 'rng_state': rng, 'n_parameters': self.n_parameters,
                  'files': list(names), **extra}
         write_state(state, self.output_dir, names, self.device)
 
@@ -84,11 +83,11 @@ class SegCheckpoints:
                                   f'release?): start from its backbone with --pretrained {path}')
         saved = saved_args(ckpt)
         other = [f'--{k.replace("_", "-")} {saved[k]}' for k in MODEL_FLAGS
-                 if k in saved and saved[k] != getattr(self.args, k)
-                 and not (k == 'aux_weight' and bool(saved[k]) == bool(self.args.aux_weight))]
+                 if k in saved and saved[k] != self.run_args.get(k)
+                 and not (k == 'aux_weight' and bool(saved[k]) == bool(self.run_args.get('aux_weight')))]
         if other:
             raise CheckpointError(f'{path} holds a model built with {" ".join(other)}; pass the same flags')
-        load_weights_into(self.model, ckpt['model'], self.args.model, path)
+        load_weights_into(self.model, ckpt['model'], self.run_args['model'], path)
         return ckpt
 
     def resume(self, path: str) -> Resumed:
@@ -105,9 +104,9 @@ class SegCheckpoints:
         if self.scaler is not None and ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
         saved = saved_args(ckpt)
-        changed = [f'--{k.replace("_", "-")} {saved[k]} -> {getattr(self.args, k)}'
+        changed = [f'--{k.replace("_", "-")} {saved[k]} -> {self.run_args.get(k)}'
                    for k in ('batch_size', 'world_size', 'iters', 'lr', 'seed', 'crop_size')
-                   if k in saved and saved[k] != getattr(self.args, k)]
+                   if k in saved and saved[k] != self.run_args.get(k)]
         if changed:
             print('Note: changed since the checkpoint: ' + '; '.join(changed) + '; following the command line')
         rng, world = ckpt.get('rng_state'), distributed.get_world_size()

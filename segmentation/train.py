@@ -37,6 +37,7 @@ import run_dir  # noqa: E402
 import samplers  # noqa: E402
 import saver  # noqa: E402
 import signals  # noqa: E402
+from checkpoint import args_to_dict  # noqa: E402
 from errors import NonFiniteLossError, UserError, eprint  # noqa: E402
 from image_folder import DataLayoutError  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
@@ -244,7 +245,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
     amp_dtype = precision.amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
-    checkpoints = state.SegCheckpoints(args, bare, optimizer, scaler, device, n_parameters)
+    checkpoints = state.SegCheckpoints(args.output_dir, args_to_dict(args), bare, optimizer, scaler, device,
+                                       n_parameters)
     if args.eval:
         return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype, stop_flag)
     resumed = checkpoints.resume(resume_path)
