@@ -1,5 +1,5 @@
 """Repairs of a run directory after a resume from one of its checkpoints: what a crash between two writes, names
-hard-linked by an older version, or a resume from an older state left behind (checkpoint names that lack the
+that are hard links of one file, or a resume from an older state left behind (checkpoint names that lack the
 resumed state, log.txt lines of later epochs, a log line the crash kept out)."""
 import json
 import os
@@ -19,8 +19,8 @@ def repair(directory: str, path: str, ckpt: dict[str, Any]) -> None:
         _repair_log(directory, ckpt.get('log'))
 
 def _repair_files(directory: str, path: str, ckpt: dict[str, Any]) -> None:
-    """Bring the run directory in line with the resumed state: names that an older version hard-linked to
-    one file become independent files, log.txt's lines of later epochs are moved aside (a resume from an
+    """Bring the run directory in line with the resumed state: names that are hard links of one file become
+    independent files, log.txt's lines of later epochs are moved aside (a resume from an
     older checkpoint), and the other names this state was saved under (best.pth, checkpoint_NNNN.pth) get a
     copy of it when they are missing, unreadable, or hold an older state that a stop between the writes
     left there. An older file written after the resumed one was put there by hand: it is left alone."""
@@ -121,7 +121,7 @@ def _repair_log(directory: str, record: Any) -> None:
 
 
 def separate_hard_links(directory: str) -> None:
-    """Give every checkpoint name of a run directory that an older version hard-linked to another one
+    """Give every checkpoint name of a run directory that is a hard link of another one
     (checkpoint.pth, best.pth, checkpoint_NNNN.pth sharing one file) a file of its own, so that a write to one
     name (``cp x best.pth`` writes in place) leaves the others as they were. Where that fails (a full disk)
     the names stay linked, with a note: the run's own saves replace names, they never write through them."""

@@ -178,7 +178,7 @@ def checkpoints_at_peak(save_freq: int, start_epoch: int, epochs: int) -> int:
 
 def _held_bytes(directory: str) -> int:
     """Bytes of the checkpoints in `directory` that the saves to come replace (checkpoint.pth, best.pth),
-    each file once (names an older version hard-linked are one file)."""
+    each file once (names that are hard links of one file count once)."""
     seen = {}
     for name in (LAST, BEST):
         try:

@@ -49,7 +49,7 @@ def set_rng_state(state: dict) -> None:
     cuda = state.get('cuda')
     if cuda is not None and torch.cuda.is_available():
         device = torch.cuda.current_device()
-        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state
+        if isinstance(cuda, (list, tuple)):  # a list: every visible device's state, by device index
             cuda = cuda[device] if device < len(cuda) else None
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
@@ -90,7 +90,7 @@ class EpochState:
     skipped_steps: int = 0  # optimizer steps skipped so far in this epoch
 
 
-#: the checkpoint entry of EpochState's skipped-step counts (the name older checkpoints carry)
+#: the checkpoint entry of EpochState's skipped-step counts
 SKIP_COUNTS_KEY = 'train_carry'
 
 
