@@ -58,12 +58,13 @@ def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, eval_onl
     if not training:
         print(f'Loaded weights from {path}')
         return Resume(settings.start_epoch, ckpt=ckpt)
-    load_optimizer_state(parts.optimizer, ckpt['optimizer'], path, saved_args(ckpt).get('opt'), settings.opt)
+    saved = saved_args(ckpt)  # the command line of the run that wrote it
+    load_optimizer_state(parts.optimizer, ckpt['optimizer'], path, saved.get('opt'), settings.opt)
     print(f'Loaded weights from {path}')  # after the checks that may refuse the resume
-    _restore_schedule(ckpt, parts.lr_scheduler, saver.run_args, settings.data_path)
+    _restore_schedule(ckpt, saved, parts.lr_scheduler, saver.run_args, settings.data_path)
     _restore_ema_and_scaler(ckpt, path, parts, settings.model)
     saver.restore_best(ckpt)
-    r = _where_training_stands(ckpt, saver.run_args, saver.n_train_images)
+    r = _where_training_stands(ckpt, saved, saver.run_args, saver.n_train_images)
     r.ckpt = ckpt
     if saver.output_dir:
         distributed.on_rank0(lambda: run_repair.repair(saver.output_dir, path, ckpt), saver.device,
@@ -136,18 +137,19 @@ def _first_difference(saved: list[str], classes: list[str]) -> str:
     return f'the checkpoint has {len(saved)} classes, the data {len(classes)} (class {i} {longer[i]!r} only in {name})'
 
 
-def _restore_schedule(ckpt: dict[str, Any], lr_scheduler: Any, now: dict[str, Any], data_path: str | None) -> None:
-    """The LR schedule's state, unless the command line changed it (then the command line's, with a note naming
-    what changed: the flags, or without a recorded command line the schedule's own fields); a note when the data
-    moved."""
+def _restore_schedule(ckpt: dict[str, Any], saved_args: dict[str, Any], lr_scheduler: Any, now: dict[str, Any],
+                      data_path: str | None) -> None:
+    """The LR schedule's state, unless the command line `now` changed it against the checkpoint's `saved_args`
+    (then the command line's, with a note naming what changed: the flags, or without a recorded command line the
+    schedule's own fields); a note when the data moved."""
     saved, fresh = ckpt['lr_scheduler'], lr_scheduler.state_dict()
     changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
-    was = data_path_change(saved_args(ckpt), data_path)
+    was = data_path_change(saved_args, data_path)
     if was:  # moving a data set is normal, but the best accuracy may now compare two validation sets
         print(f'Note: --data-path changed since the checkpoint: {was} -> {data_path}; continuing on the '
               f'images there (the best accuracy so far, {float(ckpt.get("max_accuracy", 0.0)):.2f}%, was '
               f'measured on the validation set of {was})')
-    flags = flag_changes(saved_args(ckpt), now)
+    flags = flag_changes(saved_args, now)
     if flags:  # e.g. a longer --epochs: the schedule of the command line
         print('Note: changed since the checkpoint: ' + '; '.join(flags) + '; following the command line')
     elif changed:
@@ -169,7 +171,8 @@ def _restore_ema_and_scaler(ckpt: dict[str, Any], path: str, parts: Any, model_n
         parts.loss_scaler.load_state_dict(ckpt['scaler'])
 
 
-def _where_training_stands(ckpt: dict[str, Any], now: dict[str, Any], n_train_images: int | None) -> Resume:
+def _where_training_stands(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
+                           n_train_images: int | None) -> Resume:
     """The epoch and EpochState the run continues from: after the checkpoint's epoch, or at the step inside it
     where a stop saved it, with every rank's random-number state when the same number of processes resumes and
     the data order of the epoch can be replayed (else the epoch restarts, with a note)."""
@@ -184,7 +187,7 @@ def _where_training_stands(ckpt: dict[str, Any], now: dict[str, Any], n_train_im
         r = Resume(int(ckpt['epoch']) + 1, EpochState(bad_steps=bad_steps))
     world, rank = distributed.get_world_size(), distributed.get_rank()
     rng = ckpt.get('rng_state')
-    order = data_order_changes(ckpt, now, n_train_images) if r.state.step else []
+    order = data_order_changes(ckpt, saved, now, n_train_images) if r.state.step else []
     if order:
         # the data order of the rest of the epoch depends on these: a replay would feed other images
         print(f'Note: the checkpoint stopped inside epoch {r.start_epoch} at step {r.state.step}, and '
@@ -283,10 +286,11 @@ def data_path_change(saved: dict[str, Any], data_path: str | None) -> str:
     return str(was)
 
 
-def data_order_changes(ckpt: dict[str, Any], now: dict[str, Any], n_train_images: int | None) -> list[str]:
-    """What differs from the run that wrote a mid-epoch checkpoint among the things that decide which images
-    each step of the epoch gets (processes, batch, accumulation, seed, sampler, training-set size)."""
-    saved = saved_args(ckpt)
+def data_order_changes(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
+                       n_train_images: int | None) -> list[str]:
+    """What differs between the run that wrote the mid-epoch checkpoint `ckpt` (its command line `saved`) and this
+    one (`now`) among the things that decide which images each step of the epoch gets (processes, batch,
+    accumulation, seed, sampler, training-set size)."""
     rng = ckpt.get('rng_state')
     was_world = len(rng) if isinstance(rng, list) else saved.get('world_size')
     out = []
