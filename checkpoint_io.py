@@ -216,8 +216,8 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def other_checkpoints_hint(path: str) -> str:
-    """What to do instead of loading a damaged `path`: the other checkpoints next to it (not names that an
-    older version hard-linked to the same file, which share its damage)."""
+    """What to do instead of loading a damaged `path`: the other checkpoints next to it (not names that are hard
+    links of the same file, which share its damage)."""
     directory = os.path.dirname(os.path.abspath(path)) if path else '.'
     shown = os.path.dirname(path) or '.'
     others = [os.path.join(shown, os.path.basename(p)) for p in run_checkpoints(directory)

@@ -4,21 +4,26 @@ train mode), and what the optimizer and schedule flags build. Every process of a
 command line; a bad one ends in one error line (and a pointer to --help) before anything starts.
 """
 import argparse
+import dataclasses
 import math
 import os
+from typing import TypeVar
 
 import timm
 import torch
 
-import checkpoint
 import checkpoint_io
 import datasets
 import distributed
 import metrics
 import run_dir
+from cpu import DEFAULT_NUM_WORKERS
 from errors import CheckpointError, first_line
 from models.nalaformer import VARIANTS
-from utils import DEFAULT_NUM_WORKERS
+from optimizer import OptimizerSettings, build_optimizer
+from schedule import SCHEDULERS, Schedule, build_lr_scheduler
+
+T = TypeVar('T')
 
 
 def ranged(kind=float, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -57,12 +62,6 @@ POSITIVE = ranged(float, 0, lo_open=True)
 POSITIVE_INT = ranged(int, 1)
 
 
-# the schedules of timm's create_scheduler_v2 that fit a per-epoch step without a metric: 'plateau' needs a
-# validation metric at every step, is deprecated by timm and cannot save its state in a checkpoint (a resumed
-# run would restart it); 'none' builds no scheduler at all
-SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 'rsqrt')
-
-
 class LauncherArgumentParser(argparse.ArgumentParser):
     """argparse whose bad command line ends in two lines instead of the page-long usage: a pointer to --help
     and the error, with the closest flag for a mistyped one (exit status 2, as argparse). Every process of a
@@ -96,7 +95,20 @@ class LauncherArgumentParser(argparse.ArgumentParser):
 def get_args_parser() -> LauncherArgumentParser:
     """main.py's command line: DeiT's flags and meanings, in groups as in timm's train.py."""
     p = LauncherArgumentParser(prog='main.py', description='NaLaFormer training and evaluation (DeiT command line)')
-    g = p.add_argument_group('Training')
+    for add_flags in (_training_flags, _model_flags, _optimizer_flags, _learning_rate_schedule_flags,
+                      _augmentation_flags, _distillation_flags, _fine_tuning_flags, _data_flags, _run_flags,
+                      _precision_and_speed_flags, _distributed_flags, _output_directory_flags):
+        add_flags(p)
+    compat = p.add_argument_group('compatibility', 'flags of the reference and DeiT command lines, accepted so '
+                                                   'that those run; each changes nothing here (a note says why)')
+    for flag, (dest, kwargs, why) in COMPATIBILITY_FLAGS.items():
+        compat.add_argument(flag, dest=dest, help=why, **kwargs)
+    return p
+
+
+def _training_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Training' flags."""
+    g = parser.add_argument_group('Training')
     g.add_argument('--batch-size', default=128, type=POSITIVE_INT, help='batch size per process (recipe: 128 x 8)')
     g.add_argument('--epochs', default=300, type=int)
     g.add_argument('--bce-loss', action='store_true',
@@ -108,9 +120,12 @@ def get_args_parser() -> LauncherArgumentParser:
                         'batch x processes x K, for the LR and EMA scaling)')
     g.add_argument('--unscale-lr', action='store_true', help='do not scale --lr by global batch / 512')
 
-    g = p.add_argument_group('Model')
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Model' flags."""
+    g = parser.add_argument_group('Model')
     g.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
-    # None: not given; main() sets it (resolve_eval_transform): a checkpoint's recorded size, else the model's
+    # None: not given; a checkpoint's recorded size (resolve_eval_transform), else the model's (datasets.data_config)
     g.add_argument('--input-size', default=None, type=ranged(int, 8),
                    help="image size (default: 224, the model's; evaluating or resuming a checkpoint: the size "
                         "it records)")
@@ -124,7 +139,10 @@ def get_args_parser() -> LauncherArgumentParser:
                    help='EMA decay at global batch 512; the decay used is this ** (global batch / 512)')
     g.add_argument('--model-ema-force-cpu', action='store_true')
 
-    g = p.add_argument_group('Optimizer')
+
+def _optimizer_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Optimizer' flags."""
+    g = parser.add_argument_group('Optimizer')
     g.add_argument('--opt', default='adamw', type=str, metavar='OPTIMIZER')
     g.add_argument('--opt-eps', default=1e-8, type=float, metavar='EPSILON')
     g.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA')
@@ -135,7 +153,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--layer-decay', type=ranged(float, 0, 1, lo_open=True), default=None,
                    help='layer-wise LR decay for fine-tuning: block i of n gets LR x decay^(n - i) (head: x1)')
 
-    g = p.add_argument_group('Learning rate schedule')
+
+def _learning_rate_schedule_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Learning rate schedule' flags (schedule.Schedule holds what they set)."""
+    g = parser.add_argument_group('Learning rate schedule')
     g.add_argument('--sched', default='cosine', type=str, choices=SCHEDULERS)
     g.add_argument('--lr', type=POSITIVE, default=5e-4, metavar='LR', help='base LR at global batch 512')
     g.add_argument('--lr-noise', type=float, nargs='+', default=None, metavar='pct, pct')
@@ -148,7 +169,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--cooldown-epochs', type=int, default=10)
     g.add_argument('--decay-rate', '--dr', type=float, default=0.1)
 
-    g = p.add_argument_group('Augmentation')
+
+def _augmentation_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Augmentation' flags."""
+    g = parser.add_argument_group('Augmentation')
     g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
     g.add_argument('--aa', type=str, default='rand-m9-mstd0.5-inc1', metavar='NAME')
     g.add_argument('--smoothing', type=RATE, default=0.1)
@@ -171,7 +195,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--mixup-switch-prob', type=PROBABILITY, default=0.5)
     g.add_argument('--mixup-mode', type=str, default='batch', choices=['batch', 'pair', 'elem'])
 
-    g = p.add_argument_group('Distillation')
+
+def _distillation_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Distillation' flags."""
+    g = parser.add_argument_group('Distillation')
     g.add_argument('--teacher-model', default='regnety_160', type=str, metavar='MODEL')
     g.add_argument('--teacher-path', type=str, default='')
     g.add_argument('--distillation-type', default='none', choices=['none', 'soft', 'hard'], type=str)
@@ -179,11 +206,17 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--distillation-tau', default=1.0, type=float)
     g.add_argument('--cosub', action='store_true', help='DeiT III cosub (not supported, refused)')
 
-    g = p.add_argument_group('Fine-tuning')
+
+def _fine_tuning_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Fine-tuning' flags."""
+    g = parser.add_argument_group('Fine-tuning')
     g.add_argument('--finetune', default='', help='start from this checkpoint, re-initialising a mismatched classifier')
     g.add_argument('--attn-only', action='store_true')
 
-    g = p.add_argument_group('Data')
+
+def _data_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Data' flags."""
+    g = parser.add_argument_group('Data')
     g.add_argument('--data-path', default=None, type=str, help='dataset root (DIGITS: ./data/digits)')
     g.add_argument('--data-set', default='IMNET', choices=datasets.DATA_SETS, type=str)
     g.add_argument('--inat-category', default='name', choices=datasets.INAT_CATEGORIES)
@@ -200,7 +233,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--real-labels', nargs='?', const='', default=None, metavar='REAL_JSON',
                    help="with --eval, also print ImageNet-ReaL accuracy (timm's bundled labels, or this real.json)")
 
-    g = p.add_argument_group('Run')
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Run' flags."""
+    g = parser.add_argument_group('Run')
     g.add_argument('--output_dir', '--output-dir', dest='output_dir', default='',
                    help='where checkpoints and log.txt go (empty: save nothing)')
     g.add_argument('--device', default='cuda', help='cuda, cuda:N or cpu (cuda falls back to cpu without a GPU)')
@@ -233,7 +269,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--max-bad-steps', default=20, type=NON_NEGATIVE_INT,
                    help='consecutive non-finite steps skipped before the run stops')
 
-    g = p.add_argument_group('Precision and speed')
+
+def _precision_and_speed_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Precision and speed' flags."""
+    g = parser.add_argument_group('Precision and speed')
     g.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'],
                    help='mixed precision: fp16 (with GradScaler, the default of a bare --amp) or bf16')
     g.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True,
@@ -244,7 +283,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--sync-bn', action=argparse.BooleanOptionalAction, default=True,
                    help='SyncBatchNorm in multi-GPU runs')
 
-    g = p.add_argument_group('Distributed')
+
+def _distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Distributed' flags."""
+    g = parser.add_argument_group('Distributed')
     g.add_argument('--world_size', '--world-size', dest='world_size', default=1, type=POSITIVE_INT,
                    help='number of processes; set by the launcher (torchrun, srun), checked against it')
     g.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
@@ -253,7 +295,10 @@ def get_args_parser() -> LauncherArgumentParser:
     g.add_argument('--local_rank', '--local-rank', dest='local_rank', default=None, type=int,
                    help=argparse.SUPPRESS)
 
-    g = p.add_argument_group('Output directory')
+
+def _output_directory_flags(parser: argparse.ArgumentParser) -> None:
+    """The 'Output directory' flags."""
+    g = parser.add_argument_group('Output directory')
     g.add_argument('--overwrite', action='store_true',
                    help='start a new run in an --output_dir that holds one: its checkpoints and log.txt are '
                         'deleted (without it such a run is refused; relaunching without flags resumes it)')
@@ -261,11 +306,6 @@ def get_args_parser() -> LauncherArgumentParser:
                    help='do not lock --output_dir (by default a second training job in the same directory is '
                         'refused while the first runs; for filesystems whose locks misbehave)')
 
-    compat = p.add_argument_group('compatibility', 'flags of the reference and DeiT command lines, accepted so '
-                                                   'that those run; each changes nothing here (a note says why)')
-    for flag, (dest, kwargs, why) in COMPATIBILITY_FLAGS.items():
-        compat.add_argument(flag, dest=dest, help=why, **kwargs)
-    return p
 
 
 #: accepted flags that change nothing here: flag -> (dest, argparse settings, why it changes nothing)
@@ -323,7 +363,7 @@ def validate_args(args, parser):
     if args.real_labels is not None and args.data_set != 'IMNET':
         parser.error(f'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set (--data-set IMNET), '
                      f'not --data-set {args.data_set}; drop --real-labels')
-    if args.eval and not args.finetune and not run_dir.find_resume_path(args):
+    if args.eval and not args.finetune and not run_dir.find_resume_path(settings(run_dir.RunDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.resume and args.finetune:
         parser.error('--resume and --finetune exclude each other (resume continues a run; finetune starts a new one)')
@@ -377,7 +417,7 @@ def check_optimizer(args, parser):
         parser.error(f'--opt {args.opt}: unknown optimizer' + (f"; did you mean {', '.join(close)}?" if close else '')
                      + f' ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)')
     try:
-        build_optimizer(args, torch.nn.Linear(1, 1))
+        build_optimizer(torch.nn.Linear(1, 1), settings(OptimizerSettings, args))
     except Exception as e:  # any failure here is a bad flag or a missing optional package
         parser.error(f'--opt {args.opt}: cannot build it with these flags ({first_line(e)})')
 
@@ -386,7 +426,8 @@ def check_scheduler(args, parser):
     """Build the --sched schedule once on a dummy optimizer: timm checks its flag combinations
     (e.g. wsd's --decay-epochs against --epochs) only when it is built."""
     try:
-        build_lr_scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr))
+        build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr),
+                           settings(Schedule, args))
     except (ValueError, AssertionError, TypeError) as e:
         parser.error(f'--sched {args.sched}: {first_line(e)}')
 
@@ -410,15 +451,6 @@ def check_auto_augment(aa, parser):
 EVAL_TRANSFORM_FLAGS = ('input_size', 'eval_crop_ratio')
 
 
-def apply_checkpoint_args(args: argparse.Namespace, path: str) -> None:
-    """What the checkpoint `path` (the one --eval measures or a run resumes) records decides before anything is
-    built: a --model other than its own is refused (check_recorded_model), and its evaluation transform applies
-    (resolve_eval_transform). Its args are read once, without loading its weights."""
-    recorded = checkpoint.recorded_args(path) if path else {}
-    check_recorded_model(args, path, recorded)
-    resolve_eval_transform(args, path, recorded)
-
-
 def check_recorded_model(args: argparse.Namespace, path: str, recorded: dict) -> None:
     """Refuse a --model other than the one checkpoint `path` records (`recorded`: its args), in one line, before
     the model is built and its FLOPs counted (seconds for XT, minutes for L); the weights would not load into
@@ -429,13 +461,11 @@ def check_recorded_model(args: argparse.Namespace, path: str, recorded: dict) ->
                               f'pass --model {saved}, or another checkpoint')
 
 
-def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict | None = None) -> None:
+def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict) -> None:
     """--input-size and --eval-crop-ratio (None when not given): the command line's when given, else those the
-    checkpoint `path` records (the one --eval measures or a run resumes: evaluated as it was trained), else the
-    model's. A given value that differs from the recorded one is printed with both. The checkpoint's args
-    (`recorded`, read here when not given) are read without loading its weights."""
-    if recorded is None:
-        recorded = checkpoint.recorded_args(path) if path else {}
+    checkpoint `path` records in its command line `recorded` (the one --eval measures or a run resumes: evaluated
+    as it was trained), else None: the model's (datasets.data_config). A given value that differs from the
+    recorded one is printed with both."""
     taken, notes = [], []
     for key in EVAL_TRANSFORM_FLAGS:
         if key not in recorded:
@@ -452,8 +482,6 @@ def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict |
         else:
             notes.append(datasets.override_note(flag, given, "none (the model's crop_pct)" if saved is None
                                                 else saved, path))
-    if args.input_size is None:
-        args.input_size = datasets.data_config(args.model)['input_size'][-1]
     if taken:
         print(f"{' and '.join(taken)}: as recorded in {path} (pass the flag to choose another)")
     for note in filter(None, notes):
@@ -478,63 +506,7 @@ def mixup_is_active(args: argparse.Namespace) -> bool:
     return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
 
 
-#: the --opt names whose torch optimizer has a fused CUDA kernel (torch.optim.Adam and AdamW)
-FUSED_OPTIMIZERS = ('adam', 'adamw')
-
-
-def build_optimizer(args, model):
-    """timm optimizer with the command line's settings; --layer-decay scales each parameter group's LR by
-    decay^(layers above it), layers as the model's group_matcher defines them.
-
-    Adam/AdamW with every parameter on a GPU use torch's fused kernel: one kernel for all parameters, step
-    counts kept on the GPU (the multi-tensor kernel reads each parameter's back to the host every step);
-    its results differ from the multi-tensor kernel's by rounding only (docs/performance.md). Elsewhere
-    torch's default, the multi-tensor kernel. A checkpoint's parameter groups carry the kernel choice of the
-    run that wrote it; loading one keeps this run's choice."""
-    from timm.optim import create_optimizer_v2
-    fused = (args.opt.lower().removeprefix('lookahead_') in FUSED_OPTIMIZERS
-             and all(p.is_cuda for p in model.parameters()))
-    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                                    momentum=args.momentum, eps=args.opt_eps, layer_decay=args.layer_decay,
-                                    **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}),
-                                    **({'fused': True} if fused else {}))
-    # timm's Lookahead (--opt lookahead_*) loads its state through the optimizer it wraps, which holds the hooks
-    getattr(optimizer, '_base_optimizer', optimizer).register_load_state_dict_pre_hook(_keep_kernel_choice)
-    return optimizer
-
-
-def _keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """Optimizer load_state_dict pre-hook: the loaded parameter groups take this optimizer's kernel
-    settings (fused, foreach) instead of those of the run that saved them."""
-    kernel = {k: optimizer.defaults[k] for k in ('fused', 'foreach') if k in optimizer.defaults}
-    return {**state_dict, 'param_groups': [{**group, **kernel} for group in state_dict['param_groups']]}
-
-
-def build_lr_scheduler(args, optimizer):
-    """timm scheduler stepped per epoch; call `.step(epoch)` at the START of epoch `epoch`, so that
-    epoch e runs at the LR of epoch e (warmup from --warmup-lr over --warmup-epochs, then cosine)."""
-    from timm.scheduler import create_scheduler_v2
-    lr_scheduler, _ = create_scheduler_v2(
-        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
-        cooldown_epochs=args.cooldown_epochs, decay_rate=args.decay_rate,
-        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
-        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed, step_on_epochs=True)
-    return lr_scheduler
-
-
-#: the schedules that decay towards --min-lr (timm's create_scheduler_v2 gives it to these as their floor)
-DECAY_TO_MIN_LR = ('cosine', 'tanh', 'poly', 'wsd', 'rsqrt')
-
-
-def lr_floor_note(args: argparse.Namespace, global_batch: int) -> str:
-    """A note when the run's LR (`args.lr`, already scaled by the global batch unless --unscale-lr) lies below
-    --min-lr, naming both and the fixes: the schedule would then rise to --min-lr instead of decaying to it.
-    '' otherwise."""
-    if args.sched not in DECAY_TO_MIN_LR or args.lr >= args.min_lr:
-        return ''
-    what = (f'--lr {args.lr:.3g}' if args.unscale_lr else
-            f'the LR {args.lr:.3g} (--lr {args.lr * 512.0 / global_batch:.3g} x global batch {global_batch} / 512)')
-    fix = ('raise --lr or lower --min-lr' if args.unscale_lr else
-           'use a larger batch, --unscale-lr (the --lr as given), or a lower --min-lr')
-    return (f'Note: {what} is below --min-lr {args.min_lr:.3g}, so the {args.sched} schedule rises to --min-lr '
-            f'instead of decaying to it: {fix}')
+def settings(kind: type[T], args: argparse.Namespace) -> T:
+    """The settings object `kind` (a dataclass whose fields are named as flags' argparse destinations) of the
+    command line `args`: the one place where the parsed flags are handed to the code below main.py."""
+    return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind)})

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -28,11 +29,11 @@ from image_folder import (
     list_classes,
     load_image,
 )
-from models.weights import small_input_eval
+from models.weight_files import small_input_eval
 
 __all__ = [
-    'INatDataset', 'build_dataset', 'build_transform', 'data_config', 'eval_transform', 'default_data_path',
-    'prepare_digits', 'DATA_SETS', 'INAT_CATEGORIES',
+    'INatDataset', 'DataSource', 'Augmentation', 'build_dataset', 'build_transform', 'data_config', 'eval_transform',
+    'default_data_path', 'prepare_digits', 'DATA_SETS', 'INAT_CATEGORIES',
 ]
 
 DEIT_DEFAULT_DATA_PATH = '/datasets01/imagenet_full_size/061417/'
@@ -232,22 +233,43 @@ def prepare_digits(root: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Builders
 # --------------------------------------------------------------------------------------------
-def _resolve_data_path(args: Any) -> str | None:
-    data_set, path = args.data_set, args.data_path
+@dataclass(frozen=True)
+class DataSource:
+    """Which data set a run reads, where, and how its image files are read; each field named as its flag's
+    argparse destination (--data-set: data_set)."""
+    data_set: str                 # one of DATA_SETS
+    data_path: str | None
+    inat_category: str            # INAT/INAT19: the class granularity
+    strict_data: bool             # an undecodable image stops the run
+    follow_links: bool            # follow directory links inside class folders
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """The training transform's flags, each named as its argparse destination."""
+    aa: str | None                # RandAugment/AutoAugment policy ('none': off)
+    color_jitter: float
+    train_interpolation: str | None
+    reprob: float                 # random erasing
+    remode: str
+    recount: int
+
+
+def _resolve_data_path(source: DataSource) -> str | None:
+    data_set, path = source.data_set, source.data_path
     if data_set == 'DIGITS' and (not path or os.path.normpath(path) ==
                                  os.path.normpath(DEIT_DEFAULT_DATA_PATH)):
         return default_data_path(data_set)
     return path
 
 
-def build_dataset(is_train: bool, args: Any, uint8: bool = False) -> tuple[Dataset, int]:
-    """``(dataset, nb_classes)`` of ``args.data_set`` (one of ``DATA_SETS``), the training split or (not
-    ``is_train``) the validation split, which alone is listed. Raises ``DataLayoutError`` (one line) for
-    data on disk that do not have the data set's layout, before any image is decoded. With ``uint8`` the
-    images are uint8 tensors, to be normalised on the device (``build_transform``)."""
-    data_set, strict = args.data_set, args.strict_data
-    root = _resolve_data_path(args)
-    transform = build_transform(is_train, args, uint8)
+def build_dataset(is_train: bool, source: DataSource, transform: Callable) -> tuple[Dataset, int]:
+    """``(dataset, nb_classes)`` of ``source`` (its data set one of ``DATA_SETS``), the training split or (not
+    ``is_train``) the validation split, which alone is listed, its images through ``transform``
+    (``build_transform``). Raises ``DataLayoutError`` (one line) for data on disk that do not have the data
+    set's layout, before any image is decoded."""
+    data_set, strict = source.data_set, source.strict_data
+    root = _resolve_data_path(source)
 
     if data_set == 'CIFAR':
         layout = '<data-path>/cifar-100-python/{train,test,meta} (CIFAR-100 python version; ' \
@@ -264,7 +286,7 @@ def build_dataset(is_train: bool, args: Any, uint8: bool = False) -> tuple[Datas
 
     if data_set in ('INAT', 'INAT19'):
         ds = INatDataset(root, train=is_train, year=2018 if data_set == 'INAT' else 2019,
-                         category=args.inat_category, transform=transform, strict=strict)
+                         category=source.inat_category, transform=transform, strict=strict)
         return ds, ds.nb_classes
 
     if data_set in ('IMNET', 'DIGITS'):
@@ -279,7 +301,7 @@ def build_dataset(is_train: bool, args: Any, uint8: bool = False) -> tuple[Datas
             ds = FlatLabelledFolder(val_dir, transform=transform, strict=strict)
             return ds, len(ds.classes)
         ds = RobustImageFolder(os.path.join(root, 'train' if is_train else 'val'), transform=transform,
-                               is_train=is_train, strict=strict, follow_links=args.follow_links)
+                               is_train=is_train, strict=strict, follow_links=source.follow_links)
         if data_set == 'DIGITS' and len(ds.classes) != 10:
             raise layout_error(root, f'{len(ds.classes)} class folders, not 10', IMAGEFOLDER_LAYOUT)
         return ds, len(ds.classes)
@@ -359,28 +381,27 @@ def eval_transform(cfg: dict[str, Any], uint8: bool = False) -> Callable:
     return create_transform(**cfg, is_training=False, use_prefetcher=uint8)
 
 
-def build_transform(is_train: bool, args: Any, uint8: bool = False) -> Callable:
-    """DeiT's transform of a split from ``data_config(args.model, args.input_size, args.eval_crop_ratio)``:
-    evaluation is ``eval_transform``; training is timm's ``create_transform`` with the augmentation flags
-    (``--train-interpolation`` else the model's interpolation). Inputs of 32 px or less follow DeiT: a
-    random crop with 4 px padding instead of the random-resized crop, after a bicubic resize to the input
-    size. DIGITS trains without horizontal flip (digits are not mirror-symmetric) and with crop scale
-    (0.25, 1).
+def build_transform(is_train: bool, cfg: dict[str, Any], augment: Augmentation | None = None, data_set: str = '',
+                    uint8: bool = False) -> Callable:
+    """DeiT's transform of a split from the data config ``cfg`` (``data_config``): evaluation is
+    ``eval_transform``; training is timm's ``create_transform`` with the ``augment`` flags (``--train-interpolation``
+    else the model's interpolation). Inputs of 32 px or less follow DeiT: a random crop with 4 px padding instead
+    of the random-resized crop, after a bicubic resize to the input size. ``data_set`` DIGITS trains without
+    horizontal flip (digits are not mirror-symmetric) and with crop scale (0.25, 1).
 
     With ``uint8`` the transform stops at the uint8 tensor of the augmented crop: ``DeviceLoader``
     normalises the batch on the device, and the training loop erases (``batch_random_erasing``) there."""
-    cfg = data_config(args.model, args.input_size, args.eval_crop_ratio)
     if not is_train:
         return eval_transform(cfg, uint8)
     input_size = cfg['input_size'][-1]
-    digits = args.data_set == 'DIGITS'
-    aa = None if args.aa in (None, '', 'none', 'None') else args.aa
+    digits = data_set == 'DIGITS'
+    aa = None if augment.aa in (None, '', 'none', 'None') else augment.aa
     t = create_transform(
         input_size=input_size, is_training=True,
-        color_jitter=args.color_jitter, auto_augment=aa,
-        interpolation=args.train_interpolation or cfg['interpolation'],
+        color_jitter=augment.color_jitter, auto_augment=aa,
+        interpolation=augment.train_interpolation or cfg['interpolation'],
         mean=cfg['mean'], std=cfg['std'],
-        re_prob=args.reprob, re_mode=args.remode, re_count=args.recount,
+        re_prob=augment.reprob, re_mode=augment.remode, re_count=augment.recount,
         scale=(0.25, 1.0) if digits else None, hflip=0.0 if digits else 0.5, use_prefetcher=uint8)
     if input_size <= 32:  # DeiT: random crop with padding; the resize is a no-op on CIFAR
         t.transforms[0:1] = [transforms.Resize((input_size, input_size),

@@ -1,12 +1,13 @@
 """The process group: which launcher started this process, joining the group, and the few collectives the
 engine uses (DeiT's distributed helpers, with SLURM's srun and one-line errors for a failed rendezvous)."""
-import argparse
 import contextlib
 import datetime
 import hashlib
 import os
 import socket
 import subprocess
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
@@ -62,55 +63,81 @@ def _slurm_master_addr() -> str:
     return first or '127.0.0.1'
 
 
-def init_distributed_mode(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class DistributedSettings:
+    """The process-group flags, each named as its argparse destination."""
+    device: str                   # --device: cuda, cuda:N or cpu
+    dist_url: str                 # the rendezvous (env:// under torchrun and srun)
+    dist_timeout: float           # seconds a collective may wait
+    local_rank: int | None        # passed by `torch.distributed.launch` without --use_env
+
+
+@dataclass(frozen=True)
+class Process:
+    """This process in its job: rank and world size, its GPU index, the launcher that started it ('torchrun',
+    'slurm' or 'none'), whether a process group runs (`distributed`, also for one launched process) and on which
+    backend, and the device it computes on (its own GPU, or the CPU)."""
+    rank: int
+    world_size: int
+    gpu: int
+    launcher: str
+    distributed: bool
+    dist_backend: str | None
+    device: str
+
+
+def init_distributed_mode(settings: DistributedSettings) -> Process:
     """Start the process group when a launcher (torchrun, srun with several tasks) started this process, also
-    for one process; sets args.rank, args.world_size, args.gpu, args.distributed, args.dist_backend and
-    args.device.
+    for one process, and make this process's GPU the current one: this process in its job.
 
     timm.utils.init_distributed_device is not used: it sets no MASTER_ADDR under srun, no timeout, no GPU per task.
     """
     rank, world_size, local_rank, launcher = launch_env()
-    if args.local_rank is not None and launcher == 'none':
+    if settings.local_rank is not None and launcher == 'none':
         # old `torch.distributed.launch` without --use_env passes --local-rank; the rest is in env
-        local_rank = args.local_rank
-    use_cuda = str(args.device).startswith('cuda') and torch.cuda.is_available()
+        local_rank = settings.local_rank
+    use_cuda = str(settings.device).startswith('cuda') and torch.cuda.is_available()
     if use_cuda and launcher != 'none':
         check_gpus_per_node(torch.cuda.device_count())
     # the GPU of this process among those it can see: with one GPU per task (SLURM's --gpus-per-task, or
     # CUDA_VISIBLE_DEVICES set per process) every process sees only its own, as cuda:0 (as DeiT does)
     gpu = local_rank % torch.cuda.device_count() if use_cuda else local_rank
     if use_cuda and launcher == 'none':  # one process: the GPU --device names (cuda: the current one, 0)
-        gpu = torch.device(args.device).index or 0
-    args.rank, args.world_size, args.gpu, args.launcher = rank, world_size, gpu, launcher
+        gpu = torch.device(settings.device).index or 0
+    device = 'cpu'
     if use_cuda:
-        args.device = f'cuda:{gpu}' if launcher != 'none' else (args.device if ':' in str(args.device) else 'cuda')
+        device = (f'cuda:{gpu}' if launcher != 'none' else
+                  (settings.device if ':' in str(settings.device) else 'cuda'))
         # make it the current GPU: the CUDA RNG state a checkpoint saves and restores, the pin-memory thread
         # and any allocation without a device all use the current GPU
         torch.cuda.set_device(gpu)
-    else:
-        args.device = 'cpu'
     if launcher == 'none':  # a launcher starts a process group even for one process (DDP paths on one GPU)
-        args.distributed = False
-        args.dist_backend = None
-        return
+        return Process(rank, world_size, gpu, launcher, False, None, device)
     if launcher == 'slurm':
         os.environ.setdefault('MASTER_ADDR', _slurm_master_addr())
         os.environ.setdefault('MASTER_PORT', '29500')
         os.environ['RANK'], os.environ['WORLD_SIZE'] = str(rank), str(world_size)
         os.environ['LOCAL_RANK'] = str(local_rank)
-    args.distributed = True
-    args.dist_backend = 'nccl' if use_cuda else 'gloo'
-    kwargs = dict(backend=args.dist_backend, init_method=args.dist_url, world_size=world_size, rank=rank,
-                  timeout=datetime.timedelta(seconds=args.dist_timeout))
-    if use_cuda:
+    backend = 'nccl' if use_cuda else 'gloo'
+    _join(settings, backend, rank, world_size, gpu if use_cuda else None)
+    return Process(rank, world_size, gpu, launcher, True, backend, device)
+
+
+def _join(settings: DistributedSettings, backend: str, rank: int, world_size: int, gpu: int | None) -> None:
+    """Join the process group (rendezvous problems as one line), then wait for every rank and leave printing to
+    rank 0."""
+    kwargs = dict(backend=backend, init_method=settings.dist_url, world_size=world_size, rank=rank,
+                  timeout=datetime.timedelta(seconds=settings.dist_timeout))
+    if gpu is not None:
         kwargs['device_id'] = torch.device('cuda', gpu)
     try:
         restart = os.environ.get('TORCHELASTIC_RESTART_COUNT')
-        if restart is not None and args.dist_url == 'env://' and agent_store_shared():
+        if restart is not None and settings.dist_url == 'env://' and agent_store_shared():
             # a worker group restarted by torchrun (--max-restarts) joins through the agent's store, which outlives
             # the failed attempt and still holds its rank addresses: a prefix per attempt keeps those stale keys
             # out of reach (torch's env:// rendezvous, then the default group's own prefix under it)
-            store, rank, world_size = next(dist.rendezvous(args.dist_url, rank, world_size, timeout=kwargs['timeout']))
+            store, rank, world_size = next(dist.rendezvous(settings.dist_url, rank, world_size,
+                                                           timeout=kwargs['timeout']))
             store.set_timeout(kwargs['timeout'])
             kwargs.update(store=dist.PrefixStore(f'nalaformer/attempt{restart}', store), rank=rank,
                           world_size=world_size)
@@ -118,7 +145,7 @@ def init_distributed_mode(args: argparse.Namespace) -> None:
         dist.init_process_group(**kwargs)
     except Exception as e:  # report rendezvous problems as one line
         raise PeerLostError(f'could not join the process group (rank {rank} of {world_size}, '
-                            f'{args.dist_url}, backend {args.dist_backend}): {first_line(e)}') from e
+                            f'{settings.dist_url}, backend {backend}): {first_line(e)}') from e
     barrier()
     setup_for_distributed(rank == 0)
 
@@ -143,13 +170,14 @@ def check_gpus_per_node(n_gpus: int) -> None:
                         f'{n_gpus} per node (torchrun --nproc_per_node={n_gpus}) or make more GPUs visible')
 
 
-def check_bf16(device: Any) -> None:
-    """Refuse --amp bf16 on a GPU without native bfloat16 (e.g. V100, T4), where torch would emulate it
-    many times slower. Called after the process's GPU is made current, so every rank checks its own."""
-    device = torch.device(device)
-    if device.type == 'cuda' and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise UserError(f'--amp bf16: {torch.cuda.get_device_name(device)} has no native bfloat16 (it would be '
-                        f'emulated, many times slower); use --amp fp16')
+def destroy_process_group() -> None:
+    """End the process group of a run that ended cleanly. With gloo the main thread first pauses for a moment,
+    letting go of the GIL: on torch before 2.8 the destroying thread holds it while it joins gloo's worker
+    threads, and a worker still freeing the tensor of a recent collective waits for it, a deadlock seen in about
+    one two-process run in six on a loaded machine, none in fourteen with the pause."""
+    if dist.get_backend() == 'gloo':
+        time.sleep(0.2)
+    dist.destroy_process_group()
 
 
 def barrier() -> None:
@@ -316,3 +344,30 @@ def state_digest(state_dict: dict[str, torch.Tensor]) -> str:
         h.update(k.encode())
         h.update(v.view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b'')
     return h.hexdigest()[:16]
+
+
+def wrap_model(model: torch.nn.Module, device: torch.device, distributed: bool, sync_bn: bool,
+               compile: bool) -> tuple[Any, torch.nn.Module, Any]:
+    """(train_model, model_without_ddp, eval_model) for `model` on `device`: SyncBatchNorm (`sync_bn`, on GPUs)
+    and DDP in a `distributed` run, torch.compile with `compile`.
+
+    With `compile` BatchNorm stays per process: dynamo breaks the compiled graph at every SyncBatchNorm layer (a
+    collective inside the forward), which would leave little of the compiled speed; the line printed says so.
+    Evaluation runs the bare module (a DDP forward may broadcast buffers, a collective that would hang when
+    ranks get different numbers of validation batches), compiled as well with `compile`."""
+    sync_bn = distributed and device.type == 'cuda' and sync_bn
+    if sync_bn and compile:
+        sync_bn = False
+        print('BatchNorm: per-process statistics under --compile (SyncBatchNorm would break the compiled graph at '
+              'every layer); leave out --compile for SyncBatchNorm')
+    elif distributed and device.type == 'cuda':
+        print(f"BatchNorm: {'SyncBatchNorm across the processes' if sync_bn else 'per-process statistics'}")
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model_without_ddp = model
+    if distributed:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == 'cuda' else None, gradient_as_bucket_view=True)
+    if compile:
+        return torch.compile(model), model_without_ddp, torch.compile(model_without_ddp)
+    return model, model_without_ddp, model_without_ddp

@@ -2,111 +2,23 @@
 a graceful stop at optimizer-step boundaries, mid-epoch resume and a bounded number of skipped non-finite
 steps that leave the model exactly as it was).
 
-`train_one_epoch` runs a optim_step.OptimizerStep per window of micro-batches; `TrainSettings` holds the loop's
-settings for a run; `EpochState` is where training stands inside an epoch, which `train_one_epoch` takes and
-returns and `epoch_state_entries` turns into checkpoint entries, with the random-number state
-(`get_rng_state`) that makes a resumed epoch replay its batches; `evaluate_models` scores several models
+`train_one_epoch` runs an optim_step.OptimizerStep per window of micro-batches; `TrainSettings` holds the loop's
+settings for a run; it takes and returns a train_state.EpochState, where training stands inside an epoch (with
+the random-number state that makes a resumed epoch replay its batches); `evaluate_models` scores several models
 (the model and its EMA) in one pass over the validation set."""
-import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from timm.utils import unwrap_model
 
 from distributed import get_world_size, is_dist_avail_and_initialized
 from errors import NonFiniteLossError, eprint
 from metrics import MetricLogger, SmoothedValue
-from optim_step import OptimizerStep, autocast
-
-
-# --------------------------------------------------------------------------------------------------
-# Where training stands: random-number state (torch, CUDA, numpy, python) and the epoch's position
-# --------------------------------------------------------------------------------------------------
-def get_rng_state() -> dict:
-    """torch, numpy and python RNG state (and this process's CUDA device's) as objects that
-    torch.load(weights_only=True) reads back."""
-    np_state = np.random.get_state()
-    state = {
-        'torch': torch.get_rng_state(),
-        'numpy': {'name': str(np_state[0]), 'keys': torch.from_numpy(np_state[1].astype(np.int64)),
-                  'pos': int(np_state[2]), 'has_gauss': int(np_state[3]), 'cached_gaussian': float(np_state[4])},
-        'python': random.getstate(),  # (version, tuple of ints, float or None): plain already
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # this process's own device only: another launch may see fewer GPUs per process
-        state['cuda'] = torch.cuda.get_rng_state(torch.cuda.current_device())
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore get_rng_state()'s result; the CUDA state goes to this process's current device."""
-    torch.set_rng_state(state['torch'])
-    n = state['numpy']
-    np.random.set_state((n['name'], n['keys'].numpy().astype(np.uint32), n['pos'], n['has_gauss'],
-                         n['cached_gaussian']))
-    py = state['python']
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    cuda = state.get('cuda')
-    if cuda is not None and torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible device's state
-            cuda = cuda[device] if device < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-
-
-class preserved_rng:
-    """Context manager: the torch/numpy/python RNG state is the same after the block as before."""
-
-    def __enter__(self):
-        self.state = get_rng_state()
-
-    def __exit__(self, *exc):
-        set_rng_state(self.state)
-        return False
-
-
-def gather_rng(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's RNG state, in rank order (collective under torch.distributed)."""
-    if not is_dist_avail_and_initialized():
-        return [state]
-    out = [None] * get_world_size()
-    torch.distributed.all_gather_object(out, state)
-    return out
-
-
-
-
-@dataclass
-class EpochState:
-    """Where training stands inside an epoch: the first step not yet run, what a resume at that step needs,
-    and the skipped-step counts. train_one_epoch takes and returns it; epoch_state_entries and
-    checkpoint.TrainingCheckpoints.resume save and load it (docs/usage.md#checkpoints)."""
-    step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
-    rng_state: dict | None = None        # RNG state at `step` (a mid-epoch stop)
-    epoch_rng_state: dict | None = None  # RNG state before the epoch's data iterator was created
-    loss_meter: dict | None = None       # the epoch's loss meter so far: {'total': ..., 'count': ...}
-    bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
-    skipped_steps: int = 0  # optimizer steps skipped so far in this epoch
-
-
-#: the checkpoint entry of EpochState's skipped-step counts (the name older checkpoints carry)
-SKIP_COUNTS_KEY = 'train_carry'
-
-
-def epoch_state_entries(state: EpochState) -> dict[str, Any]:
-    """The checkpoint entries of where training stands (collective: every rank calls it). Between epochs
-    (``state.step`` 0): every rank's RNG state now; inside an epoch: ``step``, every rank's RNG state at
-    the stop and before the epoch's data iterator, and the loss meter. Always the skipped-step counts."""
-    skip_counts = {'bad_steps': state.bad_steps, 'skipped_steps': state.skipped_steps}
-    if not state.step:
-        return {'rng_state': gather_rng(get_rng_state()), SKIP_COUNTS_KEY: skip_counts}
-    return {'step': state.step, 'rng_state': gather_rng(state.rng_state),
-            'epoch_rng_state': gather_rng(state.epoch_rng_state), 'loss_meter': state.loss_meter,
-            SKIP_COUNTS_KEY: skip_counts}
+from optim_step import OptimizerStep
+from precision import autocast
+from train_state import EpochState, get_rng_state, set_rng_state
 
 
 @dataclass
@@ -165,6 +77,44 @@ def _scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor | float:
     return scale.detach().clone() if scale is not None else scaler.get_scale()
 
 
+def _count_skipped(state: EpochState, out: Any, epoch: int, i: int, max_bad: int) -> bool:
+    """Count the optimizer step `out` (a StepOutcome at step `i`) in `state`'s skipped-step counts: a non-finite
+    loss or an fp16 overflow is one more consecutive skipped step (more than `max_bad` in a row raise
+    NonFiniteLossError), any other step ends the run of skipped ones. Whether the weights were updated from the
+    window's loss (the EMA follows them then; after an overflow too, as the optimizer step is skipped)."""
+    if out.non_finite is not None:
+        state.bad_steps += 1
+        state.skipped_steps += 1
+        eprint(f'warning: non-finite loss ({out.non_finite}) at epoch {epoch} step {i}; step skipped '
+               f'({state.bad_steps}/{max_bad} consecutive)')
+        if state.bad_steps > max_bad:
+            raise NonFiniteLossError(
+                f'non-finite loss ({out.non_finite}) at epoch {epoch} step {i}: {state.bad_steps} consecutive bad '
+                f'steps (more than --max-bad-steps {max_bad}); stopped, the last checkpoint is left intact')
+        return False
+    if out.overflow:
+        state.bad_steps += 1
+        state.skipped_steps += 1
+        if state.bad_steps > max_bad:
+            raise NonFiniteLossError(
+                f'non-finite gradients at epoch {epoch} step {i}: {state.bad_steps} consecutive fp16 '
+                f'steps skipped (more than --max-bad-steps {max_bad}); stopped, the last '
+                f'checkpoint is left intact')
+    else:
+        state.bad_steps = 0
+    return True
+
+
+def _logged_values(out: Any, step: OptimizerStep, global_step: int, lr: float, images_per_batch: int) -> dict:
+    """A per-step logger's values of the optimizer step `out`: the global step, the time, the LR, the images of
+    the window, the gradient norm (when the loss was finite) and the fp16 loss scale, tensors left on the device
+    (the loss is added when they are read)."""
+    return {'step': global_step, 'time': time.perf_counter(), 'lr': lr,
+            'images': images_per_batch * out.losses.numel(),
+            **({'grad_norm': out.grad_norm} if out.non_finite is None else {}),
+            **({'loss_scale': _scale_of(step.scaler)} if step.scaler is not None else {})}
+
+
 def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tensor], data_loader: Any,
                     step: OptimizerStep, epoch: int, settings: TrainSettings | None = None, model_ema: Any = None,
                     mixup_fn: Callable | None = None, state: EpochState | None = None, stop_flag: Any = None,
@@ -192,10 +142,9 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
     device, optimizer = step.device, step.optimizer
     metric_logger = MetricLogger(delimiter='  ')
     metric_logger.add_meter('lr', SmoothedValue(window_size=1, fmt='{value:.6f}'))
-    if state.loss_meter:
-        metric_logger.meters['loss'].total = state.loss_meter['total']
-        metric_logger.meters['loss'].count = state.loss_meter['count']
-    header = f'Epoch: [{epoch}]'
+    if state.loss_meter:  # a resumed epoch: its loss so far
+        metric_logger.meters['loss'].total, metric_logger.meters['loss'].count = (state.loss_meter['total'],
+                                                                                   state.loss_meter['count'])
     pending = _StepValues(metric_logger, logger)
 
     if state.epoch_rng_state is not None:
@@ -209,7 +158,8 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
     n_steps = len(data_loader)
 
     for i, (samples, targets) in enumerate(metric_logger.log_every(
-            data_loader, settings.print_freq, header, images_per_step=batch_size * world, before_line=pending.flush)):
+            data_loader, settings.print_freq, f'Epoch: [{epoch}]', images_per_step=batch_size * world,
+            before_line=pending.flush)):
         if i < start_step:
             if i == start_step - 1 and state.rng_state is not None:
                 set_rng_state(state.rng_state)
@@ -226,36 +176,12 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
         if out is None:  # inside an accumulation window
             continue
 
-        max_bad = settings.max_bad_steps
-        if out.non_finite is not None:
-            state.bad_steps += 1
-            state.skipped_steps += 1
-            eprint(f'warning: non-finite loss ({out.non_finite}) at epoch {epoch} step {i}; step skipped '
-                         f'({state.bad_steps}/{max_bad} consecutive)')
-            if state.bad_steps > max_bad:
-                raise NonFiniteLossError(
-                    f'non-finite loss ({out.non_finite}) at epoch {epoch} step {i}: {state.bad_steps} consecutive bad '
-                    f'steps (more than --max-bad-steps {max_bad}); stopped, the last checkpoint is left intact')
-        else:
-            if out.overflow:
-                state.bad_steps += 1
-                state.skipped_steps += 1
-                if state.bad_steps > max_bad:
-                    raise NonFiniteLossError(
-                        f'non-finite gradients at epoch {epoch} step {i}: {state.bad_steps} consecutive fp16 '
-                        f'steps skipped (more than --max-bad-steps {max_bad}); stopped, the last '
-                        f'checkpoint is left intact')
-            else:
-                state.bad_steps = 0
-            if model_ema is not None:
-                model_ema.update(unwrap_model(model))
+        if _count_skipped(state, out, epoch, i, settings.max_bad_steps) and model_ema is not None:
+            model_ema.update(unwrap_model(model))
         metric_logger.update(lr=max(g['lr'] for g in optimizer.param_groups))  # the head's LR under --layer-decay
         logged = None
         if logger is not None:  # e.g. TensorBoard: one call per optimizer step, the loss added when read
-            logged = {'step': epoch * n_steps + i, 'time': time.perf_counter(), 'lr': metric_logger.lr.value,
-                      'images': batch_size * world * out.losses.numel(),
-                      **({'grad_norm': out.grad_norm} if out.non_finite is None else {}),
-                      **({'loss_scale': _scale_of(step.scaler)} if step.scaler is not None else {})}
+            logged = _logged_values(out, step, epoch * n_steps + i, metric_logger.lr.value, batch_size * world)
         pending.add(out.losses, out.non_finite is None, logged)
 
         if out.stop and i + 1 < n_steps:
@@ -266,14 +192,20 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
                 loss_meter={'total': meter.total, 'count': meter.count}))
 
     pending.flush()
+    return EpochResult(stats=_epoch_stats(metric_logger, optimizer, state, device),
+                       stopped=bool(stop_flag is not None and stop_flag.requested),
+                       state=EpochState(bad_steps=state.bad_steps))
+
+
+def _epoch_stats(metric_logger: MetricLogger, optimizer: Any, state: EpochState, device: Any) -> dict:
+    """The epoch's averaged stats over every rank (loss, LR at its end, skipped steps), printed."""
     metric_logger.synchronize_between_processes(device)
     print('Averaged stats:', metric_logger)
     stats = {k: meter.global_avg for k, meter in metric_logger.meters.items()}
     stats['lr'] = max(g['lr'] for g in optimizer.param_groups)
     stats.setdefault('loss', float('nan'))
     stats['skipped_steps'] = state.skipped_steps
-    return EpochResult(stats=stats, stopped=bool(stop_flag is not None and stop_flag.requested),
-                       state=EpochState(bad_steps=state.bad_steps))
+    return stats
 
 
 def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, print_freq=10, header='Test:',
@@ -281,6 +213,25 @@ def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, pr
     """`evaluate_models` of one model: its stats."""
     return evaluate_models(data_loader, {'': model}, device, amp_dtype, channels_last, print_freq, header,
                            sum_over_ranks, stop_flag, real)['']
+
+
+def _stats_of(row: list[float], k: int, with_real: bool) -> dict:
+    """The stats of one model from its row of summed counts (evaluate_models), top-k named by its `k`."""
+    loss_sum, correct1, correct5, n, seen, aborted, *real_counts = row
+    n, seen = int(round(n)), int(round(seen))
+    stats = {
+        'loss': loss_sum / n if n else float('nan'),
+        'acc1': 100.0 * correct1 / n if n else float('nan'),
+        f'acc{k}': 100.0 * correct5 / n if n else float('nan'),  # one class: acc1 again, the same
+        'n': n,
+        'seen': seen,
+        'aborted': aborted > 0,
+    }
+    if with_real:
+        real1, real5, n_real = real_counts
+        stats['real'] = {'acc1': 100.0 * real1 / n_real if n_real else float('nan'),
+                         'acc5': 100.0 * real5 / n_real if n_real else float('nan'), 'n': int(round(n_real))}
+    return stats
 
 
 #: the k of the top-k accuracy reported next to top-1; a model of fewer classes reports top-(its classes)
@@ -359,23 +310,8 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
     sums[:, 4] = seen
     if sum_over_ranks and is_dist_avail_and_initialized():  # one collective; a stop on any rank shows on all
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
-    results = {}
-    for label, row in zip(models, sums.tolist()):  # the one wait for the device
-        loss_sum, correct1, correct5, n, seen, aborted, *real_counts = row
-        n, seen = int(round(n)), int(round(seen))
-        stats = {
-            'loss': loss_sum / n if n else float('nan'),
-            'acc1': 100.0 * correct1 / n if n else float('nan'),
-            f'acc{top_k[label]}': 100.0 * correct5 / n if n else float('nan'),  # one class: acc1 again, the same
-            'n': n,
-            'seen': seen,
-            'aborted': aborted > 0,
-        }
-        if real is not None:
-            real1, real5, n_real = real_counts
-            stats['real'] = {'acc1': 100.0 * real1 / n_real if n_real else float('nan'),
-                             'acc5': 100.0 * real5 / n_real if n_real else float('nan'), 'n': int(round(n_real))}
-        results[label] = stats
+    results = {label: _stats_of(row, top_k[label], real is not None)
+               for label, row in zip(models, sums.tolist())}  # the one wait for the device
     for stats in results.values():  # a stop cuts the pass short for every model alike
         if stats['aborted']:
             print(f"{header} interrupted by a stop signal after {stats['n']} images")

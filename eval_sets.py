@@ -4,12 +4,11 @@ numbered folders, a flat folder with a label file) and ImageNet-ReaL labels (``-
 import json
 import os
 import pkgutil
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import Dataset
 
-from datasets import build_transform
 from image_folder import (
     FLAT_LAYOUT,
     FlatLabelledFolder,
@@ -25,23 +24,23 @@ EVAL_SET_LAYOUT = ('NAME=PATH or PATH, PATH a folder of class folders (named as 
                    'classes, or 0..N-1 as in ImageNet-V2) or ' + FLAT_LAYOUT)
 
 
-def build_eval_set(path: str, classes: list[str], args: Any, uint8: bool = False) -> Dataset:
+def build_eval_set(path: str, classes: list[str], transform: Callable, strict: bool = False,
+                   follow_links: bool = False) -> Dataset:
     """An evaluation set at ``path`` labelled in the model's class order ``classes``.
 
     Class folders named as ``classes`` take those labels; otherwise all-numeric folder names
     (ImageNet-V2: 0..999) are labelled by their integer value, not by ImageFolder's string order
     ("0", "1", "10", "100", ...). A folder without class folders is read with its label file.
-    With ``uint8`` the images are uint8 tensors, to be normalised on the device (datasets.build_transform).
+    Images go through ``transform`` (the validation set's); ``strict`` and ``follow_links`` as --strict-data and
+    --follow-links.
     """
     if not os.path.isdir(path):
         raise layout_error(path, 'evaluation set folder does not exist', EVAL_SET_LAYOUT)
     class_to_idx = {c: i for i, c in enumerate(classes)}
-    transform = build_transform(False, args, uint8)
-    strict = args.strict_data
     if not has_class_folders(path):
         return FlatLabelledFolder(path, class_to_idx=class_to_idx, transform=transform, strict=strict)
     ds = RobustImageFolder(path, transform=None, is_train=False, strict=strict,
-                           follow_links=args.follow_links)
+                           follow_links=follow_links)
     if set(ds.classes) <= set(classes):
         mapping = {i: class_to_idx[c] for i, c in enumerate(ds.classes)}
     elif all(c.isdigit() for c in ds.classes):
@@ -70,15 +69,16 @@ def parse_eval_set(spec: str) -> tuple[str, str]:
     return name, path
 
 
-def build_eval_sets(args: Any, dataset_val: Any, uint8: bool = False) -> list[tuple[str, Dataset]]:
-    """The extra evaluation sets of ``args.eval_sets`` (a list of ``NAME=PATH`` / ``PATH``), each
-    labelled in the class order of ``dataset_val`` (the main validation set the model was built
-    for); [] when none is asked for. ``uint8``: as ``build_eval_set``."""
+def build_eval_sets(specs: list[str], dataset_val: Any, transform: Callable, strict: bool = False,
+                    follow_links: bool = False) -> list[tuple[str, Dataset]]:
+    """The extra evaluation sets of --eval-sets ``specs`` (``NAME=PATH`` / ``PATH``), each labelled in the class
+    order of ``dataset_val`` (the main validation set the model was built for), through ``transform``; [] when
+    none is asked for."""
     classes = list(getattr(unwrap_dataset(dataset_val), 'classes', None) or [])
     out = []
-    for spec in args.eval_sets:
+    for spec in specs:
         name, path = parse_eval_set(spec)
-        out.append((name, build_eval_set(path, classes, args, uint8)))
+        out.append((name, build_eval_set(path, classes, transform, strict, follow_links)))
     return out
 
 

@@ -2,15 +2,12 @@
 traceback for what a user can act on), without waiting for data-loader workers that ignore the stop signals
 or for a peer that died. main.run() runs main() through ``finish``.
 """
-import argparse
 import os
 import re
 import signal
 import sys
 import traceback
 from typing import Any, Callable
-
-import torch
 
 import distributed
 from errors import UserError, eprint, exception_chain, first_line
@@ -60,12 +57,13 @@ def _dead_loader_worker_after(e: BaseException) -> str:
     return found
 
 
-def finish(body: Callable[[], int], args: argparse.Namespace) -> int:
+def finish(body: Callable[[], int], loader_sizes: Callable[[], tuple[Any, Any]] = lambda: (None, None)) -> int:
     """Run `body` (a run of main.py) and turn every way it ends into an exit status with at most one line: a
     UserError is its line (exit 1, or 2 for flags); --strict-data's bad image, a killed data-loader worker and
     a lost peer are named; Ctrl-C is 130; anything else prints its traceback. Paths that must not wait for
     loader workers or a dead peer leave with os._exit. Under a process group, a clean end destroys the group and
-    any other end leaves without waiting in its shutdown."""
+    any other end leaves without waiting in its shutdown. `loader_sizes()` gives the run's --num_workers and
+    --batch-size when it ends, for the advice after a killed loader worker."""
     code = 0
     try:
         code = body()
@@ -85,9 +83,10 @@ def finish(body: Callable[[], int], args: argparse.Namespace) -> int:
     except Exception as e:
         worker = _dead_loader_worker_after(e)
         if worker:  # the out-of-memory killer's usual victim; its traceback says nothing useful
+            num_workers, batch_size = loader_sizes()
             eprint(f'[rank {distributed.get_rank()}] error: {worker}, most likely for lack of memory (the '
-                   f'out-of-memory killer): use fewer --num_workers (now {args.num_workers}) or a smaller '
-                   f'--batch-size (now {args.batch_size}); the same command resumes from the last checkpoint')
+                   f'out-of-memory killer): use fewer --num_workers (now {num_workers}) or a smaller '
+                   f'--batch-size (now {batch_size}); the same command resumes from the last checkpoint')
             sys.stdout.flush()
             os._exit(1)  # the other workers of the loader ignore SIGTERM: do not wait for them
         if _is_peer_failure(e):
@@ -104,7 +103,7 @@ def finish(body: Callable[[], int], args: argparse.Namespace) -> int:
         os._exit(1)
     if distributed.is_dist_avail_and_initialized():
         if code == 0:
-            torch.distributed.destroy_process_group()
+            distributed.destroy_process_group()
         else:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -112,14 +111,14 @@ def finish(body: Callable[[], int], args: argparse.Namespace) -> int:
     return code
 
 
-def stopped_status(args: argparse.Namespace, stop_flag: Any, saved: bool = True) -> int:
+def stopped_status(launcher: str, stop_flag: Any, saved: bool = True) -> int:
     """Exit status of a training run that a stop signal ended after saving its checkpoint: 128 + the signal for
     a plain process (a scheduler sees it was stopped, not finished); 0 under a launcher (torchrun, srun), where
     every rank stopped together and saved: a non-zero status would make torchrun --max-restarts start the
     group again (inside an allocation that is ending, or against a user's SIGTERM) and srun
     --kill-on-bad-exit tear down the step. The `Stopped by ...` line says what happened. A stop that saved
     nothing (`saved` False: an evaluation cut short) is 128 + the signal everywhere."""
-    if saved and args.launcher != 'none':
+    if saved and launcher != 'none':
         return 0
     return 128 + int(stop_flag.signum or signal.SIGTERM)
 

@@ -11,17 +11,17 @@ classifier (for fine-tuning). The file's recorded input size and crop ratio go i
 ``pretrained_cfg``, so ``timm.data.resolve_data_config(model=model)`` gives the transform the weights were
 evaluated with. Other keyword arguments go to ``timm.create_model`` (``drop_path_rate``, ``features_only``, ...).
 """
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
+
+from models.nalaformer import MODEL_NAMES as _MODEL_NAMES
 
 dependencies = ['torch', 'timm']
 
 
 def _create(name: str, pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
     import timm
-
-    import models  # noqa: F401  (registers the variants)
     if pretrained:
         if not file:
             raise ValueError(f'{name}: no pretrained weights are published, so nothing is downloaded; pass a local '
@@ -33,52 +33,18 @@ def _create(name: str, pretrained: bool = False, file: str | None = None, **kwar
     return timm.create_model(name, pretrained=pretrained, **kwargs)
 
 
-def NALAFORMER_XT(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-XT (6.1M params at 1000 classes)."""
-    return _create('NALAFORMER_XT', pretrained, file, **kwargs)
+def _entrypoint(name: str) -> Callable[..., nn.Module]:
+    """The hub entry point of model ``name``, named after it (torch.hub finds entry points by name)."""
+    def entrypoint(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
+        return _create(name, pretrained, file, **kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = name
+    entrypoint.__doc__ = (f'NaLaFormer-{name.split("_")[-1].upper()} from timm.create_model({name!r}); '
+                          f'pretrained=True reads file=PATH.')
+    return entrypoint
 
 
-def NALAFORMER_T(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-T (15.9M params)."""
-    return _create('NALAFORMER_T', pretrained, file, **kwargs)
-
-
-def NALAFORMER_S(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-S (25.7M params)."""
-    return _create('NALAFORMER_S', pretrained, file, **kwargs)
-
-
-def NALAFORMER_B(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-B (52.0M params)."""
-    return _create('NALAFORMER_B', pretrained, file, **kwargs)
-
-
-def NALAFORMER_L(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-L (95.4M params)."""
-    return _create('NALAFORMER_L', pretrained, file, **kwargs)
-
-
-# lower-case names, as timm registers them; each passes its own name on, so that messages name what was called
-def nalaformer_xt(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-XT, as NALAFORMER_XT."""
-    return _create('nalaformer_xt', pretrained, file, **kwargs)
-
-
-def nalaformer_t(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-T, as NALAFORMER_T."""
-    return _create('nalaformer_t', pretrained, file, **kwargs)
-
-
-def nalaformer_s(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-S, as NALAFORMER_S."""
-    return _create('nalaformer_s', pretrained, file, **kwargs)
-
-
-def nalaformer_b(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-B, as NALAFORMER_B."""
-    return _create('nalaformer_b', pretrained, file, **kwargs)
-
-
-def nalaformer_l(pretrained: bool = False, file: str | None = None, **kwargs: Any) -> nn.Module:
-    """NaLaFormer-L, as NALAFORMER_L."""
-    return _create('nalaformer_l', pretrained, file, **kwargs)
+# one entry point per registered name (each variant in capitals and in lowercase, as in timm), each passing
+# its own name on, so that messages name what was called
+for _name in _MODEL_NAMES:
+    globals()[_name] = _entrypoint(_name)

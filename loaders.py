@@ -3,49 +3,71 @@ ignore the stop signals, stay from one epoch to the next and are still seeded pe
 (PersistentDataLoader: a resumed epoch replays its augmentations), and uint8 batches normalised, and randomly
 erased, on the device (DeviceLoader, batch_random_erasing), as the CPU transform would.
 """
-import argparse
 import atexit
 import random
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from timm.data.random_erasing import RandomErasing
 
-import datasets
 import distributed
 import samplers
-from utils import DataLoader, worker_init_fn
+from signals import stop_signals_blocked, worker_init_fn
 
 
-def build_loaders(args: argparse.Namespace, dataset_train: Any, dataset_val: Any) -> tuple[Any, Any, Any]:
-    """(train sampler, train loader, validation loader) of the flags: repeated augmentation (RASampler) or a
+class DataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader whose worker processes ignore the stop signals from birth, whatever the start
+    method: they are started with the signals blocked (a spawned worker takes seconds to import torch
+    before `worker_init_fn` runs), and `worker_init_fn` ignores them."""
+
+    def __iter__(self):
+        with stop_signals_blocked():
+            return super().__iter__()
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """The loader flags, each named as its argparse destination."""
+    batch_size: int               # per process; validation batches are 1.5 times as large
+    num_workers: int
+    pin_mem: bool                 # pinned memory, on GPUs
+    repeated_aug: bool            # RASampler's repeated augmentation x3
+    dist_eval: bool               # split the validation set over the processes, exactly
+    seed: int
+    device: str
+
+
+def build_loaders(dataset_train: Any, dataset_val: Any, settings: LoaderSettings) -> tuple[Any, Any, Any]:
+    """(train sampler, train loader, validation loader) of `settings`: repeated augmentation (RASampler) or a
     seeded DistributedSampler for training (also for one process: reshuffled per epoch, resumable), exact
     dist-eval or the whole set for validation. No training set (evaluation only): None, None, loader."""
     world, rank = distributed.get_world_size(), distributed.get_rank()
     sampler_train = loader_train = None  # evaluation only: no training set
     if dataset_train is None:
         pass
-    elif args.repeated_aug:
-        sampler_train = samplers.RASampler(dataset_train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    elif settings.repeated_aug:
+        sampler_train = samplers.RASampler(dataset_train, num_replicas=world, rank=rank, shuffle=True,
+                                           seed=settings.seed)
     else:
         # DistributedSampler also for one process: reshuffled (set_epoch) and seeded, so resumable
         sampler_train = torch.utils.data.DistributedSampler(dataset_train, num_replicas=world, rank=rank,
-                                                            shuffle=True, seed=args.seed)
-    if args.dist_eval and world > 1:
+                                                            shuffle=True, seed=settings.seed)
+    if settings.dist_eval and world > 1:
         sampler_val = samplers.DistributedEvalSampler(dataset_val, num_replicas=world, rank=rank)
     else:
         sampler_val = torch.utils.data.SequentialSampler(dataset_val)
-    pin = args.pin_mem and str(args.device).startswith('cuda')
+    pin = settings.pin_mem and str(settings.device).startswith('cuda')
     # Workers stay from one epoch to the next, and each epoch's workers are seeded from the RNG state at the
     # start of the epoch, which the checkpoint holds, so a resumed epoch replays the same augmentations
     # (PersistentDataLoader)
-    common = dict(num_workers=args.num_workers, pin_memory=pin, worker_init_fn=worker_init_fn)
+    common = dict(num_workers=settings.num_workers, pin_memory=pin, worker_init_fn=worker_init_fn)
     if dataset_train is not None:
-        loader_train = PersistentDataLoader(dataset_train, sampler_train, batch_size=args.batch_size,
+        loader_train = PersistentDataLoader(dataset_train, sampler_train, batch_size=settings.batch_size,
                                                   drop_last=True, **common)
-    loader_val = PersistentDataLoader(dataset_val, sampler_val, batch_size=int(1.5 * args.batch_size),
+    loader_val = PersistentDataLoader(dataset_val, sampler_val, batch_size=int(1.5 * settings.batch_size),
                                             drop_last=False, **common)
     return sampler_train, loader_train, loader_val
 
@@ -154,13 +176,13 @@ def _close_live_loaders() -> None:
 # --------------------------------------------------------------------------------------------------
 # Batches on the device: normalisation and random erasing of uint8 batches
 # --------------------------------------------------------------------------------------------------
-def batch_random_erasing(args: Any, device: Any) -> Callable | None:
-    """The train transform's random erasing (``--reprob``, ``--remode``, ``--recount``) for a normalised
-    batch on ``device``: timm's RandomErasing, each image erased or not on its own, as in the CPU transform;
-    None when ``--reprob`` is 0."""
-    if not args.reprob:
+def batch_random_erasing(augment: Any, device: Any) -> Callable | None:
+    """The train transform's random erasing (``augment``, a datasets.Augmentation: --reprob, --remode,
+    --recount) for a normalised batch on ``device``: timm's RandomErasing, each image erased or not on its own,
+    as in the CPU transform; None when --reprob is 0."""
+    if not augment.reprob:
         return None
-    return RandomErasing(args.reprob, mode=args.remode, max_count=args.recount, device=device)
+    return RandomErasing(augment.reprob, mode=augment.remode, max_count=augment.recount, device=device)
 
 
 class DeviceLoader:
@@ -228,9 +250,7 @@ class DeviceLoader:
             yield ready
 
 
-def device_loader(loader: Any, args: Any, device: Any) -> DeviceLoader:
+def device_loader(loader: Any, cfg: dict[str, Any], device: Any) -> DeviceLoader:
     """``loader`` (of a data set built with ``uint8=True``) as a ``DeviceLoader`` normalising with the mean and
-    std of ``data_config(args.model, ...)``, those the CPU transform would use."""
-    cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)
+    std of the data config ``cfg``, those the CPU transform would use."""
     return DeviceLoader(loader, device, cfg['mean'], cfg['std'])
-

@@ -9,12 +9,14 @@ and as a plain process; NCCL on GPUs, gloo on CPUs. See README "Training and eva
 """
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import timm
@@ -22,6 +24,7 @@ import torch
 
 import checkpoint
 import cli
+import cpu
 import datasets
 import distributed
 import engine
@@ -31,11 +34,123 @@ import image_folder
 import loaders
 import metrics
 import optim_step
+import precision
 import run_dir
-import utils
+import schedule
+import signals
+import train_state
+from ema import ModelEma, ema_decay
+from epoch_end import EpochEnd, accuracy_line
 from errors import FlagError, UserError, first_line
-from models.flops import count_flops
+from losses import DistillationLoss
+from models.flop_count import count_flops
+from optimizer import OptimizerSettings, build_optimizer
+from resume import ResumeSettings, resume
+from saver import CheckpointSaver
+from train_state import TrainingParts
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """A run, as its recipe: the flags checked and the processes joined, the data, the model and what trains it,
+    the checkpoint it resumes (or evaluates), then epoch after epoch of training, each ended the same way on every
+    rank, and the end. Returns the exit status."""
+    device, stop_flag, resume_path, train_mode = start(args, parser)
+    data = build_data(args, device)
+    run = build_training(args, data, device, train_mode)
+    # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
+    saver = CheckpointSaver(args.output_dir, args.save_freq, run.parts, checkpoint.args_to_dict(args),
+                            run.n_parameters, device,
+                            classes=datasets.data_classes(data.dataset_val if args.eval else data.dataset_train),
+                            n_train_images=len(data.dataset_train) if data.dataset_train is not None else None)
+    resumed = resume(resume_path, saver, cli.settings(ResumeSettings, args), eval_only=args.eval)
+    start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
+    if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
+        saver.check_room(start_epoch, args.epochs, resume_path)
+    print_lines(resumed.message, run_dir.resume_elsewhere_note(cli.settings(run_dir.RunDirSettings, args), resume_path))
+    if not args.eval and start_epoch >= args.epochs:
+        print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
+              f'evaluating it (raise --epochs to train longer)')
+    if args.eval or start_epoch >= args.epochs:
+        return evaluate_checkpoint(args, resumed.ckpt, resume_path, run, data, device, stop_flag)
+    resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
+
+    parts = run.parts
+    step = optim_step.OptimizerStep(parts.optimizer, device, run.amp_dtype, parts.loss_scaler, args.clip_grad,
+                                    args.clip_mode, args.accum_steps)
+    settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
+                                    max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
+    random_erasing = loaders.batch_random_erasing(cli.settings(datasets.Augmentation, args), device)
+    tb = metrics.tensorboard_logger(args.log_dir, device)
+    end_epoch = EpochEnd(data.loader_val, run.eval_model, parts.model, parts.model_ema, run.eval_ema, saver,
+                         data.dataset_train, args.log_dir, tb, device, run.amp_dtype, args.channels_last,
+                         args.print_freq, bool(args.dist_eval and args.distributed), stop_flag)
+    run_dir.save_args(args.output_dir, checkpoint.args_to_dict(args), device)
+    print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
+    start_time = time.time()
+    for epoch in range(start_epoch, args.epochs):
+        data.sampler_train.set_epoch(epoch)
+        schedule.start_epoch(parts.lr_scheduler, epoch)
+        result = engine.train_one_epoch(run.train_model, run.criterion, data.loader_train, step, epoch, settings,
+                                        parts.model_ema, data.mixup_fn, state, stop_flag, logger=tb,
+                                        random_erasing=random_erasing)
+        state = result.state
+        if result.stopped and state.step:  # inside the epoch: saved where it stopped
+            where = saver.save_stop(epoch, train_state.epoch_state_entries(state))
+            print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
+                  f'{state.step}; checkpoint {where}; run the same command again to resume')
+            return exits.stopped_status(args.launcher, stop_flag)
+        test_stats, ema_stats, stop_now = end_epoch(epoch, result)
+        if stop_now:
+            print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
+                  f'checkpoint saved; run the same command again to resume')
+            return exits.stopped_status(args.launcher, stop_flag)
+    report_end(parts.model, start_time, test_stats, ema_stats, saver.max_accuracy)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The start: flags, processes, device, output directory
+# --------------------------------------------------------------------------------------------------
+def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[torch.device, Any, str, str]:
+    """Check the flags, join the processes, take the device, install the stop flag, say what runs, seed and
+    prepare --output_dir: (device, stop flag, the checkpoint to resume or evaluate ('' for none), the train-mode
+    line)."""
+    cli.validate_args(args, parser)
+    train_mode = cli.resolve_train_mode(args)
+    want_cuda = str(args.device).startswith('cuda')
+    process = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
+    vars(args).update(dataclasses.asdict(process))  # rank, world size, launcher, device: recorded in checkpoints
+    if args.amp == 'bf16':  # on the process's own GPU, now the current one
+        precision.check_bf16(args.device)
+    stop_flag = signals.StopFlag()
+    stop_flag.install()
+    if want_cuda and args.device == 'cpu':
+        print('No GPU available: running on the CPU')
+    device = torch.device(args.device)
+    if device.type == 'cpu' and args.cpu_malloc == 'retain' and not cpu.retain_freed_cpu_memory():
+        print('--cpu-malloc retain: this C library has no mallopt; using its defaults')
+    print(f'Launcher: {args.launcher}, {distributed.get_world_size()} process(es), backend '
+          f'{args.dist_backend or "none"}, device {device}')
+    if args.num_workers is None:
+        args.num_workers, why = cpu.default_num_workers()
+        print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
+    print_lines(*cli.compatibility_notes(args))
+    output = cli.settings(run_dir.RunDirSettings, args)
+    resume_path = run_dir.agree_on_resume_path(output, device)  # rank 0 decides, every rank checks its own view
+    # what the checkpoint records decides before anything is built: its --model must be ours, its eval transform
+    # applies (its command line is read without its weights)
+    recorded = checkpoint.recorded_args(resume_path) if resume_path else {}
+    cli.check_recorded_model(args, resume_path, recorded)
+    cli.resolve_eval_transform(args, resume_path, recorded)
+    print_lines(*start_lines(args, resume_path))
+    from timm.utils import random_seed
+    random_seed(args.seed, distributed.get_rank())  # torch, numpy and python seeded with --seed + rank
+    if device.type == 'cuda':
+        torch.backends.cudnn.benchmark = True
+    precision.set_tf32(device, args.tf32)
+    run_dir.prepare_output_dir(output, device)
+    return device, stop_flag, resume_path, train_mode
 
 
 def print_lines(*lines: str) -> None:
@@ -56,176 +171,41 @@ def start_lines(args: argparse.Namespace, resume_path: str) -> tuple[str, str]:
     return line, json.dumps(checkpoint.args_to_dict(args), default=str) if args.print_args else ''
 
 
-def build_model(args, nb_classes):
-    """The model with the number of classes and dropout of the command line; drop path from --drop-path,
-    or the variant's own rate when --drop-path is not given."""
-    extra = {} if args.drop_path is None else {'drop_path_rate': args.drop_path}
-    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
-
-
-def wrap_model(args, model, device):
-    """(train_model, model_without_ddp, eval_model) for `model` on `device`: SyncBatchNorm and DDP in a
-    distributed run, torch.compile with --compile.
-
-    --compile keeps BatchNorm per process: dynamo breaks the compiled graph at every SyncBatchNorm layer (a
-    collective inside the forward), which would leave little of the compiled speed; the line printed says so.
-    Evaluation runs the bare module (a DDP forward may broadcast buffers, a collective that would hang when
-    ranks get different numbers of validation batches), compiled as well with --compile."""
-    sync_bn = args.distributed and device.type == 'cuda' and args.sync_bn
-    if sync_bn and args.compile:
-        sync_bn = False
-        print('BatchNorm: per-process statistics under --compile (SyncBatchNorm would break the compiled graph at '
-              'every layer); leave out --compile for SyncBatchNorm')
-    elif args.distributed and device.type == 'cuda':
-        print(f"BatchNorm: {'SyncBatchNorm across the processes' if sync_bn else 'per-process statistics'}")
-    if sync_bn:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model_without_ddp = model
-    if args.distributed:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == 'cuda' else None, gradient_as_bucket_view=True)
-    if args.compile:
-        return torch.compile(model), model_without_ddp, torch.compile(model_without_ddp)
-    return model, model_without_ddp, model_without_ddp
-
-
-def build_criterion(args, mixup_active: bool) -> torch.nn.Module:
-    """The training loss (before distillation): soft-target CE with Mixup/CutMix, label-smoothing CE, or
-    with --bce-loss timm's BinaryCrossEntropy. BCE learns Mixup's mixed and smoothed target probabilities as
-    they are (label smoothing is already in them); without Mixup the labels are one-hot encoded with
-    --smoothing; --bce-target-thresh binarises the targets (1 where target > threshold)."""
-    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-    if args.bce_loss:
-        return BinaryCrossEntropy(smoothing=0.0 if mixup_active else args.smoothing,
-                                  target_threshold=args.bce_target_thresh)
-    if mixup_active:
-        return SoftTargetCrossEntropy()
-    if args.smoothing:
-        return LabelSmoothingCrossEntropy(smoothing=args.smoothing)
-    return torch.nn.CrossEntropyLoss()
-
-
-def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') -> str:
-    """The accuracy line of one evaluation of the validation set of `n_images` images."""
-    line = f"Accuracy of the {tag}network{label} on the {stats['n']} test images: {stats['acc1']:.2f}%"
-    if stats['n'] != n_images or stats.get('seen', stats['n']) != n_images:
-        line += f" (evaluated {stats['n']} of {n_images} images; undecodable ones excluded)"
-    return line
-
-
-def accuracies(stats: dict) -> str:
-    """'Acc@1 80.00% Acc@5 95.00%' of evaluation stats (Acc@3 for a 3-class model: engine.topk_key)."""
-    key = engine.topk_key(stats)
-    return f"Acc@1 {stats['acc1']:.2f}%" + (f' Acc@{key[3:]} {stats[key]:.2f}%' if key else '')
-
-
-def evaluate_with_ema(args: argparse.Namespace, loader_val: Any, eval_model: torch.nn.Module, model_ema: Any,
-                      eval_ema: torch.nn.Module | None, device: torch.device, amp_dtype: torch.dtype | None,
-                      sum_over_ranks: bool, stop_flag: Any) -> tuple[dict, dict | None]:
-    """The validation stats of the model and of its EMA (None without one), from one pass over the validation
-    set: each batch goes through both. `eval_ema` is the compiled EMA module (--compile), else None; an EMA
-    kept on the CPU (--model-ema-force-cpu) is evaluated on `device`, where the data is."""
-    if model_ema is None:
-        return engine.evaluate(loader_val, eval_model, device, amp_dtype, args.channels_last, args.print_freq,
-                               sum_over_ranks=sum_over_ranks, stop_flag=stop_flag), None
-    with distributed.moved_to(model_ema.module, device):
-        stats = engine.evaluate_models(loader_val, {'': eval_model, 'EMA': eval_ema or model_ema.module}, device,
-                                       amp_dtype, args.channels_last, args.print_freq, sum_over_ranks=sum_over_ranks,
-                                       stop_flag=stop_flag)
-    return stats[''], stats['EMA']
-
-
-def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, model: torch.nn.Module,
-                        eval_model: torch.nn.Module, loader_val: Any, extra_sets: Sequence[tuple[str, Any]],
-                        real: Any, device: torch.device, amp_dtype: torch.dtype | None, stop_flag: Any) -> int:
-    """--eval (or a run with nothing left to train): the accuracy of the loaded weights on the validation set,
-    the --eval-sets and ImageNet-ReaL; a checkpoint `ckpt` with an EMA is measured twice, one labelled line per
-    set of weights and data set, both from one pass over each set (the EMA weights in a copy of the model).
-    `model` is the bare module holding the weights, `eval_model` what runs them (compiled with --compile).
-    Returns the exit status (128 + signal when a stop cut it short)."""
-    sum_over_ranks = bool(args.dist_eval and args.distributed)
-    dataset_val = loader_val.dataset
-    runners = {'': eval_model}  # label of the accuracy lines -> the module that runs those weights
-    if isinstance(ckpt, dict) and isinstance(ckpt.get('model_ema'), dict):
-        ema_model = copy.deepcopy(model)
-        load_weights_into(ema_model, select_weights(ckpt, path, 'model_ema')[1], args.model, path)
-        runners = {' (model)': eval_model, ' (EMA)': torch.compile(ema_model) if args.compile else ema_model}
-    test = engine.evaluate_models(loader_val, runners, device, amp_dtype, args.channels_last, args.print_freq,
-                                  sum_over_ranks=sum_over_ranks, stop_flag=stop_flag, real=real)
-    first = next(iter(test.values()))
-    if first['aborted']:
-        print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
-              f'{first["seen"]} of {len(dataset_val)} images: no accuracy reported')
-        return exits.stopped_status(args, stop_flag, saved=False)
-    extra = [(name, ds, engine.evaluate_models(  # build_loaders: only its validation loader is used
-        loaders.device_loader(loaders.build_loaders(args, ds, ds)[2], args, device), runners, device, amp_dtype,
-        args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks))
-        for name, ds in extra_sets]
-    for label, test_stats in test.items():
-        print(accuracy_line(test_stats, len(dataset_val), label=label))
-        for name, ds, stats in extra:
-            stats = stats[label]
-            print(f"{name}{label}: {accuracies(stats)} on {stats['n']} of {len(ds)} images")
-        if real is not None:
-            stats = test_stats['real']
-            print(f"ImageNet-ReaL{label}: {accuracies(stats)} on {stats['n']} images with a ReaL label")
-    best = checkpoint.describe_best(ckpt)
-    if best:
-        print(f'{path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
-                                   'take the EMA weights' if len(runners) > 1 else ''))
-    return 0
-
-
 # --------------------------------------------------------------------------------------------------
-def main(args, parser):
-    cli.validate_args(args, parser)
-    train_mode = cli.resolve_train_mode(args)
-    want_cuda = str(args.device).startswith('cuda')
-    distributed.init_distributed_mode(args)
-    if args.amp == 'bf16':  # on the process's own GPU, now the current one
-        distributed.check_bf16(args.device)
-    stop_flag = utils.StopFlag()
-    stop_flag.install()
-    if want_cuda and args.device == 'cpu':
-        print('No GPU available: running on the CPU')
-    device = torch.device(args.device)
-    if device.type == 'cpu' and args.cpu_malloc == 'retain' and not utils.retain_freed_cpu_memory():
-        print('--cpu-malloc retain: this C library has no mallopt; using its defaults')
-    world, rank = distributed.get_world_size(), distributed.get_rank()
-    print(f'Launcher: {args.launcher}, {world} process(es), backend {args.dist_backend or "none"}, device {device}')
-    if args.num_workers is None:
-        args.num_workers, why = utils.default_num_workers()
-        print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
-    for note in cli.compatibility_notes(args):
-        print(note)
-    resume_path = run_dir.agree_on_resume_path(args, device)  # rank 0 decides, every rank checks its own view
-    cli.apply_checkpoint_args(args, resume_path)  # before the data: its --model must be ours, its eval transform
-    print_lines(*start_lines(args, resume_path))
+# The data
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Data:
+    """The data of a run: the data config (input size, crop, mean and std, computed once), the data sets (no
+    training set with --eval), the extra evaluation sets and ReaL labels (--eval), the loaders (batches
+    normalised on the device) and Mixup/CutMix (None when off)."""
+    cfg: dict
+    dataset_train: Any
+    dataset_val: Any
+    nb_classes: int
+    extra_sets: list
+    real: Any
+    sampler_train: Any
+    loader_train: Any
+    loader_val: Any
+    mixup_fn: Any
 
-    from timm.data import Mixup
-    from timm.utils import distribute_bn, random_seed
 
-    from losses import DistillationLoss
-
-    random_seed(args.seed, rank)  # torch, numpy and python seeded with --seed + rank
-    if device.type == 'cuda':
-        torch.backends.cudnn.benchmark = True
-    optim_step.set_tf32(device, args.tf32)
-
-    output_dir = args.output_dir
-    run_dir.prepare_output_dir(args, device)
-
-    # ---------------- data ----------------
+def build_datasets(args: argparse.Namespace, cfg: dict) -> tuple[Any, Any, int, list, Any]:
+    """(training set or None with --eval, validation set, classes, extra evaluation sets, ReaL labels or None) of
+    the flags, their images as uint8 tensors that the loaders normalise on the device; a layout on disk that does
+    not fit ends in one line."""
+    source = cli.settings(datasets.DataSource, args)
     try:
         # evaluation only never lists the training set (train/ may be absent); its classes come from val
-        # uint8 images: the loaders normalise them on the device (loaders.DeviceLoader)
-        dataset_train, nb_classes = ((None, None) if args.eval else
-                                     datasets.build_dataset(is_train=True, args=args, uint8=True))
-        dataset_val, nb_val = datasets.build_dataset(is_train=False, args=args, uint8=True)
-        nb_classes = nb_val if nb_classes is None else nb_classes
+        val_transform = datasets.build_transform(False, cfg, uint8=True)
+        dataset_train, nb_classes = (None, None) if args.eval else datasets.build_dataset(True, source, (
+            datasets.build_transform(True, cfg, cli.settings(datasets.Augmentation, args), args.data_set, uint8=True)))
+        dataset_val, nb_val = datasets.build_dataset(False, source, val_transform)
         if (args.eval_sets or args.real_labels is not None) and not args.eval:
             raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
-        extra_sets = eval_sets.build_eval_sets(args, dataset_val, uint8=True)
+        extra_sets = eval_sets.build_eval_sets(args.eval_sets, dataset_val, val_transform, args.strict_data,
+                                               args.follow_links)
         real = None
         if args.real_labels is not None:
             try:
@@ -234,29 +214,56 @@ def main(args, parser):
                 raise FlagError(str(e)) from e
     except image_folder.DataLayoutError as e:
         raise UserError(str(e)) from e
+    return dataset_train, dataset_val, nb_val if nb_classes is None else nb_classes, extra_sets, real
+
+
+def build_data(args: argparse.Namespace, device: torch.device) -> Data:
+    """The data config (the model's, with --input-size and --eval-crop-ratio), the data sets of the flags, their
+    loaders, and Mixup/CutMix; a training set without a full batch ends in one line. Every rank checks that it
+    sees the data of the others."""
+    cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)
+    args.input_size = cfg['input_size'][-1]  # recorded in the checkpoints: the size it was trained at
+    dataset_train, dataset_val, nb_classes, extra_sets, real = build_datasets(args, cfg)
     # with ReaL labels the validation batches carry the sample indices the labels are looked up by
     sampler_train, loader_train, loader_val = loaders.build_loaders(
-        args, dataset_train, dataset_val if real is None else eval_sets.WithIndex(dataset_val))
-    loader_val = loaders.device_loader(loader_val, args, device)
+        dataset_train, dataset_val if real is None else eval_sets.WithIndex(dataset_val),
+        cli.settings(loaders.LoaderSettings, args))
+    loader_val = loaders.device_loader(loader_val, cfg, device)
     if loader_train is not None:
-        loader_train = loaders.device_loader(loader_train, args, device)
+        loader_train = loaders.device_loader(loader_train, cfg, device)
     if not args.eval and len(loader_train) == 0:
         raise UserError(f'the training set ({len(dataset_train)} images) gives no full batch of {args.batch_size} '
-                        f'per process on {world} process(es); lower --batch-size')
+                        f'per process on {distributed.get_world_size()} process(es); lower --batch-size')
     n_train = f'{len(dataset_train)} train / ' if dataset_train is not None else ''
     print(f'Data: {args.data_set}, {n_train}{len(dataset_val)} val images, {nb_classes} classes')
     distributed.check_same_everywhere(loaders.data_facts(dataset_train, dataset_val, loader_train), device,
                                       f'every node must see the same --data-path {args.data_path} (a shared '
                                       f'filesystem or identical copies)')
-
     mixup_fn = None
-    mixup_active = cli.mixup_is_active(args)
-    if mixup_active:
+    if cli.mixup_is_active(args):
+        from timm.data import Mixup
         mixup_fn = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                          prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                          label_smoothing=args.smoothing, num_classes=nb_classes)
+    return Data(cfg, dataset_train, dataset_val, nb_classes, extra_sets, real, sampler_train, loader_train,
+                loader_val, mixup_fn)
 
-    # ---------------- model ----------------
+
+# --------------------------------------------------------------------------------------------------
+# The model and what trains it
+# --------------------------------------------------------------------------------------------------
+def build_model(args: argparse.Namespace, nb_classes: int) -> torch.nn.Module:
+    """The model with the number of classes and dropout of the command line; drop path from --drop-path,
+    or the variant's own rate when --drop-path is not given."""
+    extra = {} if args.drop_path is None else {'drop_path_rate': args.drop_path}
+    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
+
+
+def prepare_model(args: argparse.Namespace, nb_classes: int, device: torch.device,
+                  train_mode: str = '') -> tuple[torch.nn.Module, int]:
+    """The model of the flags on `device`, with --finetune's weights and --attn-only's frozen parameters, and its
+    trainable parameter count; its drop path, `train_mode` (cli.resolve_train_mode's line), size and FLOPs
+    printed."""
     print(f'Creating model: {args.model}')
     model = build_model(args, nb_classes)
     if not args.eval:  # drop path, EMA, schedule: training only
@@ -282,150 +289,142 @@ def main(args, parser):
     model.to(device)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
+    return model, n_parameters
 
-    global_batch = args.batch_size * world * args.accum_steps  # images per optimizer step
+
+@dataclass
+class Training:
+    """The model and what trains it: the trained parts (bare model, EMA, optimizer, LR scheduler, fp16 scaler),
+    what runs them (DDP-wrapped and/or compiled for training, the bare or compiled module for evaluation, the
+    compiled EMA or None), the autocast dtype, the loss (with distillation) and the trainable parameter count."""
+    parts: TrainingParts
+    train_model: torch.nn.Module
+    eval_model: torch.nn.Module
+    eval_ema: torch.nn.Module | None
+    amp_dtype: torch.dtype | None
+    criterion: torch.nn.Module
+    n_parameters: int
+
+
+def build_training(args: argparse.Namespace, data: Data, device: torch.device, train_mode: str) -> Training:
+    """The model, its EMA, DDP and compile, the batch-scaled LR, the optimizer and schedule, the precision and the
+    loss of the flags, with the lines that say what they are."""
+    model, n_parameters = prepare_model(args, data.nb_classes, device, train_mode)
+    global_batch = args.batch_size * distributed.get_world_size() * args.accum_steps  # images per optimizer step
     model_ema = None
     if args.model_ema and not args.eval:  # --eval measures the EMA weights the checkpoint holds
-        decay = args.model_ema_decay ** (global_batch / 512.0)
-        model_ema = optim_step.ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
+        decay = ema_decay(args.model_ema_decay, global_batch)
+        model_ema = ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
         print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
-
-    train_model, model_without_ddp, eval_model = wrap_model(args, model, device)
+    train_model, bare, eval_model = distributed.wrap_model(model, device, distributed=args.distributed,
+                                                           sync_bn=args.sync_bn, compile=args.compile)
     eval_ema = torch.compile(model_ema.module) if args.compile and model_ema is not None else None
-
-    if not args.unscale_lr:
-        args.lr = args.lr * global_batch / 512.0
-    optimizer = cli.build_optimizer(args, model_without_ddp)
-    lr_scheduler = cli.build_lr_scheduler(args, optimizer)
-    amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    args.lr = schedule.scaled_lr(args.lr, global_batch, args.unscale_lr)
+    optimizer = build_optimizer(bare, cli.settings(OptimizerSettings, args))
+    lr_schedule = cli.settings(schedule.Schedule, args)
+    lr_scheduler = schedule.build_lr_scheduler(optimizer, lr_schedule)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
-    accum = f' = {args.batch_size} x {world} x {args.accum_steps} accumulated' if args.accum_steps > 1 else ''
+    accum = f' = {args.batch_size} x {distributed.get_world_size()} x {args.accum_steps} accumulated' \
+        if args.accum_steps > 1 else ''
     tf32 = '+TF32' if args.tf32 and device.type == 'cuda' else ''
-    precision = f'precision {args.amp or "fp32"}{tf32}'
-    print(f'Evaluation: {precision}' if args.eval else
+    numbers = f'precision {args.amp or "fp32"}{tf32}'
+    print(f'Evaluation: {numbers}' if args.eval else
           f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup '
-          f'{args.warmup_epochs} epochs from {args.warmup_lr}, min {args.min_lr}; {precision}')
-    print_lines('' if args.eval else cli.lr_floor_note(args, global_batch))
+          f'{args.warmup_epochs} epochs from {args.warmup_lr}, min {args.min_lr}; {numbers}')
+    print_lines('' if args.eval else schedule.lr_floor_note(args.lr, lr_schedule, global_batch, args.unscale_lr))
+    criterion = DistillationLoss(build_criterion(args, data.mixup_fn is not None),
+                                 build_teacher(args, data.nb_classes, device), args.distillation_type,
+                                 args.distillation_alpha, args.distillation_tau)
+    return Training(TrainingParts(bare, model_ema, optimizer, lr_scheduler, loss_scaler), train_model, eval_model,
+                    eval_ema, precision.amp_dtype(args.amp), criterion, n_parameters)
 
-    criterion = build_criterion(args, mixup_active)
-    teacher_model = None
-    if args.distillation_type != 'none':
-        teacher_model = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)
-        distributed.on_every_rank(lambda: load_model_weights(teacher_model, args.teacher_path, args.teacher_model),
-                                  device, f'--teacher-path {args.teacher_path}')
-        teacher_model.to(device).eval()
-    criterion = DistillationLoss(criterion, teacher_model, args.distillation_type, args.distillation_alpha,
-                                 args.distillation_tau)
 
-    # ---------------- resume ----------------
-    checkpoints = checkpoint.TrainingCheckpoints(
-        args, model_without_ddp, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
-        # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
-        classes=datasets.data_classes(dataset_val if args.eval else dataset_train),
-        n_train_images=len(dataset_train) if dataset_train is not None else None)
-    resumed = checkpoints.resume(resume_path, eval_only=args.eval)
-    start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
-    max_accuracy = checkpoints.max_accuracy
-    if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
-        run_dir.check_room(output_dir, checkpoints.estimate_bytes(resume_path), device,
-                           run_dir.checkpoints_at_peak(args, start_epoch))
-    print_lines(resumed.message, run_dir.resume_elsewhere_note(args, resume_path))
+def build_criterion(args: argparse.Namespace, mixup_active: bool) -> torch.nn.Module:
+    """The training loss (before distillation): soft-target CE with Mixup/CutMix, label-smoothing CE, or
+    with --bce-loss timm's BinaryCrossEntropy. BCE learns Mixup's mixed and smoothed target probabilities as
+    they are (label smoothing is already in them); without Mixup the labels are one-hot encoded with
+    --smoothing; --bce-target-thresh binarises the targets (1 where target > threshold)."""
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    if args.bce_loss:
+        return BinaryCrossEntropy(smoothing=0.0 if mixup_active else args.smoothing,
+                                  target_threshold=args.bce_target_thresh)
+    if mixup_active:
+        return SoftTargetCrossEntropy()
+    if args.smoothing:
+        return LabelSmoothingCrossEntropy(smoothing=args.smoothing)
+    return torch.nn.CrossEntropyLoss()
 
-    # evaluation uses the bare module: a DDP forward may broadcast buffers, a collective that would hang
-    # when ranks get different numbers of validation batches (exact dist-eval does not pad)
+
+def build_teacher(args: argparse.Namespace, nb_classes: int, device: torch.device) -> torch.nn.Module | None:
+    """--teacher-model with --teacher-path's weights, on `device` in eval mode, for --distillation-type; None
+    without distillation. Every rank reads the file: one that a node cannot read stops all with one line."""
+    if args.distillation_type == 'none':
+        return None
+    teacher = timm.create_model(args.teacher_model, pretrained=False, num_classes=nb_classes)
+    distributed.on_every_rank(lambda: load_model_weights(teacher, args.teacher_path, args.teacher_model),
+                              device, f'--teacher-path {args.teacher_path}')
+    return teacher.to(device).eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluating a checkpoint, and the end of a run
+# --------------------------------------------------------------------------------------------------
+def accuracies(stats: dict) -> str:
+    """'Acc@1 80.00% Acc@5 95.00%' of evaluation stats (Acc@3 for a 3-class model: engine.topk_key)."""
+    key = engine.topk_key(stats)
+    return f"Acc@1 {stats['acc1']:.2f}%" + (f' Acc@{key[3:]} {stats[key]:.2f}%' if key else '')
+
+
+def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, run: Training, data: Data,
+                        device: torch.device, stop_flag: Any) -> int:
+    """--eval (or a run with nothing left to train): the accuracy of the loaded weights on the validation set,
+    the --eval-sets and ImageNet-ReaL; a checkpoint `ckpt` with an EMA is measured twice, one labelled line per
+    set of weights and data set, both from one pass over each set (the EMA weights in a copy of the model).
+    Returns the exit status (128 + signal when a stop cut it short)."""
     sum_over_ranks = bool(args.dist_eval and args.distributed)
-    if not args.eval and start_epoch >= args.epochs:
-        print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
-              f'evaluating it (raise --epochs to train longer)')
-    if args.eval or start_epoch >= args.epochs:
-        return evaluate_checkpoint(args, resumed.ckpt, resume_path, model_without_ddp, eval_model, loader_val,
-                                   extra_sets, real, device, amp_dtype, stop_flag)
-    resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
+    dataset_val = data.loader_val.dataset
+    runners = {'': run.eval_model}  # label of the accuracy lines -> the module that runs those weights
+    if isinstance(ckpt, dict) and isinstance(ckpt.get('model_ema'), dict):
+        ema_model = copy.deepcopy(run.parts.model)
+        load_weights_into(ema_model, select_weights(ckpt, path, 'model_ema')[1], args.model, path)
+        runners = {' (model)': run.eval_model, ' (EMA)': torch.compile(ema_model) if args.compile else ema_model}
+    test = engine.evaluate_models(data.loader_val, runners, device, run.amp_dtype, args.channels_last,
+                                  args.print_freq, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag, real=data.real)
+    first = next(iter(test.values()))
+    if first['aborted']:
+        print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
+              f'{first["seen"]} of {len(dataset_val)} images: no accuracy reported')
+        return exits.stopped_status(args.launcher, stop_flag, saved=False)
+    extra = [(name, ds, engine.evaluate_models(  # build_loaders: only its validation loader is used
+        loaders.device_loader(loaders.build_loaders(ds, ds, cli.settings(loaders.LoaderSettings, args))[2],
+                              data.cfg, device), runners, device, run.amp_dtype,
+        args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks))
+        for name, ds in data.extra_sets]
+    for label, test_stats in test.items():
+        print(accuracy_line(test_stats, len(dataset_val), label=label))
+        for name, ds, stats in extra:
+            stats = stats[label]
+            print(f"{name}{label}: {accuracies(stats)} on {stats['n']} of {len(ds)} images")
+        if data.real is not None:
+            stats = test_stats['real']
+            print(f"ImageNet-ReaL{label}: {accuracies(stats)} on {stats['n']} images with a ReaL label")
+    best = checkpoint.describe_best(ckpt)
+    if best:
+        print(f'{path}: {best}' + ('; single-weights loaders (--finetune, timm checkpoint_path=) '
+                                   'take the EMA weights' if len(runners) > 1 else ''))
+    return 0
 
-    # ---------------- train ----------------
-    save = checkpoints.save
-    step = optim_step.OptimizerStep(optimizer, device, amp_dtype, loss_scaler, args.clip_grad, args.clip_mode,
-                                args.accum_steps)
-    settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
-                                    max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
-    random_erasing = loaders.batch_random_erasing(args, device)  # the train transform's, on the device
 
-    tb = metrics.tensorboard_logger(args.log_dir, device)
-    run_dir.save_args(args, checkpoint.args_to_dict(args), device)
-    print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
-    start_time = time.time()
-    for epoch in range(start_epoch, args.epochs):
-        sampler_train.set_epoch(epoch)
-        lr_scheduler.step(epoch)  # epoch e runs at the LR of epoch e (the reference lagged one epoch)
-        epoch_result = engine.train_one_epoch(train_model, criterion, loader_train, step, epoch, settings, model_ema,
-                                              mixup_fn, state, stop_flag, logger=tb, random_erasing=random_erasing)
-        state = epoch_result.state
-        if epoch_result.stopped and state.step:
-            save(epoch, engine.epoch_state_entries(state), ['checkpoint.pth'])
-            where = os.path.join(output_dir, 'checkpoint.pth') if output_dir else '(no --output_dir: nothing saved)'
-            print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
-                  f'{state.step}; checkpoint {where}; run the same command again to resume')
-            return exits.stopped_status(args, stop_flag)
-        if args.distributed:
-            # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
-            # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
-            distribute_bn(model_without_ddp, world, reduce=False)
-            if model_ema is not None:  # a CPU EMA (--model-ema-force-cpu) goes through the device under NCCL
-                distributed.broadcast_tensors_(list(model_ema.module.state_dict().values()), device=device)
-        # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
-        bad = image_folder.bad_sample_count_all_ranks(dataset_train, device)
-
-        with engine.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
-            test_stats, ema_stats = evaluate_with_ema(args, loader_val, eval_model, model_ema, eval_ema, device,
-                                                      amp_dtype, sum_over_ranks, stop_flag)
-        # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
-        flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
-                 float(stop_flag.requested or epoch_result.stopped)]
-        if args.distributed:
-            flags = distributed.all_reduce_max(flags, device)
-        eval_aborted, stop_now = flags[0] > 0, flags[1] > 0
-        improved = False
-        if eval_aborted:
-            print(f'Evaluation of epoch {epoch} interrupted by {stop_flag.name() or "a stop signal"}: '
-                  f'the epoch is saved without its accuracy')
-        else:
-            print(accuracy_line(test_stats, len(dataset_val)))
-            if ema_stats:
-                print(accuracy_line(ema_stats, len(dataset_val), 'EMA '))
-            improved = checkpoints.record_accuracy(epoch, test_stats['acc1'], ema_stats['acc1'] if ema_stats else None)
-            max_accuracy = checkpoints.max_accuracy
-        print(f'Max accuracy: {max_accuracy:.2f}%' + (f'  (undecodable training images so far: {bad})' if bad else ''))
-
-        names = ['checkpoint.pth']
-        if improved:
-            names.append('best.pth')
-        if args.save_freq and (epoch + 1) % args.save_freq == 0:
-            names.append(f'checkpoint_{epoch:04d}.pth')
-        log_stats = {**{f'train_{k}': v for k, v in epoch_result.stats.items()},
-                     **({f'test_{k}': v for k, v in test_stats.items() if k != 'aborted'} if not eval_aborted else {}),
-                     **({f'test_ema_{k}': v for k, v in ema_stats.items() if k != 'aborted'}
-                        if ema_stats and not eval_aborted else {}),
-                     'epoch': epoch, 'n_parameters': n_parameters, 'max_accuracy': max_accuracy,
-                     'bad_train_images': bad}
-        # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
-        save(epoch, {**engine.epoch_state_entries(state), 'log': log_stats}, names)
-        checkpoints.append_log(log_stats)
-        if args.log_dir:
-            distributed.on_rank0(lambda s=log_stats, e=epoch: tb.log_epoch(s, e), device,
-                                 f'--log-dir {args.log_dir}: cannot write TensorBoard events')
-        if stop_now:
-            print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
-                  f'checkpoint saved; run the same command again to resume')
-            return exits.stopped_status(args, stop_flag)
-
-    if args.distributed:  # every rank reports a digest of its weights: DDP keeps them identical
-        digest = distributed.state_digest(model_without_ddp.state_dict())
-        print(f'[rank {rank}] final weights sha256: {digest}', force=True)
-    total_time = str(datetime.timedelta(seconds=int(time.time() - start_time)))
-    print(f'Training time {total_time}')
+def report_end(model: torch.nn.Module, start_time: float, test_stats: dict, ema_stats: dict | None,
+               max_accuracy: float) -> None:
+    """The end of a training run: every rank's digest of its weights under a process group (DDP keeps them
+    identical), the training time, the last epoch's accuracy and the best."""
+    if distributed.is_dist_avail_and_initialized():
+        digest = distributed.state_digest(model.state_dict())
+        print(f'[rank {distributed.get_rank()}] final weights sha256: {digest}', force=True)
+    print(f'Training time {datetime.timedelta(seconds=int(time.time() - start_time))}')
     print(f'Final top-1: {test_stats["acc1"]:.2f}% (EMA {ema_stats["acc1"]:.2f}%), best {max_accuracy:.2f}%'
           if ema_stats else f'Final top-1: {test_stats["acc1"]:.2f}%, best {max_accuracy:.2f}%')
-    return 0
 
 
 def main_or_clean_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -448,7 +447,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = cli.get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: main_or_clean_up(args, parser), args)
+    return exits.finish(lambda: main_or_clean_up(args, parser), lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

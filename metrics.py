@@ -5,6 +5,7 @@ import atexit
 import datetime
 import json
 import math
+import os
 import time
 from collections import defaultdict, deque
 from typing import Any
@@ -13,7 +14,9 @@ import numpy as np
 import torch
 
 import distributed
+from checkpoint_io import write_failure_reason
 from distributed import all_reduce_sum, is_dist_avail_and_initialized
+from errors import UserError
 
 
 class SmoothedValue:
@@ -132,6 +135,17 @@ def write_json_line(path: Any, obj: Any) -> None:
     with open(path, 'a') as f:
         f.write(json.dumps(json_safe(obj), allow_nan=False) + '\n')
         f.flush()
+
+
+def write_log_line(directory: str, record: dict[str, Any]) -> None:
+    """Append an epoch's record to `directory`/log.txt as one JSON line; a failure is one line that says the
+    checkpoint of that epoch holds the record (it is added when the run resumes)."""
+    path = os.path.join(directory, 'log.txt')
+    try:
+        write_json_line(path, record)
+    except OSError as e:
+        raise UserError(f'could not append to {path}: {write_failure_reason(e)}; the checkpoint of epoch '
+                        f'{record.get("epoch")} holds the line, it is added when the run resumes') from e
 
 
 # --------------------------------------------------------------------------------------------------

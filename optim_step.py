@@ -1,7 +1,6 @@
 """One optimizer step from a window of micro-batches (`OptimizerStep`: autocast, gradient accumulation under
-DDP, the fp16 GradScaler, clipping, one agreed flag per step that skips a non-finite window on every rank),
-and the EMA of the weights it trains (`ModelEma`). main.py trains with them through engine.train_one_epoch;
-tools/benchmark.py times them.
+DDP, the fp16 GradScaler, clipping, one agreed flag per step that skips a non-finite window on every rank).
+main.py trains with it through engine.train_one_epoch; tools/benchmark.py times it.
 """
 import math
 from contextlib import nullcontext
@@ -9,52 +8,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from timm.utils import ModelEmaV3, dispatch_clip_grad, unwrap_model
+from timm.utils import dispatch_clip_grad, unwrap_model
 
 from distributed import is_dist_avail_and_initialized
-from models.compat import set_tf32_flags, total_norm
-
-
-class ModelEma(ModelEmaV3):
-    """timm's ModelEmaV3 (the EMA of parameters and buffers, on the model's device or `device`) whose update
-    walks the modules' own tensor dicts instead of building two state dicts per step, which costs the host
-    several milliseconds a step. The same tensors in the same order as the state dicts (each module's
-    parameters, then its persistent buffers), the same foreach lerp: the same numbers. The module lists are
-    gathered once per model; the tensors are looked up at every update, so moving a model (`.to()` replaces
-    its buffers) is fine. Off the multi-tensor path (an EMA on another device than the model) timm's own
-    update runs."""
-
-    def __init__(self, model: torch.nn.Module, *args: Any, **kwargs: Any):
-        super().__init__(model, *args, **kwargs)
-        self._ema_modules = list(self.module.modules())
-        self._model_modules: tuple = (None, [])  # (the model, its modules), for the model last updated from
-
-    @staticmethod
-    def _state_tensors(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
-        """The tensors of the modules' state dict, in its order (module attributes: state_dict() would spend
-        milliseconds on names, hooks and detached copies)."""
-        tensors = []
-        for m in modules:
-            tensors += [p for p in m._parameters.values() if p is not None]
-            tensors += [b for k, b in m._buffers.items() if b is not None and k not in m._non_persistent_buffers_set]
-        return tensors
-
-    def apply_update_(self, model: torch.nn.Module, decay: float) -> None:
-        if not self.foreach:
-            super().apply_update_(model, decay)
-            return
-        if self._model_modules[0] is not model:
-            self._model_modules = (model, list(model.modules()))
-        ema_values = self._state_tensors(self._ema_modules)
-        model_values = self._state_tensors(self._model_modules[1])
-        lerp_ema, lerp_model = [], []
-        for ema_v, model_v in zip(ema_values, model_values):
-            if ema_v.is_floating_point():
-                lerp_ema.append(ema_v)
-                lerp_model.append(model_v)
-            else:
-                ema_v.copy_(model_v)
-        self._foreach_lerp_(lerp_ema, lerp_model, weight=1. - decay)
+from models.compat import total_norm
+from precision import autocast
 
 
 @dataclass
@@ -67,22 +25,6 @@ class StepOutcome:
     overflow: bool = False  # fp16: inf/NaN gradients (finite losses); the optimizer step was skipped
     grad_norm: torch.Tensor | None = None  # L2 norm of the gradients before clipping (when asked for)
     stop: bool = False  # a stop was requested (on any rank)
-
-
-def autocast(device: str | torch.device, amp_dtype: torch.dtype | None):
-    """torch.autocast on `device`'s type to `amp_dtype`; nothing with None (fp32)."""
-    if amp_dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=amp_dtype)
-
-
-def set_tf32(device, enabled: bool = True) -> bool:
-    """Let fp32 matmuls and convolutions use TF32 tensor cores on CUDA (as the reference trained), or force
-    full fp32 (`enabled=False`). Does nothing off CUDA; returns whether the flags were set."""
-    if torch.device(device).type != 'cuda':
-        return False
-    set_tf32_flags(enabled)
-    return True
 
 
 def _no_sync(model, skip_sync: bool):
@@ -128,7 +70,7 @@ class OptimizerStep:
                  index: int = 0, n_steps: int | None = None, stop_flag: Any = None,
                  grad_norm: bool = False) -> StepOutcome | None:
         """Run micro-batch `index` of an epoch of `n_steps` (None: no end). Returns None inside a window,
-        the StepOutcome at its last micro-batch. `stop_flag` (a utils.StopFlag) is read once per optimizer
+        the StepOutcome at its last micro-batch. `stop_flag` (a signals.StopFlag) is read once per optimizer
         step; `grad_norm` asks for the gradient norm in the outcome."""
         if self._window_end is None:  # the first micro-batch of a window
             end = (index // self.accum_steps + 1) * self.accum_steps

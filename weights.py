@@ -1,7 +1,7 @@
 """Loading one set of weights into a model for training and the tools (--resume, --finetune, --teacher-path,
 --eval, predict, release, analysis), strictly, with one-line diagnoses of weights that do not fit.
 
-Which weights a checkpoint's loaders take is models/weights.py's rule (``weights_key``: the EMA when the file
+Which weights a checkpoint's loaders take is models/weight_files.py's rule (``weights_key``: the EMA when the file
 has one); ``select_weights`` applies it to a loaded file, removes DDP/compile prefixes and maps the reference
 key layout onto the model's. A mismatch names its cause: another number of classes (use ``--finetune``),
 another variant (its name, from the shapes of the file's keys against ``VARIANTS``), or the first missing,
@@ -16,7 +16,7 @@ from timm.models import clean_state_dict
 from checkpoint_io import load_checkpoint_file
 from errors import CheckpointError
 from models.nalaformer import VARIANTS, from_reference_layout
-from models.weights import weights_key
+from models.weight_files import weights_key
 
 
 def select_weights(ckpt: Any, path: str = 'the checkpoint',

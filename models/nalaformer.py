@@ -23,10 +23,10 @@ from torch.utils.checkpoint import checkpoint
 from .compat import is_fx_symbolic_tracing
 from .nala import NaLaAttention, RoPE, SoftmaxAttention
 from .ops import depthwise_conv_same, use_plain_ops
-from .weights import file_eval_config, file_num_classes, weights_key
+from .weight_files import file_eval_config, file_num_classes, weights_key
 
-__all__ = ['NaLaFormer', 'VARIANTS', 'checkpoint_filter_fn', 'from_reference_layout', 'to_reference_layout',
-           'is_reference_layout', 'set_fast_path', 'batch_slices', 'BATCH_SLICE_BYTES']
+__all__ = ['NaLaFormer', 'VARIANTS', 'PAPER_FIGURES', 'MODEL_NAMES', 'checkpoint_filter_fn', 'from_reference_layout',
+           'to_reference_layout', 'is_reference_layout', 'set_fast_path', 'batch_slices', 'BATCH_SLICE_BYTES']
 
 HEAD_HIDDEN = 1024
 
@@ -503,7 +503,7 @@ def to_reference_layout(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 def checkpoint_filter_fn(state_dict: dict[str, Any], model: NaLaFormer) -> dict[str, torch.Tensor]:
     """Accept a bare state dict or a training checkpoint, with or without a DDP ``module.`` prefix, in
     this model's layout or the reference layout (``from_reference_layout``). A training checkpoint gives
-    the weights of the repository's one loader rule (models/weights.py: ``model_ema`` when present, as
+    the weights of the repository's one loader rule (models/weight_files.py: ``model_ema`` when present, as
     timm's ``load_checkpoint`` does)."""
     from timm.models import clean_state_dict
     key = weights_key(state_dict)
@@ -512,26 +512,30 @@ def checkpoint_filter_fn(state_dict: dict[str, Any], model: NaLaFormer) -> dict[
     return from_reference_layout(clean_state_dict(state_dict[key] if key else state_dict))
 
 
-#: Architecture of every variant; drop_path is the stochastic-depth rate the recipe trains the variant with,
-#: and the model's default ``drop_path_rate`` (an explicit ``drop_path_rate`` argument wins).
+#: Every variant, one row each: its architecture; ``drop_path``, the stochastic-depth rate the recipe trains
+#: it with and the model's default ``drop_path_rate`` (an explicit ``drop_path_rate`` argument wins); and
+#: ``paper``, the published figures (params M, GFLOPs, ImageNet top-1) that reports print next to ours.
+#: Each row is registered in timm under its name and in lowercase, and is a torch.hub entry point
+#: (hubconf.py); a new variant is a new row (and its reference key list in tests/reference/).
 VARIANTS: dict[str, dict[str, Any]] = {
     'NALAFORMER_XT': dict(embed_dims=(32, 64, 128, 384), depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 12),
-                          mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.10),
+                          mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.10, paper=(8, 1.0, 79.1)),
     'NALAFORMER_T': dict(embed_dims=(64, 128, 256, 512), depths=(2, 2, 6, 2), num_heads=(1, 2, 4, 8),
-                         mlp_ratio=4.0, layer_scale_init=(1, 1, 1, 1), drop_path=0.10),
+                         mlp_ratio=4.0, layer_scale_init=(1, 1, 1, 1), drop_path=0.10, paper=(15, 2.7, 82.6)),
     'NALAFORMER_S': dict(embed_dims=(64, 128, 320, 512), depths=(3, 5, 9, 3), num_heads=(1, 2, 5, 8),
-                         mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.15),
+                         mlp_ratio=3.5, layer_scale_init=(1, 1, 1, 1), drop_path=0.15, paper=(26, 5.1, 84.3)),
     'NALAFORMER_B': dict(embed_dims=(96, 192, 384, 512), depths=(4, 6, 12, 6), num_heads=(1, 2, 6, 8),
-                         mlp_ratio=4.0, layer_scale_init=(1, 1, 1e-6, 1e-6), drop_path=0.40),
+                         mlp_ratio=4.0, layer_scale_init=(1, 1, 1e-6, 1e-6), drop_path=0.40, paper=(52, 12, 85.2)),
     'NALAFORMER_L': dict(embed_dims=(96, 192, 448, 640), depths=(4, 7, 19, 8), num_heads=(1, 2, 7, 10),
-                         mlp_ratio=3.5, layer_scale_init=(1e-6, 1e-6, 1e-6, 1e-6), drop_path=0.55),
+                         mlp_ratio=3.5, layer_scale_init=(1e-6, 1e-6, 1e-6, 1e-6), drop_path=0.55,
+                         paper=(95, 18, 85.7)),
 }
 
-#: The paper's published figures (params M, GFLOPs, ImageNet top-1), for reports next to ours.
-PAPER_FIGURES: dict[str, tuple[float, float, float]] = {
-    'NALAFORMER_XT': (8, 1.0, 79.1), 'NALAFORMER_T': (15, 2.7, 82.6), 'NALAFORMER_S': (26, 5.1, 84.3),
-    'NALAFORMER_B': (52, 12, 85.2), 'NALAFORMER_L': (95, 18, 85.7),
-}
+#: The paper's published figures of each variant (params M, GFLOPs, ImageNet top-1), from ``VARIANTS``.
+PAPER_FIGURES: dict[str, tuple[float, float, float]] = {name: row['paper'] for name, row in VARIANTS.items()}
+
+#: Every registered model name: each variant under its own name and in lowercase, as timm names models.
+MODEL_NAMES: tuple[str, ...] = tuple(name for variant in VARIANTS for name in (variant, variant.lower()))
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
@@ -546,11 +550,11 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
     }
 
 
-default_cfgs = generate_default_cfgs({name: _cfg() for variant in VARIANTS for name in (variant, variant.lower())})
+default_cfgs = generate_default_cfgs({name: _cfg() for name in MODEL_NAMES})
 
 
 def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    arch = dict(VARIANTS[variant.upper()])
+    arch = {k: v for k, v in VARIANTS[variant.upper()].items() if k != 'paper'}
     arch['drop_path_rate'] = arch.pop('drop_path')
     overlay = kwargs.get('pretrained_cfg_overlay') or {}
     if pretrained and not any(overlay.get(k) for k in ('file', 'url', 'hf_hub_id', 'state_dict')):
@@ -579,51 +583,15 @@ def _create_nalaformer(variant: str, pretrained: bool = False, **kwargs: Any) ->
     )
 
 
-@register_model
-def NALAFORMER_XT(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('NALAFORMER_XT', pretrained, **kwargs)
+def _entrypoint(name: str) -> Any:
+    """The timm entry point of model ``name``, a function named after it (timm registers it by ``__name__``)."""
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
+        return _create_nalaformer(name, pretrained, **kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = name
+    entrypoint.__doc__ = f'NaLaFormer-{name.split("_")[-1].upper()} (``VARIANTS[{name.upper()!r}]``).'
+    return entrypoint
 
 
-@register_model
-def NALAFORMER_T(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('NALAFORMER_T', pretrained, **kwargs)
-
-
-@register_model
-def NALAFORMER_S(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('NALAFORMER_S', pretrained, **kwargs)
-
-
-@register_model
-def NALAFORMER_B(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('NALAFORMER_B', pretrained, **kwargs)
-
-
-@register_model
-def NALAFORMER_L(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('NALAFORMER_L', pretrained, **kwargs)
-
-
-@register_model
-def nalaformer_xt(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('nalaformer_xt', pretrained, **kwargs)
-
-
-@register_model
-def nalaformer_t(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('nalaformer_t', pretrained, **kwargs)
-
-
-@register_model
-def nalaformer_s(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('nalaformer_s', pretrained, **kwargs)
-
-
-@register_model
-def nalaformer_b(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('nalaformer_b', pretrained, **kwargs)
-
-
-@register_model
-def nalaformer_l(pretrained: bool = False, **kwargs: Any) -> NaLaFormer:
-    return _create_nalaformer('nalaformer_l', pretrained, **kwargs)
+for _name in MODEL_NAMES:
+    globals()[_name] = register_model(_entrypoint(_name))

@@ -28,7 +28,7 @@ elif os.path.dirname(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-from optim_step import autocast, set_tf32  # noqa: E402
+from precision import autocast, set_tf32  # noqa: E402
 from segmentation.backbone import build_segmentor, param_groups  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from tools.benchmark import peak_bytes  # noqa: E402
@@ -121,7 +121,7 @@ def pipeline_speed(n: int) -> str:
 def macs_lines(args: argparse.Namespace) -> list[str]:
     """fvcore multiply-adds of one image at --size through each model in eval mode (the auxiliary head is not
     run there), and how they split between the backbone and the UperNet head."""
-    from models.flops import count_flops
+    from models.flop_count import count_flops
     lines = []
     for name in args.models.split(','):
         model = build_segmentor(name, 150, channels=args.channels, img_size=args.size)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import is_dist_avail_and_initialized
-from optim_step import autocast
+from precision import autocast
 from segmentation.ade import IGNORE_INDEX
 
 

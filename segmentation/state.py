@@ -1,7 +1,7 @@
 """What a segmentation run's checkpoint holds, how it is written and how a run resumes from it, on the
-classification engine's machinery: atomic writes and copies with a checksum (checkpoint_io), rank 0 writing
-while every rank agrees on failures (distributed.on_rank0), the RNG state of every rank (engine.get_rng_state),
-log.txt's JSON lines (run_dir.write_log_line).
+classification engine's machinery: the saver's writes (saver.write_state: rank 0 writes atomically with a checksum
+and copies to the other names, every rank agrees on failures) and log.txt lines (saver.append_log), the RNG state
+of every rank (train_state.get_rng_state).
 
 A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's state dict), ``optimizer``,
 ``scaler`` (fp16's GradScaler or None), ``iter`` (iterations done), ``args``, ``rng_state`` (one per process),
@@ -9,7 +9,6 @@ A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's st
 log.txt record), ``files`` (the names it was written to), ``n_parameters`` and ``checksum``. The learning rate
 is a function of ``iter`` (train.lr_at), so no scheduler state is needed.
 """
-import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -18,20 +17,18 @@ from typing import Any
 import torch
 
 import distributed
-import run_dir
-from checkpoint import args_to_dict, saved_args
+import metrics
+from checkpoint import saved_args
 from checkpoint_io import (
     checkpoint_identity,
-    checksums,
-    copy_atomic,
     describe_identity,
     in_directory,
     load_checkpoint_file,
-    save_atomic,
 )
-from engine import gather_rng, get_rng_state, set_rng_state
-from errors import CheckpointError, CheckpointWriteError, UserError, first_line
+from errors import CheckpointError, first_line
+from saver import append_log, write_state
 from segmentation.backbone import TASK
+from train_state import gather_rng, get_rng_state, set_rng_state
 from weights import load_weights_into
 
 #: the flags that shape the model: a checkpoint loads only into a model built with the same
@@ -52,11 +49,11 @@ class Resumed:
 class SegCheckpoints:
     """Writes the checkpoints of one segmentation run into --output_dir and resumes a run from one."""
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, optimizer: Any, scaler: Any,
-                 device: Any, n_parameters: int):
-        self.args, self.model, self.optimizer, self.scaler = args, model, optimizer, scaler
+    def __init__(self, output_dir: str, run_args: dict[str, Any], model: torch.nn.Module, optimizer: Any,
+                 scaler: Any, device: Any, n_parameters: int):
+        self.run_args, self.model, self.optimizer, self.scaler = run_args, model, optimizer, scaler
         self.device, self.n_parameters = device, n_parameters
-        self.output_dir = args.output_dir
+        self.output_dir = output_dir
 
     def save(self, done: int, names: list[str], extra: dict[str, Any]) -> None:
         """Write the state after `done` iterations to the first of `names`, then copy it to the others (rank 0;
@@ -64,31 +61,15 @@ class SegCheckpoints:
         rng = gather_rng(get_rng_state())
         if not self.output_dir:
             return
-        first = os.path.join(self.output_dir, names[0])
-
-        def write() -> None:
-            state = {'task': TASK, 'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
-                     'scaler': self.scaler.state_dict() if self.scaler is not None else None, 'iter': done,
-                     'args': args_to_dict(self.args), 'rng_state': rng, 'n_parameters': self.n_parameters,
-                     'files': list(names), **extra}
-            state['checksum'] = {'sha256': checksums(state)}
-            try:
-                save_atomic(state, first)
-                for name in names[1:]:
-                    copy_atomic(first, os.path.join(self.output_dir, name))
-            except UserError:
-                raise
-            except Exception as e:  # not an OSError (save_atomic names those): say what it was
-                raise CheckpointWriteError(f'could not write checkpoint {first}: {type(e).__name__}: '
-                                           f'{first_line(e)}; the previous {names[0]} (if any) is kept') from e
-
-        distributed.on_rank0(write, self.device, f'could not write checkpoint {first}')
+        state = {'task': TASK, 'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
+                 'scaler': self.scaler.state_dict() if self.scaler is not None else None, 'iter': done,
+                 'args': dict(self.run_args), 'rng_state': rng, 'n_parameters': self.n_parameters,
+                 'files': list(names), **extra}
+        write_state(state, self.output_dir, names, self.device)
 
     def append_log(self, record: dict[str, Any]) -> None:
         """One JSON line in --output_dir/log.txt (rank 0)."""
-        if self.output_dir:
-            distributed.on_rank0(lambda: run_dir.write_log_line(self.output_dir, record), self.device,
-                                 f'could not append to {os.path.join(self.output_dir, "log.txt")}')
+        append_log(self.output_dir, record, self.device)
 
     def load(self, path: str) -> Any:
         """`path` loaded on every rank, checked to be the same segmentation checkpoint everywhere (one line for a
@@ -102,11 +83,11 @@ class SegCheckpoints:
                                   f'release?): start from its backbone with --pretrained {path}')
         saved = saved_args(ckpt)
         other = [f'--{k.replace("_", "-")} {saved[k]}' for k in MODEL_FLAGS
-                 if k in saved and saved[k] != getattr(self.args, k)
-                 and not (k == 'aux_weight' and bool(saved[k]) == bool(self.args.aux_weight))]
+                 if k in saved and saved[k] != self.run_args.get(k)
+                 and not (k == 'aux_weight' and bool(saved[k]) == bool(self.run_args.get('aux_weight')))]
         if other:
             raise CheckpointError(f'{path} holds a model built with {" ".join(other)}; pass the same flags')
-        load_weights_into(self.model, ckpt['model'], self.args.model, path)
+        load_weights_into(self.model, ckpt['model'], self.run_args['model'], path)
         return ckpt
 
     def resume(self, path: str) -> Resumed:
@@ -123,9 +104,9 @@ class SegCheckpoints:
         if self.scaler is not None and ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
         saved = saved_args(ckpt)
-        changed = [f'--{k.replace("_", "-")} {saved[k]} -> {getattr(self.args, k)}'
+        changed = [f'--{k.replace("_", "-")} {saved[k]} -> {self.run_args.get(k)}'
                    for k in ('batch_size', 'world_size', 'iters', 'lr', 'seed', 'crop_size')
-                   if k in saved and saved[k] != getattr(self.args, k)]
+                   if k in saved and saved[k] != self.run_args.get(k)]
         if changed:
             print('Note: changed since the checkpoint: ' + '; '.join(changed) + '; following the command line')
         rng, world = ckpt.get('rng_state'), distributed.get_world_size()
@@ -156,5 +137,5 @@ def add_missing_log_line(directory: str, record: Any) -> None:
                 except (ValueError, AttributeError):
                     continue
     if record['iter'] not in seen:
-        run_dir.write_log_line(directory, record)
+        metrics.write_log_line(directory, record)
         print(f'Repaired {path}: added the evaluation of iteration {record["iter"]} from the checkpoint')

@@ -12,6 +12,7 @@ linear warmup of 1500 iterations, auxiliary FCN head weighted 0.4, single-scale 
 command resumes from --output_dir/checkpoint.pth, also after a stop signal or SLURM's requeue warning.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -26,17 +27,22 @@ import timm  # noqa: E402
 import torch  # noqa: E402
 
 import cli  # noqa: E402
+import cpu  # noqa: E402
 import distributed  # noqa: E402
 import exits  # noqa: E402
+import loaders  # noqa: E402
 import optim_step  # noqa: E402
+import precision  # noqa: E402
 import run_dir  # noqa: E402
 import samplers  # noqa: E402
-import utils  # noqa: E402
-from engine import preserved_rng  # noqa: E402
+import saver  # noqa: E402
+import signals  # noqa: E402
+from checkpoint import args_to_dict  # noqa: E402
 from errors import NonFiniteLossError, UserError, eprint  # noqa: E402
 from image_folder import DataLayoutError  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
+from train_state import preserved_rng  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -92,7 +98,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
     g.add_argument('--dist-timeout', type=cli.POSITIVE, default=1800)
     g.add_argument('--local_rank', '--local-rank', dest='local_rank', type=int, default=None, help=argparse.SUPPRESS)
-    p.set_defaults(compile=False)
     return p
 
 
@@ -109,7 +114,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
         if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: no such file')
-    if args.eval and not run_dir.find_resume_path(args):
+    if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.ratio_range[0] > args.ratio_range[1]:
         parser.error(f'--ratio-range {args.ratio_range[0]} {args.ratio_range[1]}: MIN above MAX')
@@ -167,10 +172,10 @@ def build_loaders(args, train_set, val_set, start_iter: int):
     share with --dist-eval)."""
     world, rank = distributed.get_world_size(), distributed.get_rank()
     common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and str(args.device).startswith('cuda'),
-                  worker_init_fn=utils.worker_init_fn)
+                  worker_init_fn=signals.worker_init_fn)
     sampler_val = (samplers.DistributedEvalSampler(val_set, world, rank) if args.dist_eval and world > 1
                    else torch.utils.data.SequentialSampler(val_set))
-    val = utils.DataLoader(val_set, sampler=sampler_val, batch_size=1, **common)
+    val = loaders.DataLoader(val_set, sampler=sampler_val, batch_size=1, **common)
     if train_set is None:
         return None, val
     sampler = IterationSampler(len(train_set), world, rank, args.batch_size, args.seed, start_iter)
@@ -178,7 +183,7 @@ def build_loaders(args, train_set, val_set, start_iter: int):
         raise UserError(f'the training set ({len(train_set)} images) gives no full batch of {args.batch_size} per '
                         f'process on {world} process(es); lower --batch-size')
     # its own generator: creating the iterator draws no number from the run's random stream (exact resume)
-    train = utils.DataLoader(train_set, sampler=sampler, batch_size=args.batch_size, drop_last=True,
+    train = loaders.DataLoader(train_set, sampler=sampler, batch_size=args.batch_size, drop_last=True,
                              generator=torch.Generator(), persistent_workers=False, **common)
     return train, val
 
@@ -203,23 +208,25 @@ def eval_record(result: dict, args, **extra) -> dict:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     validate_args(args, parser)
-    distributed.init_distributed_mode(args)
+    process = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
+    vars(args).update(dataclasses.asdict(process))
     if args.amp == 'bf16':  # on the process's own GPU
-        distributed.check_bf16(args.device)
-    stop_flag = utils.StopFlag()
+        precision.check_bf16(args.device)
+    stop_flag = signals.StopFlag()
     stop_flag.install()
     device = torch.device(args.device)
     if device.type == 'cpu' and args.cpu_malloc == 'retain':
-        utils.retain_freed_cpu_memory()
+        cpu.retain_freed_cpu_memory()
     if args.num_workers is None:
-        args.num_workers, why = utils.default_num_workers()
+        args.num_workers, why = cpu.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process ({why})')
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
-    resume_path = run_dir.agree_on_resume_path(args, device)
+    output = cli.settings(run_dir.RunDirSettings, args)
+    resume_path = run_dir.agree_on_resume_path(output, device)
     timm.utils.random_seed(args.seed, rank)
-    optim_step.set_tf32(device, args.tf32)
-    run_dir.prepare_output_dir(args, device)
+    precision.set_tf32(device, args.tf32)
+    run_dir.prepare_output_dir(output, device)
     train_set, val_set = build_data(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '
           f'{args.num_classes} classes')
@@ -233,43 +240,27 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f'Model: UperNet ({args.channels} channels{", auxiliary FCN head" if args.aux_weight else ""}) over '
           f'{args.model}: {n_parameters / 1e6:.2f}M parameters')
     model.to(device)
-    train_model, bare, _ = _wrap(args, model, device)
+    train_model, bare, _ = distributed.wrap_model(model, device, distributed=args.distributed, sync_bn=args.sync_bn,
+                                                  compile=False)
     optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
-    amp_dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    amp_dtype = precision.amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
-    checkpoints = state.SegCheckpoints(args, bare, optimizer, scaler, device, n_parameters)
+    checkpoints = state.SegCheckpoints(args.output_dir, args_to_dict(args), bare, optimizer, scaler, device,
+                                       n_parameters)
     if args.eval:
-        return settled(evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype,
-                                           stop_flag))
+        return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype, stop_flag)
     resumed = checkpoints.resume(resume_path)
     # room for checkpoint.pth, its replacement while it is written and best.pth: weights and AdamW's two moments
     nbytes = sum(t.numel() * t.element_size() for t in bare.state_dict().values()) + 2 * sum(
         p.numel() * p.element_size() for p in bare.parameters())
-    run_dir.check_room(args.output_dir, nbytes, device, copies=3)
+    saver.check_room(args.output_dir, nbytes, device, copies=3)
     if resumed.ckpt is not None:
         print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}')
         resumed.ckpt = None
     train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype, scaler, args.clip_grad)
     run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag)
-    return settled(train(run, optimizer, resumed.start_iter, train_loader))
-
-
-def settled(code: int) -> int:
-    """`code`, once every process is here and the process group's threads are idle. torch 2.4's gloo process group
-    deadlocks when it is destroyed (exits.finish) while one of its worker threads still frees the tensor of a
-    recent collective: the thread waits for the GIL that the destroying thread holds (torch releases it there
-    since 2.8). A barrier, then a pause that releases the GIL, let a thread that a loaded machine held back finish."""
-    if distributed.is_dist_avail_and_initialized():
-        distributed.barrier()
-        time.sleep(0.2)
-    return code
-
-
-def _wrap(args, model, device):
-    """main.py's wrapping: SyncBatchNorm on GPUs and DDP under a launcher."""
-    from main import wrap_model
-    return wrap_model(args, model, device)
+    return train(run, optimizer, resumed.start_iter, train_loader)
 
 
 def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dtype, stop_flag) -> int:
@@ -279,7 +270,7 @@ def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dty
     result = evaluate(args, model, val_loader, device, amp_dtype, stop_flag)
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
-        return exits.stopped_status(args, stop_flag, saved=False)
+        return exits.stopped_status(args.launcher, stop_flag, saved=False)
     print(miou.summary_line(result, args.eval_mode))
     checkpoints.append_log(eval_record(result, args, eval=path, iter=ckpt.get('iter')))
     return 0
@@ -304,7 +295,7 @@ class Run:
         """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
         print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
               f'checkpoint saved; run the same command again to resume')
-        return exits.stopped_status(self.args, self.stop_flag)
+        return exits.stopped_status(self.args.launcher, self.stop_flag)
 
     def count_bad(self, out, it: int) -> None:
         """Consecutive skipped steps (a non-finite loss, an fp16 overflow); too many end the run."""
@@ -443,7 +434,7 @@ def run(argv: list[str] | None = None) -> int:
     """The entry point: parse, run, and end as exits.finish says (one line per error)."""
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: main_or_clean_up(args, parser), args)
+    return exits.finish(lambda: main_or_clean_up(args, parser), lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

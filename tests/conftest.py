@@ -12,8 +12,15 @@ import pytest
 import torch
 from image_folders import make_imagefolder
 
+import checkpoint
 import cli
 import main
+import optimizer
+import resume
+import run_dir
+import saver
+import schedule
+import train_state
 
 
 @pytest.fixture(scope='module')
@@ -29,6 +36,55 @@ def one_thread():
 def build_xt(num_classes=3):
     """NALAFORMER_XT as main.py builds it."""
     return main.build_model(cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT']), num_classes)
+
+
+def optimizer_of(args, model):
+    """main.py's optimizer of the command line `args` for `model`."""
+    return optimizer.build_optimizer(model, cli.settings(optimizer.OptimizerSettings, args))
+
+
+def scheduler_of(args, opt):
+    """main.py's LR schedule of the command line `args` for the optimizer `opt`."""
+    return schedule.build_lr_scheduler(opt, cli.settings(schedule.Schedule, args))
+
+
+class TrainingRun:
+    """main.py's checkpoint saver of a run and the resume into its parts, built from the command line `args`, for
+    the tests of both: `save`, `record_accuracy`, `append_log`, ... are the saver's, `resume` resumes into it."""
+
+    def __init__(self, args, model, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
+                 classes=None, n_train_images=None):
+        self.args = args
+        parts = train_state.TrainingParts(model, model_ema, optimizer, lr_scheduler, loss_scaler)
+        self.saver = saver.CheckpointSaver(args.output_dir, args.save_freq, parts, checkpoint.args_to_dict(args),
+                                           n_parameters, device, classes, n_train_images)
+
+    def __getattr__(self, name):
+        return getattr(self.saver, name)
+
+    @property
+    def model(self):
+        return self.saver.parts.model
+
+    @property
+    def optimizer(self):
+        return self.saver.parts.optimizer
+
+    @property
+    def classes(self):
+        return self.saver.classes
+
+    @classes.setter
+    def classes(self, value):
+        self.saver.classes = value
+
+    def resume(self, path, eval_only=False):
+        return resume.resume(path, self.saver, cli.settings(resume.ResumeSettings, self.args), eval_only)
+
+
+def run_dir_of(args):
+    """The output-directory settings of the command line `args`."""
+    return cli.settings(run_dir.RunDirSettings, args)
 
 
 def parse(*argv):

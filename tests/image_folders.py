@@ -5,6 +5,9 @@ from types import SimpleNamespace
 from PIL import Image
 
 import cli
+import datasets
+import eval_sets
+import loaders
 from tools.synthetic import write_imagefolder
 
 
@@ -21,6 +24,40 @@ def make_args(**kw):
              recount=1, inat_category='name', strict_data=False)
     a.update(kw)
     return cli.get_args_parser().parse_args([], namespace=SimpleNamespace(**a))
+
+
+def transform_of(is_train, args, uint8=False):
+    """main.py's transform of a split for the command line `args` (its one data config)."""
+    cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)
+    return datasets.build_transform(is_train, cfg, cli.settings(datasets.Augmentation, args), args.data_set, uint8)
+
+
+def dataset_of(is_train, args, uint8=False):
+    """main.py's data set of a split for the command line `args`."""
+    source = cli.settings(datasets.DataSource, args)
+    return datasets.build_dataset(is_train, source, transform_of(is_train, args, uint8))
+
+
+def eval_sets_of(args, dataset_val, uint8=False):
+    """main.py's --eval-sets of the command line `args`, labelled as `dataset_val`."""
+    return eval_sets.build_eval_sets(args.eval_sets, dataset_val, transform_of(False, args, uint8), args.strict_data,
+                                     args.follow_links)
+
+
+def loaders_of(args, dataset_train, dataset_val):
+    """main.py's samplers and loaders of the command line `args`."""
+    return loaders.build_loaders(dataset_train, dataset_val, cli.settings(loaders.LoaderSettings, args))
+
+
+def device_loader_of(loader, args, device):
+    """`loader` normalising on `device` with the data config of the command line `args`."""
+    cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)
+    return loaders.device_loader(loader, cfg, device)
+
+
+def erasing_of(args, device):
+    """main.py's random erasing on the device for the command line `args`."""
+    return loaders.batch_random_erasing(cli.settings(datasets.Augmentation, args), device)
 
 
 def save_img(path, color=(255, 0, 0), size=6, fmt=None):

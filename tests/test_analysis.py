@@ -10,8 +10,8 @@ import timm
 import torch
 import torch.nn.functional as F
 
-import checkpoint
 import datasets
+import errors
 import models  # noqa: F401
 from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain
 from tools import analyze_attention as aa
@@ -226,7 +226,7 @@ def test_cli_with_checkpoint_and_images(tmp_path, capsys):
     loaded, meta = aa.load_model('NALAFORMER_XT', str(ckpt))
     assert meta['input_size'] == 32 and loaded.head.weight.shape[0] == 10
     torch.testing.assert_close(loaded.layers[0].blocks[0].attn.qkvg.weight, model.layers[0].blocks[0].attn.qkvg.weight)
-    with pytest.raises(checkpoint.CheckpointError, match='model_ema'):
+    with pytest.raises(errors.CheckpointError, match='model_ema'):
         aa.load_model('NALAFORMER_XT', str(ckpt), weights='model_ema')
 
 
@@ -240,7 +240,7 @@ def test_images_get_main_evals_transform_at_the_checkpoints_size_and_crop(tmp_pa
     _write_images(tmp_path / 'imgs')
     cfg = datasets.data_config(model, meta['input_size'], meta['crop_pct'])
     got = aa.images_from_dir(str(tmp_path / 'imgs'), cfg, 2)
-    main_eval = datasets.build_transform(False, Namespace(model='NALAFORMER_XT', input_size=48, eval_crop_ratio=0.9))
+    main_eval = datasets.build_transform(False, datasets.data_config('NALAFORMER_XT', 48, 0.9))
     paths = sorted(str(p) for p in (tmp_path / 'imgs').rglob('*.png'))[:2]
     assert got.shape == (2, 3, 48, 48)
     assert torch.equal(got, torch.stack([main_eval(Image.open(p).convert('RGB')) for p in paths]))

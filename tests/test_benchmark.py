@@ -4,6 +4,7 @@ import json
 import pytest
 
 import optim_step
+import precision
 from tools import benchmark
 
 TINY = ['--model', 'NALAFORMER_XT', '--batch-size', '2', '--input-size', '32', '48', '--steps', '2',
@@ -141,9 +142,9 @@ def test_photo_jpegs_are_cut_from_real_photos_at_imagenet_sizes(tmp_path):
 @pytest.mark.parametrize('flags, enabled', [([], True), (['--no-tf32'], False)])
 def test_fp32_figures_use_main_py_tf32_setting_and_say_so(flags, enabled, monkeypatch, capsys):
     """On CUDA, fp32 rows run with TF32 as main.py trains by default (--no-tf32: full fp32), and the row
-    says which. optim_step.set_tf32 stands in for CUDA here: it records the call and reports the flags set."""
+    says which. precision.set_tf32 stands in for CUDA here: it records the call and reports the flags set."""
     calls = []
-    monkeypatch.setattr(optim_step, 'set_tf32', lambda device, on=True: calls.append((str(device), on)) or True)
+    monkeypatch.setattr(precision, 'set_tf32', lambda device, on=True: calls.append((str(device), on)) or True)
     result = benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'] + flags)
     assert calls == [('cpu', enabled)] and result['tf32'] is enabled
     assert f"tf32={'on' if enabled else 'off'}" in capsys.readouterr().out
@@ -191,7 +192,7 @@ def test_ema_update_times_timms_update_and_mains(tmp_path):
     results = benchmark.main(['--ema-update', '--preset-models', 'NALAFORMER_XT', '--steps', '1', '--warmup', '0',
                               '--device', 'cpu', '--json', str(tmp_path / 'ema.jsonl')])
     assert [r['model'] for r in results] == ['NALAFORMER_XT'] and results[0]['tensors'] > 100
-    assert results[0]['timm ModelEmaV3 ms'] > 0 and results[0]['optim_step.ModelEma ms'] > 0
+    assert results[0]['timm ModelEmaV3 ms'] > 0 and results[0]['ema.ModelEma ms'] > 0
 
 
 def test_gpu_preset_runs_every_part_at_a_tiny_size_on_the_cpu(tmp_path, capsys):

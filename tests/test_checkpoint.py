@@ -12,14 +12,16 @@ import shutil
 import pytest
 import timm
 import torch
+from conftest import TrainingRun, scheduler_of
 
 import checkpoint
 import checkpoint_io
 import cli
-import engine
 import errors
 import metrics
-import run_dir
+import run_repair
+import saver
+import train_state
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -40,14 +42,14 @@ class _Tiny(torch.nn.Module):
 
 
 def _run(tmp_path, argv=(), model=None, with_state=False):
-    """A TrainingCheckpoints for a tiny model and the optimizer/schedule main.py builds from `argv`."""
+    """A TrainingRun for a tiny model and the optimizer/schedule main.py builds from `argv`."""
     from timm.optim import create_optimizer_v2
     args = cli.get_args_parser().parse_args(['--output_dir', str(tmp_path), '--epochs', '4', *argv])
     model = model or _Tiny()
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                               momentum=args.momentum, eps=args.opt_eps,
                               **({'betas': tuple(args.opt_betas)} if args.opt_betas else {}))
-    run = checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 7, 'cpu')
+    run = TrainingRun(args, model, None, opt, scheduler_of(args, opt), None, 7, 'cpu')
     if with_state:
         model.norm(model.fc(torch.randn(2, 4))).sum().backward()
         opt.step()  # the optimizer has its moments
@@ -81,7 +83,7 @@ def test_a_state_is_written_once_and_copied_to_its_other_names(tmp_path, monkeyp
     run = _run(tmp_path, with_state=True)
     written = []
     real = checkpoint_io.save_atomic
-    monkeypatch.setattr(checkpoint, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
+    monkeypatch.setattr(saver, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
                                                                         real(state, path)))
     run.save(0, {}, ['checkpoint.pth', 'best.pth', 'checkpoint_0000.pth'])
     assert written == ['checkpoint.pth']
@@ -98,7 +100,7 @@ def test_a_state_is_written_once_and_copied_to_its_other_names(tmp_path, monkeyp
 
 def _write_state(tmp_path, name='checkpoint.pth', **extra):
     run = _run(tmp_path, with_state=True)
-    run.save(0, {'rng_state': [engine.get_rng_state()], **extra}, [name])
+    run.save(0, {'rng_state': [train_state.get_rng_state()], **extra}, [name])
     return tmp_path / name
 
 
@@ -165,7 +167,7 @@ def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, mon
     run.save(0, {'log': log0}, ['checkpoint.pth', 'best.pth'])
     run.append_log(log0)
     run.record_accuracy(1, 45.0, None)
-    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)  # dies after the first file: the others are copies
+    monkeypatch.setattr(saver, 'copy_atomic', _killed)  # dies after the first file: the others are copies
     with pytest.raises(SystemExit):
         run.save(1, {'log': {'epoch': 1, 'test_acc1': 45.0}}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
@@ -195,12 +197,12 @@ def test_in_a_run_an_older_version_hard_linked_saves_and_repairs_replace_names_n
     epoch1 = ck.read_bytes()
     run = _run(out, with_state=True)
     run.record_accuracy(2, 50.0)
-    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)
+    monkeypatch.setattr(saver, 'copy_atomic', _killed)
     with pytest.raises(SystemExit):  # killed after checkpoint.pth, before best.pth
         run.save(2, {}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
     assert best.read_bytes() == backup.read_bytes() == epoch1 != ck.read_bytes()
-    monkeypatch.setattr(run_dir, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
+    monkeypatch.setattr(run_repair, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
     _run(out).resume(str(ck))  # repairs best.pth, linked to checkpoint_0001.pth: by a rename
     assert checkpoint_io.load_checkpoint_file(str(best))['epoch'] == 2 and backup.read_bytes() == epoch1
 
@@ -240,8 +242,9 @@ def test_resuming_an_older_checkpoint_moves_the_later_log_lines_aside(tmp_path, 
 def test_a_mid_epoch_checkpoint_keeps_the_log_lines_of_the_epochs_it_finished(tmp_path, capsys):
     lines = _run_of_four_epochs(tmp_path)
     run = _run(tmp_path, with_state=True)
-    state = engine.EpochState(step=3, rng_state=engine.get_rng_state(), epoch_rng_state=engine.get_rng_state())
-    run.save(2, engine.epoch_state_entries(state), ['checkpoint.pth'])  # a stop inside epoch 2, kept aside
+    state = train_state.EpochState(step=3, rng_state=train_state.get_rng_state(),
+                                   epoch_rng_state=train_state.get_rng_state())
+    run.save(2, train_state.epoch_state_entries(state), ['checkpoint.pth'])  # a stop inside epoch 2, kept aside
     os.rename(tmp_path / 'checkpoint.pth', tmp_path / 'stopped.pth')
     with open(tmp_path / 'log.txt', 'a') as f:
         f.write('{"epoch": 4, "test_a')  # a half-written line after the later epochs goes with them
@@ -298,14 +301,14 @@ def test_resume_on_other_classes_is_refused_before_anything_is_loaded(tmp_path, 
 # ------------------------------------------------------------------------------------------ where training stands
 def _draws(rng_state):
     """What the random streams give after `rng_state` is restored."""
-    engine.set_rng_state(rng_state)
+    train_state.set_rng_state(rng_state)
     return torch.rand(4).tolist(), random.random()
 
 
 def _rng_at(seed):
     torch.manual_seed(seed)
     random.seed(seed)
-    return engine.get_rng_state()
+    return train_state.get_rng_state()
 
 
 def test_a_mid_epoch_state_written_in_the_checkpoint_layout_resumes_as_it_was(tmp_path):
@@ -313,9 +316,9 @@ def test_a_mid_epoch_state_written_in_the_checkpoint_layout_resumes_as_it_was(tm
     # the keys a mid-epoch stop writes, as main.py has written them since before EpochState
     layout = {'step': 6, 'rng_state': [stop_rng], 'epoch_rng_state': [epoch_rng],
               'loss_meter': {'total': 4.5, 'count': 6}, 'train_carry': {'bad_steps': 2, 'skipped_steps': 3}}
-    state = engine.EpochState(step=6, rng_state=stop_rng, epoch_rng_state=epoch_rng,
+    state = train_state.EpochState(step=6, rng_state=stop_rng, epoch_rng_state=epoch_rng,
                               loss_meter={'total': 4.5, 'count': 6}, bad_steps=2, skipped_steps=3)
-    entries = engine.epoch_state_entries(state)
+    entries = train_state.epoch_state_entries(state)
     assert entries.keys() == layout.keys() and entries['train_carry'] == layout['train_carry']
     for extra in (layout, entries):
         _run(tmp_path, with_state=True).save(1, extra, ['checkpoint.pth'])
@@ -335,12 +338,12 @@ def test_an_end_of_epoch_state_resumes_at_the_next_epoch_with_the_bad_step_count
         _run(tmp_path, with_state=True).save(2, extra, ['checkpoint.pth'])
         _rng_at(9)
         r = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
-        assert _draws(engine.get_rng_state()) == want  # the RNG state is restored at once
+        assert _draws(train_state.get_rng_state()) == want  # the RNG state is restored at once
         got = r.state
         assert r.start_epoch == 3 and (got.step, got.bad_steps, got.skipped_steps) == (0, bad, 0)
         assert got.rng_state is None and got.epoch_rng_state is None and got.loss_meter is None
     _rng_at(3)
-    entries = engine.epoch_state_entries(engine.EpochState(bad_steps=4))
+    entries = train_state.epoch_state_entries(train_state.EpochState(bad_steps=4))
     assert set(entries) == {'rng_state', 'train_carry'}
     assert entries['train_carry'] == {'bad_steps': 4, 'skipped_steps': 0}
     assert _draws(entries['rng_state'][0]) == want  # between epochs: the RNG state of now

@@ -13,8 +13,8 @@ from test_checkpoint import _run, _Tiny, _write_state
 
 import checkpoint
 import checkpoint_io
-import engine
 import errors
+import train_state
 
 
 def test_corruption_inside_a_checkpoint_is_detected(tmp_path):
@@ -24,7 +24,7 @@ def test_corruption_inside_a_checkpoint_is_detected(tmp_path):
     mid = len(data) // 2
     data[mid:mid + 4096] = b'\x7f' * 4096  # float32 0x7f7f7f7f = 3.4e38
     path.write_bytes(bytes(data))
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(errors.CheckpointError) as e:
         checkpoint_io.load_checkpoint_file(str(path))
     msg = str(e.value)
     assert 'checkpoint.pth is corrupt: the checksum of big does not match' in msg and '\n' not in msg
@@ -42,7 +42,7 @@ def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
     for name in ('best.pth', 'checkpoint_0004.pth', 'checkpoint_0009.pth'):
         shutil.copy(path, tmp_path / name)
     path.write_bytes(path.read_bytes()[:5000])
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(errors.CheckpointError) as e:
         checkpoint_io.load_checkpoint_file(str(path))
     msg = str(e.value)
     assert 'is truncated or corrupt (5000 bytes)' in msg
@@ -58,14 +58,14 @@ def test_damage_in_place_stays_in_its_file_and_names_an_older_version_linked_are
     run.save(5, {}, ['checkpoint.pth', 'best.pth'])
     path, best, backup = (tmp_path / n for n in ('checkpoint.pth', 'best.pth', 'checkpoint_0004.pth'))
     path.write_bytes(path.read_bytes()[:5000])  # in place
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(errors.CheckpointError) as e:
         checkpoint_io.load_checkpoint_file(str(path))
     assert f'(--resume {best}, --resume {backup})' in str(e.value)
     assert checkpoint_io.load_checkpoint_file(str(best))['epoch'] == 5  # its own file: undamaged
     # a run saved by an older version, whose best.pth is a hard link to checkpoint.pth, shares the damage
     os.remove(best)
     os.link(path, best)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(errors.CheckpointError) as e:
         checkpoint_io.load_checkpoint_file(str(path))
     assert f'(--resume {backup})' in str(e.value) and 'best.pth' not in str(e.value)
 
@@ -173,7 +173,7 @@ def _state():
     m(torch.ones(1, 3)).sum().backward()
     opt.step()
     return {'model': m.state_dict(), 'optimizer': opt.state_dict(), 'epoch': 4, 'max_accuracy': 12.5,
-            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [engine.get_rng_state()]}
+            'args': checkpoint.args_to_dict(parse('--output_dir', 'x')), 'rng_state': [train_state.get_rng_state()]}
 
 
 def test_checkpoint_round_trip_weights_only(tmp_path):

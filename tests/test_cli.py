@@ -9,9 +9,9 @@ import torch
 from conftest import parse, untrained_eval_argv
 
 import cli
+import cpu
 import datasets
 import main
-import utils
 
 LAUNCH_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID')
 
@@ -294,7 +294,7 @@ def test_default_num_workers_is_the_cpus_per_process_less_one(launcher, cpus, ex
     for k, v in LAUNCHERS[launcher].items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(main.os, 'sched_getaffinity', lambda pid: set(range(cpus)), raising=False)
-    assert utils.default_num_workers()[0] == expected
+    assert cpu.default_num_workers()[0] == expected
     assert parse().num_workers is None and parse('--num-workers', '12').num_workers == 12  # given: taken as is
 
 
@@ -303,7 +303,7 @@ def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_pa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         assert main.run(untrained_eval_argv(data, tmp_path)) == 0
-    n, cpus = utils.default_num_workers()[0], utils.available_cpus()
+    n, cpus = cpu.default_num_workers()[0], cpu.available_cpus()
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Data loader:')]
     assert line == [f'Data loader: {n} workers per process (the default: {cpus} CPU(s) per process (the {cpus} CPUs '
                     f'available to this process), one of them left to the training process; at most 10, at least 1; '

@@ -5,19 +5,28 @@ import os
 import numpy as np
 import pytest
 import torch
-from image_folders import assert_one_line_error, make_args, make_folder, save_img
+from image_folders import (
+    assert_one_line_error,
+    dataset_of,
+    device_loader_of,
+    erasing_of,
+    eval_sets_of,
+    make_args,
+    make_folder,
+    save_img,
+    transform_of,
+)
 from PIL import Image
 
 import datasets as D
 import image_folder as IF
-import loaders
 
 
 # ---------------------------------------------------------------------------- builders
 def test_imagefolder_build_and_items(tmp_path):
     root = make_folder(tmp_path / 'd', classes=('a', 'b', 'c'))
-    ds, nc = D.build_dataset(True, make_args(data_path=root))
-    dv, nv = D.build_dataset(False, make_args(data_path=root, input_size=40))
+    ds, nc = dataset_of(True, make_args(data_path=root))
+    dv, nv = dataset_of(False, make_args(data_path=root, input_size=40))
     assert (nc, nv, len(ds), len(dv)) == (3, 3, 9, 9)
     x, y = ds[4]
     assert x.shape == (3, 32, 32) and y == 1
@@ -29,22 +38,22 @@ def test_imagefolder_build_and_items(tmp_path):
 def test_transforms_follow_recipe():
     from timm.data.transforms import RandomResizedCropAndInterpolation
     from torchvision import transforms as T
-    ev = D.build_transform(False, make_args(input_size=224)).transforms
+    ev = transform_of(False, make_args(input_size=224)).transforms
     assert isinstance(ev[0], T.Resize) and ev[0].size == 256
     assert ev[0].interpolation == T.InterpolationMode.BICUBIC
     assert isinstance(ev[1], T.CenterCrop) and tuple(ev[1].size) == (224, 224)
-    tr = D.build_transform(True, make_args(input_size=224)).transforms
+    tr = transform_of(True, make_args(input_size=224)).transforms
     assert isinstance(tr[0], RandomResizedCropAndInterpolation) and tr[0].scale == (0.08, 1.0)
     names = [type(t).__name__ for t in tr]
     assert 'RandAugment' in names and 'RandomHorizontalFlip' in names
     re = [t for t in tr if type(t).__name__ == 'RandomErasing'][0]
     assert (re.probability, re.mode, re.max_count) == (0.25, 'pixel', 1)
-    small = D.build_transform(True, make_args(input_size=32)).transforms
+    small = transform_of(True, make_args(input_size=32)).transforms
     assert isinstance(small[1], T.RandomCrop) and small[1].padding == 4
     assert small[0].size == (32, 32) and 'RandAugment' in [type(t).__name__ for t in small]
-    ev32 = D.build_transform(False, make_args()).transforms
+    ev32 = transform_of(False, make_args()).transforms
     assert ev32[0].size == (32, 32)  # squashed to the input size, nothing cropped (the crop is a no-op)
-    dig = D.build_transform(True, make_args(input_size=64, data_set='DIGITS', aa='none')).transforms
+    dig = transform_of(True, make_args(input_size=64, data_set='DIGITS', aa='none')).transforms
     assert 'RandomHorizontalFlip' not in [type(t).__name__ for t in dig] and dig[0].scale == (0.25, 1.0)
 
 
@@ -68,7 +77,7 @@ def test_eval_transform_equals_deits_bit_for_bit(tmp_path, size, crop_pct):
     geometry = ([T.Resize((size, size), interpolation=bicubic)] if size <= 32 else
                 [T.Resize(int(size / (crop_pct or 0.875)), interpolation=bicubic), T.CenterCrop(size)])
     reference = T.Compose(geometry + [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-    mine = D.build_transform(False, make_args(model='NALAFORMER_T', input_size=size, eval_crop_ratio=crop_pct))
+    mine = transform_of(False, make_args(model='NALAFORMER_T', input_size=size, eval_crop_ratio=crop_pct))
     for path in _odd_images(tmp_path):
         with Image.open(path) as im:
             img = im.convert('RGB')
@@ -96,7 +105,7 @@ def test_data_config_is_the_models_pretrained_cfg_overridden_by_the_command_line
     seen = []
     monkeypatch.setattr(D, 'data_config', lambda *a: seen.append(a) or cfg)
     for is_train in (True, False):
-        steps = D.build_transform(is_train, make_args(model='M', input_size=96, eval_crop_ratio=0.95)).transforms
+        steps = transform_of(is_train, make_args(model='M', input_size=96, eval_crop_ratio=0.95)).transforms
         assert [t for t in steps if type(t).__name__ == 'Normalize'][0].mean.tolist() == [0.5, 0.5, 0.5]
     assert seen == [('M', 96, 0.95)] * 2
 
@@ -104,10 +113,10 @@ def test_data_config_is_the_models_pretrained_cfg_overridden_by_the_command_line
 # ---------------------------------------------------------------------------- layout errors
 def test_missing_data_path(tmp_path):
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_path=None))
+        dataset_of(True, make_args(data_path=None))
     assert_one_line_error(e, '--data-path', 'train/')
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_path=str(tmp_path / 'nope')))
+        dataset_of(True, make_args(data_path=str(tmp_path / 'nope')))
     assert_one_line_error(e, tmp_path / 'nope', 'does not exist')
 
 
@@ -115,13 +124,13 @@ def test_missing_data_path(tmp_path):
 def test_missing_split(tmp_path, split):
     root = make_folder(tmp_path, splits=({'train', 'val'} - {split}))
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_path=root))
+        dataset_of(True, make_args(data_path=root))
     assert_one_line_error(e, os.path.join(root, split), f'missing {split}/')
 
 
 def test_eval_only_needs_val(tmp_path):
     root = make_folder(tmp_path, splits=('val',))
-    ds, nc = D.build_dataset(False, make_args(data_path=root))
+    ds, nc = dataset_of(False, make_args(data_path=root))
     assert len(ds) == 6 and nc == 2
 
 
@@ -132,13 +141,13 @@ def test_empty_class_folder_and_no_classes(tmp_path):
     with open(os.path.join(root, 'train', 'zebra', 'notes.txt'), 'w') as f:
         f.write('not an image')
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_path=root))
+        dataset_of(True, make_args(data_path=root))
     assert_one_line_error(e, os.path.join(root, 'train', 'zebra'), 'empty class folder')
     empty = tmp_path / 'e'
     os.makedirs(empty / 'train')
     os.makedirs(empty / 'val')
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_path=str(empty)))
+        dataset_of(True, make_args(data_path=str(empty)))
     assert_one_line_error(e, empty / 'train', 'no class folders')
 
 
@@ -147,7 +156,7 @@ def test_val_classes_differ(tmp_path):
     save_img(os.path.join(root, 'val', 'emu', '0.png'))
     os.rename(os.path.join(root, 'val', 'dog'), os.path.join(root, 'val', 'doge'))
     with pytest.raises(IF.DataLayoutError) as e:  # checked by the training build
-        D.build_dataset(True, make_args(data_path=root))
+        dataset_of(True, make_args(data_path=root))
     assert_one_line_error(e, os.path.join(root, 'val'), 'dog', 'doge', 'emu')
 
 
@@ -161,7 +170,7 @@ def test_eval_build_reads_val_alone(tmp_path, monkeypatch):
         listed.append(os.path.abspath(path))
         return real_scandir(path)
     monkeypatch.setattr(os, 'scandir', recording_scandir)
-    ds, nc = D.build_dataset(False, make_args(data_path=root))
+    ds, nc = dataset_of(False, make_args(data_path=root))
     assert (nc, len(ds)) == (3, 9)
     train = os.path.join(os.path.abspath(root), 'train')
     assert listed and not [p for p in listed if IF._inside(p, train)], listed
@@ -169,7 +178,7 @@ def test_eval_build_reads_val_alone(tmp_path, monkeypatch):
 
 def test_unknown_data_set():
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_set='MNIST'))
+        dataset_of(True, make_args(data_set='MNIST'))
     assert_one_line_error(e, 'MNIST', 'IMNET')
 
 
@@ -177,7 +186,7 @@ def test_unknown_data_set():
 # ---------------------------------------------------------------------------- CIFAR / INAT
 def test_cifar_absent_is_clear(tmp_path):
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_set='CIFAR', data_path=str(tmp_path)))
+        dataset_of(True, make_args(data_set='CIFAR', data_path=str(tmp_path)))
     assert_one_line_error(e, tmp_path, 'cifar-100-python', 'CIFAR-100 not found')
     assert not os.listdir(tmp_path)  # nothing downloaded
 
@@ -201,15 +210,15 @@ def make_inat(root, year=2018):
 
 def test_inat_layout_and_categories(tmp_path):
     make_inat(str(tmp_path))
-    ds, nc = D.build_dataset(True, make_args(data_set='INAT', data_path=str(tmp_path)))
+    ds, nc = dataset_of(True, make_args(data_set='INAT', data_path=str(tmp_path)))
     assert (len(ds), nc) == (6, 3)
     assert [t for _, t in ds.samples] == [0, 0, 1, 1, 2, 2]  # DeiT order: first appearance
-    dv, nk = D.build_dataset(False, make_args(data_set='INAT', data_path=str(tmp_path),
+    dv, nk = dataset_of(False, make_args(data_set='INAT', data_path=str(tmp_path),
                                               inat_category='kingdom'))
     assert (len(dv), nk) == (3, 2) and [t for _, t in dv.samples] == [0, 1, 1]
     assert dv[0][0].shape == (3, 32, 32)
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(True, make_args(data_set='INAT19', data_path=str(tmp_path)))
+        dataset_of(True, make_args(data_set='INAT19', data_path=str(tmp_path)))
     assert_one_line_error(e, 'train2019.json', 'missing annotation file')
 
 
@@ -220,8 +229,8 @@ def listing(root):
 
 def test_digits_written_once_split_and_read_as_imagefolder(tmp_path):
     root = str(tmp_path / 'digits')
-    ds, nc = D.build_dataset(True, make_args(data_set='DIGITS', data_path=root, input_size=64))
-    dv, _ = D.build_dataset(False, make_args(data_set='DIGITS', data_path=root, input_size=64))
+    ds, nc = dataset_of(True, make_args(data_set='DIGITS', data_path=root, input_size=64))
+    dv, _ = dataset_of(False, make_args(data_set='DIGITS', data_path=root, input_size=64))
     assert type(ds) is IF.RobustImageFolder and nc == 10
     assert (len(ds), len(dv)) == (1437, 360) and len(ds) + len(dv) == 1797
     per_class = torch.bincount(torch.tensor(dv.targets), minlength=10)
@@ -252,7 +261,7 @@ def test_digits_default_path(tmp_path, monkeypatch):
     monkeypatch.setattr(D, 'prepare_digits', lambda r: written.append(r) or r)
     for p in ('', None, D.DEIT_DEFAULT_DATA_PATH):
         with pytest.raises(IF.DataLayoutError):  # the stub wrote nothing: layout error follows
-            D.build_dataset(True, make_args(data_set='DIGITS', data_path=p))
+            dataset_of(True, make_args(data_set='DIGITS', data_path=p))
     assert written == [os.path.join('.', 'data', 'digits')] * 3
 
 
@@ -331,7 +340,7 @@ def test_digits_unwritable_path_is_layout_error(tmp_path):
 def test_recipe_randaugment_survives_zero_bit_posterize():
     """At magnitude 10 PosterizeIncreasing keeps 0 bits; Pillow 13 raises for that, older Pillow gave a
     black image. The recipe's transform must give the black image, not end the run."""
-    transform = D.build_transform(True, make_args(input_size=64))
+    transform = transform_of(True, make_args(input_size=64))
     rand_augment = next(s for s in transform.transforms if hasattr(s, 'ops'))
     posterize_ops = [op for op in rand_augment.ops if op.name == 'PosterizeIncreasing']
     assert posterize_ops
@@ -364,31 +373,31 @@ def make_flat_val(root, labels, label_file='val_labels.txt', header='', ext=True
 def test_flat_val_with_label_file(tmp_path, label_file, header, ext):
     root = make_folder(tmp_path / 'd', classes=('n01', 'n02', 'n03'), n=1, splits=('train',))
     make_flat_val(root, ['n02', 'n01', 'n03', 'n02'], label_file, header, ext)
-    dv, nc = D.build_dataset(False, make_args(data_path=root))
+    dv, nc = dataset_of(False, make_args(data_path=root))
     assert nc == 3 and len(dv) == 4 and dv.targets == [1, 0, 2, 1]
     x, y = dv[2]
     assert x.shape == (3, 32, 32) and y == 2
-    D.build_dataset(True, make_args(data_path=root))  # train classes == val labels: accepted
+    dataset_of(True, make_args(data_path=root))  # train classes == val labels: accepted
 
 
 def test_flat_val_errors(tmp_path):
     root = make_folder(tmp_path / 'd', classes=('n01', 'n02', 'n03'), n=1, splits=('train',))
     make_flat_val(root, ['n02', 'n01'])
     with pytest.raises(IF.DataLayoutError) as e:  # n03 never appears in val
-        D.build_dataset(True, make_args(data_path=root))
+        dataset_of(True, make_args(data_path=root))
     assert_one_line_error(e, 'n03', 'missing from val/')
     save_img(os.path.join(root, 'val', 'extra.png'))
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(False, make_args(data_path=root))
+        dataset_of(False, make_args(data_path=root))
     assert_one_line_error(e, 'extra.png', 'no label')
     os.remove(os.path.join(root, 'val', 'extra.png'))
     os.remove(os.path.join(root, 'val', 'ILSVRC2012_val_00000001.JPEG'))
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(False, make_args(data_path=root))
+        dataset_of(False, make_args(data_path=root))
     assert_one_line_error(e, 'val_labels.txt', 'ILSVRC2012_val_00000001.JPEG', 'not found')
     os.remove(os.path.join(root, 'val', 'val_labels.txt'))
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(False, make_args(data_path=root))
+        dataset_of(False, make_args(data_path=root))
     assert_one_line_error(e, os.path.join(root, 'val'), 'no class folders and no label file', 'val_labels.txt')
 
 
@@ -407,7 +416,7 @@ def test_uint8_batches_normalised_by_the_device_loader_equal_the_cpu_transform(t
     """The uint8 transform and DeviceLoader's normalisation give the CPU transform's values bit for bit, for
     the same crop (the same random draws): the recipe's augmentations, random erasing left out."""
     args = make_args(model='NALAFORMER_T', input_size=48, reprob=0.0)
-    cpu, uint8 = D.build_transform(is_train, args), D.build_transform(is_train, args, uint8=True)
+    cpu, uint8 = transform_of(is_train, args), transform_of(is_train, args, uint8=True)
     images = []
     for path in _odd_images(tmp_path):
         with Image.open(path) as im:
@@ -416,11 +425,11 @@ def test_uint8_batches_normalised_by_the_device_loader_equal_the_cpu_transform(t
     crops = torch.stack([_seeded(uint8, img, i) for i, img in enumerate(images)])
     assert crops.dtype == torch.uint8
     batch = [(crops, torch.tensor([0, -100, 2, 1]), torch.arange(4))]  # an undecodable image's target, ReaL indices
-    (got, target, index), = list(loaders.device_loader(batch, args, 'cpu'))
+    (got, target, index), = list(device_loader_of(batch, args, 'cpu'))
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert target.tolist() == [0, -100, 2, 1] and index.tolist() == [0, 1, 2, 3]
     with pytest.raises(TypeError, match='uint8'):
-        list(loaders.device_loader([(want, target)], args, 'cpu'))
+        list(device_loader_of([(want, target)], args, 'cpu'))
 
 
 def test_random_erasing_on_the_device_has_the_cpu_transforms_distribution():
@@ -429,9 +438,9 @@ def test_random_erasing_on_the_device_has_the_cpu_transforms_distribution():
     areas and aspect ratios, normal noise in the boxes (two-sample Kolmogorov-Smirnov tests)."""
     from scipy.stats import ks_2samp
     args = make_args(input_size=32)
-    cpu = [t for t in D.build_transform(True, args).transforms if type(t).__name__ == 'RandomErasing'][0]
-    device = loaders.batch_random_erasing(args, 'cpu')
-    assert loaders.batch_random_erasing(make_args(reprob=0.0), 'cpu') is None
+    cpu = [t for t in transform_of(True, args).transforms if type(t).__name__ == 'RandomErasing'][0]
+    device = erasing_of(args, 'cpu')
+    assert erasing_of(make_args(reprob=0.0), 'cpu') is None
     n = 3000
     torch.manual_seed(0)
     import random
@@ -456,13 +465,12 @@ def test_random_erasing_on_the_device_has_the_cpu_transforms_distribution():
 def test_data_sets_built_for_the_device_loader_give_uint8_crops(tmp_path):
     """main.py builds every data set with uint8=True: image folders (both splits), iNaturalist and the extra
     evaluation sets hand over uint8 crops of the input size; the targets are as with the float transform."""
-    import eval_sets as E
     root = make_folder(tmp_path / 'd', classes=('a', 'b', 'c'))
     make_inat(str(tmp_path))
     args = make_args(data_path=root, eval_sets=[os.path.join(root, 'val')])
-    built = [D.build_dataset(True, args, uint8=True)[0], D.build_dataset(False, args, uint8=True)[0],
-             D.build_dataset(True, make_args(data_set='INAT', data_path=str(tmp_path)), uint8=True)[0]]
-    built.append(E.build_eval_sets(args, built[1], uint8=True)[0][1])
+    built = [dataset_of(True, args, uint8=True)[0], dataset_of(False, args, uint8=True)[0],
+             dataset_of(True, make_args(data_set='INAT', data_path=str(tmp_path)), uint8=True)[0]]
+    built.append(eval_sets_of(args, built[1], uint8=True)[0][1])
     for ds in built:
         x, y = ds[len(ds) - 1]
         assert x.dtype == torch.uint8 and x.shape == (3, 32, 32) and y == ds.samples[-1][1]

@@ -2,7 +2,6 @@
 evaluation through the GPU), the GPU index of a SLURM task that sees only its own GPU, `--device cuda:N`,
 more processes than GPUs, and native bfloat16. CUDA and NCCL are stood in for by fakes that enforce what
 the real ones require."""
-import argparse
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 import cli
 import distributed
 import errors
+import precision
 
 
 @pytest.fixture
@@ -95,8 +95,7 @@ def test_slurm_task_seeing_only_its_own_gpu_uses_cuda_0(monkeypatch):
     monkeypatch.setattr(distributed.dist, 'init_process_group', lambda **kw: joined.update(kw))
     monkeypatch.setattr(distributed, 'barrier', lambda: None)
     monkeypatch.setattr(distributed, 'setup_for_distributed', lambda is_master: None)
-    args = argparse.Namespace(device='cuda', local_rank=None, dist_url='env://', dist_timeout=60)
-    distributed.init_distributed_mode(args)
+    args = distributed.init_distributed_mode(_settings('cuda'))
     assert chosen == [0] and args.gpu == 0 and args.device == 'cuda:0'
     assert joined['device_id'] == torch.device('cuda', 0) and joined['backend'] == 'nccl'
     assert (args.rank, args.world_size, args.launcher) == (3, 4, 'slurm')
@@ -113,9 +112,13 @@ def test_one_process_under_torchrun_joins_a_process_group(monkeypatch):
     monkeypatch.setattr(distributed.dist, 'init_process_group', lambda **kw: joined.update(kw))
     monkeypatch.setattr(distributed, 'barrier', lambda: None)
     monkeypatch.setattr(distributed, 'setup_for_distributed', lambda is_master: None)
-    args = argparse.Namespace(device='cpu', local_rank=None, dist_url='env://', dist_timeout=60)
-    distributed.init_distributed_mode(args)
+    args = distributed.init_distributed_mode(_settings('cpu'))
     assert args.distributed and args.dist_backend == 'gloo' and joined['world_size'] == 1
+
+
+def _settings(device):
+    """The process-group settings of main.py's defaults with `device`."""
+    return distributed.DistributedSettings(device=device, dist_url='env://', dist_timeout=60, local_rank=None)
 
 
 class FakeCuda:
@@ -158,8 +161,7 @@ def test_one_process_on_cuda_n_makes_gpu_n_the_current_device(monkeypatch):
     current GPU: --device cuda:2 must make GPU 2 current, not leave GPU 0."""
     single_process(monkeypatch)
     cuda = FakeCuda(monkeypatch, 4)
-    args = argparse.Namespace(device='cuda:2', local_rank=None, dist_url='env://', dist_timeout=60)
-    distributed.init_distributed_mode(args)
+    args = distributed.init_distributed_mode(_settings('cuda:2'))
     assert cuda.current == 2 and args.device == 'cuda:2' and args.gpu == 2 and not args.distributed
 
 
@@ -170,9 +172,8 @@ def test_more_processes_per_node_than_gpus_is_refused_in_one_line(monkeypatch):
     FakeCuda(monkeypatch, 2)
     joined = []
     monkeypatch.setattr(distributed.dist, 'init_process_group', lambda **kw: joined.append(kw))
-    args = argparse.Namespace(device='cuda', local_rank=None, dist_url='env://', dist_timeout=60)
     with pytest.raises(errors.UserError) as ei:
-        distributed.init_distributed_mode(args)
+        distributed.init_distributed_mode(_settings('cuda'))
     msg = str(ei.value)
     assert '\n' not in msg and not joined
     assert msg.startswith('4 processes on this node but only 2 visible GPU(s)') and '--nproc_per_node=2' in msg
@@ -187,12 +188,11 @@ def test_bf16_is_checked_natively_on_the_process_own_gpu(monkeypatch):
     args = parser.parse_args(['--model', 'NALAFORMER_XT', '--amp', 'bf16', '--device', 'cuda:1', '--data-path', '/d'])
     cli.validate_args(args, parser)
     assert cuda.bf16_asked == []  # not before set_device (it would set up a context on GPU 0)
-    distributed.init_distributed_mode(argparse.Namespace(device='cuda:1', local_rank=None, dist_url='env://',
-                                                         dist_timeout=60))
+    distributed.init_distributed_mode(_settings('cuda:1'))
     with pytest.raises(errors.UserError, match=r'--amp bf16: Tesla V100\S* has no native bfloat16 .*use --amp fp16'):
-        distributed.check_bf16('cuda:1')
+        precision.check_bf16('cuda:1')
     assert cuda.bf16_asked == [(1, False)]
     cuda.native_bf16 = True
-    distributed.check_bf16('cuda:1')  # an A100/H100: accepted
-    distributed.check_bf16('cpu')  # CPU autocast: no GPU asked
+    precision.check_bf16('cuda:1')  # an A100/H100: accepted
+    precision.check_bf16('cpu')  # CPU autocast: no GPU asked
     assert cuda.bf16_asked == [(1, False), (1, False)]

@@ -15,7 +15,8 @@ import engine
 import errors
 import metrics
 import optim_step
-import utils
+import signals
+import train_state
 
 
 # -------------------------------------------------------------------------------- evaluate, stops
@@ -111,7 +112,7 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = Loader([(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))] * 5)
-    flag = utils.StopFlag()
+    flag = signals.StopFlag()
     flag.signum = 15
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
     res = engine.train_one_epoch(model, crit, loader, optim_step.OptimizerStep(opt, 'cpu'), epoch=0, stop_flag=flag,
@@ -126,7 +127,7 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
 def test_a_stop_signal_cuts_evaluation_short():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2))
     loader = Loader([(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))] * 3)
-    flag = utils.StopFlag()
+    flag = signals.StopFlag()
     assert not engine.evaluate(loader, model, 'cpu', stop_flag=flag)['aborted']
     flag.signum = 15
     st = engine.evaluate(loader, model, 'cpu', stop_flag=flag)
@@ -223,12 +224,12 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
     torch.manual_seed(1)
     np.random.seed(2)
     random.seed(3)
-    checkpoint_io.save_atomic({'rng': engine.get_rng_state()}, tmp_path / 'r.pth')
+    checkpoint_io.save_atomic({'rng': train_state.get_rng_state()}, tmp_path / 'r.pth')
     want = (torch.rand(3), np.random.rand(3), random.random())
     torch.manual_seed(9)
     np.random.seed(9)
     random.seed(9)
-    engine.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
+    train_state.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
 
@@ -245,7 +246,7 @@ def test_preserved_rng_restores_every_generator():
     seed()
     want = draw()
     seed()
-    with engine.preserved_rng():
+    with train_state.preserved_rng():
         draw()
     assert draw() == want
 
@@ -267,24 +268,24 @@ class _FakeCuda:
 
 
 def test_cuda_rng_state_is_the_own_device_only(monkeypatch):
-    saved = engine.get_rng_state()
+    saved = train_state.get_rng_state()
     cuda = _FakeCuda(device=3, n_devices=8)
     cuda.install(monkeypatch)
-    state = engine.get_rng_state()
+    state = train_state.get_rng_state()
     assert torch.equal(state['cuda'], torch.tensor([3], dtype=torch.uint8))
     one = _FakeCuda(device=0, n_devices=1)  # resumed with one visible GPU per process
     one.install(monkeypatch)
-    engine.set_rng_state(state)
+    train_state.set_rng_state(state)
     assert one.set == [(3, 0)]
     old = dict(state, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)])  # older list form
-    engine.set_rng_state(old)
+    train_state.set_rng_state(old)
     assert one.set[-1] == (0, 0)
     few = _FakeCuda(device=2, n_devices=4)
     few.install(monkeypatch)
-    engine.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
+    train_state.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
     assert few.set == []
     monkeypatch.undo()
-    engine.set_rng_state(saved)
+    train_state.set_rng_state(saved)
 
 
 def test_progress_lines_and_epoch_loss_are_those_of_every_micro_batch_loss(one_thread, capsys):

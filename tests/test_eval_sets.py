@@ -5,12 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from image_folders import assert_one_line_error, make_args, make_folder, save_img
+from image_folders import assert_one_line_error, dataset_of, eval_sets_of, make_args, make_folder, save_img
 from PIL import Image
 from test_engine import count_host_reads
 from torch.utils.data import DataLoader
 
-import datasets as D
 import engine
 import eval_sets as E
 import image_folder as IF
@@ -44,8 +43,8 @@ def test_imagenet_v2_numeric_folders_labelled_by_value(tmp_path):
     v2 = tmp_path / 'v2'
     for i in range(12):
         save_img(str(v2 / str(i) / 'a.png'), (i * 20, 0, 0))
-    dv, nc = D.build_dataset(False, make_args(data_path=root))
-    (name, ds), = E.build_eval_sets(make_args(eval_sets=[f'V2={v2}']), dv)
+    dv, nc = dataset_of(False, make_args(data_path=root))
+    (name, ds), = eval_sets_of(make_args(eval_sets=[f'V2={v2}']), dv)
     assert name == 'V2' and len(ds) == 12 and nc == 12
     for path, target in ds.samples:
         assert target == int(os.path.basename(os.path.dirname(path)))
@@ -57,13 +56,13 @@ def test_imagenet_v2_numeric_folders_labelled_by_value(tmp_path):
 
 def test_eval_set_with_class_names_and_unknown_names(tmp_path):
     root = make_folder(tmp_path / 'd', classes=('a', 'b', 'c'), n=1, splits=('val',))
-    dv, _ = D.build_dataset(False, make_args(data_path=root))
+    dv, _ = dataset_of(False, make_args(data_path=root))
     make_folder(tmp_path / 'sub', classes=('c',), n=2, splits=('x',))
-    (name, ds), = E.build_eval_sets(make_args(eval_sets=[str(tmp_path / 'sub' / 'x')]), dv)
+    (name, ds), = eval_sets_of(make_args(eval_sets=[str(tmp_path / 'sub' / 'x')]), dv)
     assert name == 'x' and ds.targets == [2, 2] and ds.classes == ['a', 'b', 'c']
     save_img(str(tmp_path / 'sub' / 'x' / 'zebra' / '0.png'))
     with pytest.raises(IF.DataLayoutError) as e:
-        E.build_eval_sets(make_args(eval_sets=[str(tmp_path / 'sub' / 'x')]), dv)
+        eval_sets_of(make_args(eval_sets=[str(tmp_path / 'sub' / 'x')]), dv)
     assert_one_line_error(e, 'zebra')
 
 
@@ -88,7 +87,7 @@ def test_real_labels_scoring(tmp_path):
         save_img(str(root / 'val' / c / f'ILSVRC2012_val_{i + 1:08d}.JPEG'), (i * 60, 0, 0), fmt='JPEG')
     real = tmp_path / 'real.json'
     real.write_text(json.dumps([[0], [1, 2], [], [2, 9]]))
-    dv, _ = D.build_dataset(False, make_args(data_path=str(root)))
+    dv, _ = dataset_of(False, make_args(data_path=str(root)))
     order = [int(os.path.basename(p)[15:23]) - 1 for p, _ in dv.samples]  # file number of each sample
     preds_by_file = [0, 2, 1, 0]  # hit, hit (2 in [1, 2]), unlabelled, top-1 miss but top-5 hit
     means = [float(dv[i][0].mean()) for i in range(len(dv))]
@@ -113,7 +112,7 @@ def test_real_labels_scoring(tmp_path):
 
 def test_real_labels_need_imagenet_file_names(tmp_path):
     root = make_folder(tmp_path / 'd', splits=('val',))
-    dv, _ = D.build_dataset(False, make_args(data_path=root))
+    dv, _ = dataset_of(False, make_args(data_path=root))
     with pytest.raises(IF.DataLayoutError) as e:
         E.RealLabels(dv)
     assert_one_line_error(e, '0.png', 'ILSVRC2012_val_', '1000-class ImageNet validation set', 'drop --real-labels')

@@ -390,7 +390,7 @@ def test_autocast_runs_the_attention_core_in_fp32(monkeypatch):
 
 
 def test_fvcore_counts_are_identical():
-    from models.flops import count_flops
+    from models.flop_count import count_flops
     model = timm.create_model('NALAFORMER_XT')
     fast = count_flops(model, (3, 64, 96))
     model.set_fast_path(False)

@@ -1,4 +1,4 @@
-"""FLOP counting: plain fvcore sees the same model as models.flops, tracers take the plain path, and the
+"""FLOP counting: plain fvcore sees the same model as models.flop_count, tracers take the plain path, and the
 tools/flops.py command line."""
 import ast
 import logging
@@ -11,7 +11,7 @@ import torch
 from conftest import REPO
 
 import models  # noqa: F401  (registers the variants)
-from models.flops import count_flops, count_params
+from models.flop_count import count_flops, count_params
 from models.ops import use_plain_ops
 
 

@@ -6,11 +6,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from image_folders import assert_one_line_error, make_args, make_folder, save_img
+from image_folders import assert_one_line_error, dataset_of, make_args, make_folder, save_img
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
-import datasets as D
 import image_folder as IF
 
 
@@ -24,7 +23,7 @@ def test_non_image_files_counted_and_warned(tmp_path):
     save_img(os.path.join(root, 'train', 'cat', '.ipynb_checkpoints', '0-checkpoint.png'))
     save_img(os.path.join(root, 'train', 'cat', 'extra', 'sub.png'))  # nested images are read
     with pytest.warns(UserWarning, match=r'skipped 2 non-image file'):
-        ds, nc = D.build_dataset(True, make_args(data_path=root))
+        ds, nc = dataset_of(True, make_args(data_path=root))
     assert nc == 2 and len(ds) == 7 and len(ds.skipped_files) == 2
     assert all(p.endswith('.png') for p, _ in ds.samples)
 
@@ -46,7 +45,7 @@ def corrupt_folder(tmp_path):
 
 def test_corrupt_train_image_replaced_and_reported(tmp_path):
     root, trunc, _ = corrupt_folder(tmp_path)
-    ds, _ = D.build_dataset(True, make_args(data_path=root))
+    ds, _ = dataset_of(True, make_args(data_path=root))
     i = [p for p, _ in ds.samples].index(trunc)
     with pytest.warns(IF.BadSampleWarning, match=trunc):
         x, y = ds[i]
@@ -62,7 +61,7 @@ def test_corrupt_train_image_replaced_and_reported(tmp_path):
 def _rank_finds_bad(rank, root, trunc, init_file, out):
     import torch.distributed as dist
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
-    ds, _ = D.build_dataset(True, make_args(data_path=root))
+    ds, _ = dataset_of(True, make_args(data_path=root))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         ds[[p for p, _ in ds.samples].index(trunc)]  # both ranks load the same bad file (RA repeats)
@@ -91,7 +90,7 @@ def test_bad_count_across_ranks_counts_each_file_once(tmp_path):
 
 def test_corrupt_image_seen_by_worker_is_visible_in_main(tmp_path):
     root, trunc, _ = corrupt_folder(tmp_path)
-    ds, _ = D.build_dataset(True, make_args(data_path=root))
+    ds, _ = dataset_of(True, make_args(data_path=root))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         n = sum(len(y) for _, y in DataLoader(ds, batch_size=2, num_workers=2))
@@ -101,17 +100,17 @@ def test_corrupt_image_seen_by_worker_is_visible_in_main(tmp_path):
 
 def test_strict_data_raises_naming_file(tmp_path):
     root, trunc, garbage = corrupt_folder(tmp_path)
-    ds, _ = D.build_dataset(True, make_args(data_path=root, strict_data=True))
+    ds, _ = dataset_of(True, make_args(data_path=root, strict_data=True))
     with pytest.raises(IF.BadSampleError, match=trunc):
         ds[[p for p, _ in ds.samples].index(trunc)]
-    dv, _ = D.build_dataset(False, make_args(data_path=root, strict_data=True))
+    dv, _ = dataset_of(False, make_args(data_path=root, strict_data=True))
     with pytest.raises(IF.BadSampleError, match=garbage):
         dv[[p for p, _ in dv.samples].index(garbage)]
 
 
 def test_corrupt_eval_image_is_ignored_not_miscounted(tmp_path):
     root, _, garbage = corrupt_folder(tmp_path)
-    dv, _ = D.build_dataset(False, make_args(data_path=root))
+    dv, _ = dataset_of(False, make_args(data_path=root))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         targets = torch.cat([y for _, y in DataLoader(dv, batch_size=4)])
@@ -127,7 +126,7 @@ def test_symlink_loop_in_class_folder_is_not_followed(tmp_path):
     os.symlink('..', loop)
     for follow in (False, True):
         with pytest.warns(UserWarning, match=r'did not follow 1 directory link') as rec:
-            ds, nc = D.build_dataset(True, make_args(data_path=root, follow_links=follow))
+            ds, nc = dataset_of(True, make_args(data_path=root, follow_links=follow))
         assert (nc, len(ds)) == (2, 6)
         assert [t for _, t in ds.samples] == [0, 0, 0, 1, 1, 1]
         msgs = [str(w.message) for w in rec if 'directory link' in str(w.message)]
@@ -143,10 +142,10 @@ def test_follow_links_reads_outside_folders_but_not_other_classes(tmp_path):
     os.symlink(str(tmp_path / 'extra'), os.path.join(root, 'train', 'class0', 'more'))
     os.symlink(os.path.join('..', 'class1'), os.path.join(root, 'train', 'class0', 'other'))
     with pytest.warns(UserWarning, match=r'did not follow 2 directory link'):
-        ds, _ = D.build_dataset(True, make_args(data_path=root))
+        ds, _ = dataset_of(True, make_args(data_path=root))
     assert len(ds) == 6
     with pytest.warns(UserWarning, match=r'did not follow 1 directory link.*other.*back into') as rec:
-        ds, _ = D.build_dataset(True, make_args(data_path=root, follow_links=True))
+        ds, _ = dataset_of(True, make_args(data_path=root, follow_links=True))
     assert len(ds) == 8 and [t for _, t in ds.samples].count(0) == 5
     assert 'more' not in ' '.join(str(w.message) for w in rec)
 
@@ -157,7 +156,7 @@ def test_broken_class_folder_link_is_an_error(tmp_path):
         os.symlink(str(tmp_path / 'gone'), os.path.join(root, split, 'zebra'))
     for is_train in (True, False):
         with pytest.raises(IF.DataLayoutError) as e:
-            D.build_dataset(is_train, make_args(data_path=root))
+            dataset_of(is_train, make_args(data_path=root))
         assert_one_line_error(e, os.path.join(root, 'train' if is_train else 'val', 'zebra'),
                               'broken link')
 
@@ -166,7 +165,7 @@ def test_class_folder_linking_to_its_split_is_an_error(tmp_path):
     root = make_folder(tmp_path / 'd', splits=('val',))
     os.symlink('.', os.path.join(root, 'val', 'all'))
     with pytest.raises(IF.DataLayoutError) as e:
-        D.build_dataset(False, make_args(data_path=root))
+        dataset_of(False, make_args(data_path=root))
     assert_one_line_error(e, os.path.join(root, 'val', 'all'), 'loop')
 
 

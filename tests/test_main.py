@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import parse
+from conftest import optimizer_of, parse, scheduler_of
+from image_folders import loaders_of
 
+import checkpoint
 import cli
-import loaders
+import datasets
+import distributed
 import main
 import models
-from models.flops import count_flops
+from models.flop_count import count_flops
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -60,13 +63,13 @@ def test_layer_decay_scales_lr_by_depth(one_thread):
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.5', '--lr', '1e-3',
                                               '--warmup-epochs', '0', '--epochs', '10'])
     model = timm.create_model('NALAFORMER_XT', num_classes=10)
-    optimizer = cli.build_optimizer(args, model)
-    scheduler = cli.build_lr_scheduler(args, optimizer)
+    optimizer = optimizer_of(args, model)
+    scheduler = scheduler_of(args, optimizer)
     scheduler.step(3)
     # the schedule's LR at epoch 3, from the same flags without layer decay
     args.layer_decay = None
-    plain = cli.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
-    cli.build_lr_scheduler(args, plain).step(3)
+    plain = optimizer_of(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    scheduler_of(args, plain).step(3)
     sched_lr = plain.param_groups[0]['lr']
     assert sched_lr < 1e-3
     group_of = {id(p): g for g in optimizer.param_groups for p in g['params']}
@@ -82,7 +85,7 @@ def test_layer_decay_scales_lr_by_depth(one_thread):
 
 def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--lr', '1e-3'])
-    optimizer = cli.build_optimizer(args, timm.create_model('NALAFORMER_XT', num_classes=10))
+    optimizer = optimizer_of(args, timm.create_model('NALAFORMER_XT', num_classes=10))
     assert {g['lr'] for g in optimizer.param_groups} == {1e-3}
     assert all(g.get('lr_scale', 1.0) == 1.0 for g in optimizer.param_groups)
 
@@ -90,12 +93,12 @@ def test_without_layer_decay_every_group_has_the_base_lr(one_thread):
 def test_adam_and_adamw_take_the_fused_kernel_when_every_parameter_is_on_a_gpu(monkeypatch):
     model = torch.nn.Linear(4, 3)
     adamw = cli.get_args_parser().parse_args(['--opt', 'adamw'])
-    cpu = cli.build_optimizer(adamw, model)
+    cpu = optimizer_of(adamw, model)
     assert not cpu.defaults.get('fused')  # on the CPU: torch's default, the multi-tensor kernel
     monkeypatch.setattr(torch.Tensor, 'is_cuda', property(lambda self: True))  # the parameters "on a GPU"
-    gpu = cli.build_optimizer(adamw, model)
-    adam = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'adam']), model)
-    sgd = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'sgd']), model)
+    gpu = optimizer_of(adamw, model)
+    adam = optimizer_of(cli.get_args_parser().parse_args(['--opt', 'adam']), model)
+    sgd = optimizer_of(cli.get_args_parser().parse_args(['--opt', 'sgd']), model)
     monkeypatch.undo()
     assert gpu.defaults['fused'] and adam.defaults['fused'] and not sgd.defaults.get('fused')
     # a checkpoint keeps the kernel of the run that loads it, not that of the run that wrote it
@@ -111,7 +114,7 @@ def test_a_lookahead_optimizer_is_built_and_resumed_with_the_kernel_of_its_run()
     """timm's Lookahead wraps the optimizer without the hooks of torch's Optimizer: the kernel choice rides on
     the optimizer it wraps, which loads the state."""
     model = torch.nn.Linear(4, 3)
-    optimizer = cli.build_optimizer(cli.get_args_parser().parse_args(['--opt', 'lookahead_adamw']), model)
+    optimizer = optimizer_of(cli.get_args_parser().parse_args(['--opt', 'lookahead_adamw']), model)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     saved = optimizer.state_dict()
@@ -130,7 +133,7 @@ def _expected_lr(e, lr, epochs, warmup, warmup_lr, min_lr):
 def test_lr_of_every_epoch_is_the_intended_one():
     a = parse('--epochs', '30', '--lr', '1e-3', '--warmup-epochs', '5')
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched = cli.build_lr_scheduler(a, opt)
+    sched = scheduler_of(a, opt)
     for e in range(a.epochs):
         sched.step(e)  # as main.py does at the start of epoch e
         assert opt.param_groups[0]['lr'] == pytest.approx(_expected_lr(e, 1e-3, 30, 5, 1e-6, 1e-5), rel=1e-9), e
@@ -144,11 +147,11 @@ def test_lr_of_every_epoch_is_the_intended_one():
 def test_scheduler_state_round_trip_keeps_lr():
     a = parse('--epochs', '10')
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched = cli.build_lr_scheduler(a, opt)
+    sched = scheduler_of(a, opt)
     sched.step(3)
     sd = sched.state_dict()
     opt2 = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=a.lr)
-    sched2 = cli.build_lr_scheduler(a, opt2)
+    sched2 = scheduler_of(a, opt2)
     sched2.load_state_dict(sd)
     for e in range(4, 10):
         sched.step(e)
@@ -203,7 +206,7 @@ def draws(loader) -> list:
 
 def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     torch.manual_seed(0)
-    sampler, train, _ = loaders.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler, train, _ = loaders_of(loader_args(2), RandomDraws(), RandomDraws())
     sampler.set_epoch(0)
     draws(train)                         # epoch 0
     state = torch.get_rng_state()        # what a checkpoint after epoch 0 holds
@@ -211,7 +214,7 @@ def test_an_epoch_replays_from_the_rng_state_saved_at_its_start():
     epoch1 = draws(train)
 
     torch.set_rng_state(state)           # a resumed run: fresh loaders, the saved state
-    sampler2, train2, _ = loaders.build_loaders(loader_args(2), RandomDraws(), RandomDraws())
+    sampler2, train2, _ = loaders_of(loader_args(2), RandomDraws(), RandomDraws())
     sampler2.set_epoch(1)
     assert draws(train2) == epoch1
 
@@ -232,7 +235,7 @@ def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch(
     workers that torch starts for that epoch (a plain DataLoader), from the same random state at its start."""
     args = loader_args(2)
     torch.manual_seed(0)
-    sampler, train, _ = loaders.build_loaders(args, WorkerDraws(), WorkerDraws())
+    sampler, train, _ = loaders_of(args, WorkerDraws(), WorkerDraws())
     persistent = []
     for epoch in range(2):
         sampler.set_epoch(epoch)
@@ -252,10 +255,11 @@ def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch(
 
 
 LOADER_LEFT_ALIVE = """
-import sys, torch, loaders
+import sys, torch
 sys.path.insert(0, 'tests')
+from image_folders import loaders_of
 from test_main import WorkerDraws, loader_args
-_, train, _ = loaders.build_loaders(loader_args(1), WorkerDraws(), WorkerDraws())
+_, train, _ = loaders_of(loader_args(1), WorkerDraws(), WorkerDraws())
 keep = [next(iter(train))]  # a loader alive to the end, its worker waiting for work
 print('loaded', flush=True)
 """
@@ -273,7 +277,7 @@ def test_a_loader_left_alive_does_not_hold_up_the_exit():
 
 def test_no_workers_loads_in_process():
     data = torch.utils.data.TensorDataset(torch.arange(8.0))
-    _, train, val = loaders.build_loaders(loader_args(0), data, data)
+    _, train, val = loaders_of(loader_args(0), data, data)
     assert train.num_workers == 0 and not train.persistent_workers
     assert len(list(val)) == 2
 
@@ -303,9 +307,9 @@ def test_compile_keeps_batchnorm_per_process_and_covers_evaluation(compile_, syn
 
     monkeypatch.setattr(torch.nn.parallel, 'DistributedDataParallel', FakeDDP)
     monkeypatch.setattr(torch, 'compile', lambda m: compiled.append(m) or ('compiled', m))
-    args = argparse.Namespace(distributed=True, sync_bn=sync_bn, compile=compile_)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
-    train_model, bare, eval_model = main.wrap_model(args, model, torch.device('cuda', 0))
+    train_model, bare, eval_model = distributed.wrap_model(model, torch.device('cuda', 0), distributed=True,
+                                                           sync_bn=sync_bn, compile=compile_)
     has_sync = any(isinstance(m, torch.nn.SyncBatchNorm) for m in bare.modules())
     out = capsys.readouterr().out
     assert wrapped == [bare]
@@ -343,8 +347,9 @@ def test_the_eval_transform_is_the_checkpoints_unless_the_command_line_names_one
     path = _saved(tmp_path, args={'model': 'NALAFORMER_XT', **recorded}) if recorded else \
         _saved(tmp_path) if recorded == {} else ''
     args = parse('--model', 'NALAFORMER_XT', *argv)
-    cli.resolve_eval_transform(args, path)
-    assert (args.input_size, args.eval_crop_ratio) == expected
+    cli.resolve_eval_transform(args, path, checkpoint.recorded_args(path) if path else {})
+    cfg = datasets.data_config(args.model, args.input_size, args.eval_crop_ratio)  # main.py's one data config
+    assert (cfg['input_size'][-1], args.eval_crop_ratio) == expected
     out = capsys.readouterr().out
     assert printed.replace('CK', path) in out if printed else out == ''
 

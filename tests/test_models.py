@@ -13,7 +13,7 @@ from conftest import REPO
 from reference_impl import read_keys, reference_forward, seeded_state_dict
 
 from models import VARIANTS
-from models.flops import count_flops, count_params
+from models.flop_count import count_flops, count_params
 from models.nala import NALA_EPS, RoPE, apply_rope, nala_attention_fast, nala_attention_plain, nala_kernel_terms
 from models.nalaformer import from_reference_layout, to_reference_layout
 
@@ -257,6 +257,21 @@ def test_create_model_kwargs_reach_the_model():
     assert rates == pytest.approx([0.2 * i / 11 for i in range(12)])  # linear over all blocks, in block order
     assert model.head_drop.p == 0.3
     assert 'nalaformer_xt' in timm.list_models('nalaformer*') and 'NALAFORMER_L' in timm.list_models('NALAFORMER*')
+
+
+def test_every_row_of_the_variant_table_is_registered_under_both_names():
+    """The table is the one place a variant is defined: each row is a timm model (capitals and lowercase),
+    with its pretrained cfg and an entry point named after it, building the row's architecture."""
+    import models.nalaformer as family
+    from models.nalaformer import MODEL_NAMES, PAPER_FIGURES
+    assert set(MODEL_NAMES) == set(VARIANTS) | {v.lower() for v in VARIANTS}
+    assert set(timm.list_models(['NALAFORMER*', 'nalaformer*'])) == set(MODEL_NAMES)
+    assert PAPER_FIGURES == {name: row['paper'] for name, row in VARIANTS.items()}
+    for name in MODEL_NAMES:
+        assert timm.models.get_pretrained_cfg(name).architecture == name
+        assert getattr(family, name).__name__ == name
+    model = timm.create_model('nalaformer_s')
+    assert [len(s.blocks) for s in model.layers] == list(VARIANTS['NALAFORMER_S']['depths'])
 
 
 def test_pretrained_cfg():

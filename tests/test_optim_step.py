@@ -5,9 +5,11 @@ import pytest
 import torch
 from test_engine import Loader, assert_bitwise_equal, batches, bn_model, ce, linear_model, poisoned
 
+import ema
 import engine
 import optim_step
-import utils
+import precision
+import signals
 
 
 def tf32_reads():
@@ -32,19 +34,19 @@ def tf32_restored():
 
 def test_set_tf32_leaves_the_backend_alone_off_cuda(tf32_restored):
     flags = tf32_reads()
-    assert optim_step.set_tf32('cpu', True) is False
-    assert optim_step.set_tf32(torch.device('cpu'), False) is False
+    assert precision.set_tf32('cpu', True) is False
+    assert precision.set_tf32(torch.device('cpu'), False) is False
     assert tf32_reads() == flags
 
 
 def test_set_tf32_on_cuda_keeps_every_precision_read_working(tf32_restored):
     # the flags are plain settings: they can be set (and are restored) without a GPU; mixing the
     # older and newer setting APIs would make the older reads raise RuntimeError
-    assert optim_step.set_tf32('cuda', True) is True
+    assert precision.set_tf32('cuda', True) is True
     on = tf32_reads()
     assert on['matmul precision'] == 'high' and on['matmul allow_tf32'] and on['cudnn allow_tf32']
     assert on.get('matmul fp32_precision', 'tf32') == 'tf32' and on.get('conv fp32_precision', 'tf32') == 'tf32'
-    optim_step.set_tf32('cuda:0', False)
+    precision.set_tf32('cuda:0', False)
     off = tf32_reads()
     assert off['matmul precision'] == 'highest' and not off['matmul allow_tf32'] and not off['cudnn allow_tf32']
     assert off.get('matmul fp32_precision', 'ieee') == 'ieee' and off.get('conv fp32_precision') != 'tf32'
@@ -92,7 +94,7 @@ def test_accumulating_two_batches_equals_one_double_batch(one_thread):
 def test_a_shorter_last_window_still_steps_and_stops_only_at_window_boundaries(one_thread):
     _, _, _, opt = run_accum(batches(5), 2)
     assert steps(opt) == 3  # windows of 2, 2 and 1 batches
-    flag = utils.StopFlag()
+    flag = signals.StopFlag()
     flag.signum = 15  # already requested: the first optimizer step ends the epoch
     _, _, res, opt = run_accum(batches(5), 2, stop_flag=flag)
     assert res.stopped and res.state.step == 2
@@ -327,12 +329,12 @@ def test_two_ranks_skip_a_window_alike_with_one_gradient_all_reduce_per_step(tmp
 
 
 def test_ema_update_equals_timms_state_dict_update_without_building_state_dicts(monkeypatch, one_thread):
-    """optim_step.ModelEma walks the modules' tensors instead of two state_dict() calls per step: the same numbers
+    """ema.ModelEma walks the modules' tensors instead of two state_dict() calls per step: the same numbers
     as timm's ModelEmaV3 (parameters and BatchNorm statistics averaged, the step counter copied), also after
     the EMA was moved (.to() replaces buffers, as an EMA evaluated on another device is)."""
     from timm.utils import ModelEmaV3
     model = bn_model()
-    ours, timms = optim_step.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
+    ours, timms = ema.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i, (x, y) in enumerate(batches(4)):
         opt.zero_grad()

@@ -2,7 +2,6 @@
 import csv
 import io
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -41,8 +40,7 @@ def _checkpoint(tmp_path, input_size=48, crop=0.9, num_classes=4):
 
 def _expected(ema, paths, input_size, crop, k):
     """Top-k of ``ema`` on ``paths`` through main.py --eval's transform at ``input_size`` and ``crop``."""
-    tf = datasets.build_transform(False, SimpleNamespace(model='NALAFORMER_XT', input_size=input_size,
-                                                         eval_crop_ratio=crop))
+    tf = datasets.build_transform(False, datasets.data_config('NALAFORMER_XT', input_size, crop))
     x = torch.stack([tf(Image.open(p).convert('RGB')) for p in paths])
     with torch.no_grad():
         probs = ema.eval()(x).softmax(1)

@@ -9,17 +9,18 @@ import socket
 
 import pytest
 import torch
-from conftest import parse
+from conftest import parse, run_dir_of
 from test_world import _tiny_run
 from thread_world import ThreadWorld
 from torchvision.datasets import ImageFolder
 
-import checkpoint
 import checkpoint_io
 import distributed
 import loaders
 import metrics
+import resume
 import run_dir
+import run_lock
 from errors import CheckpointError, UserError
 
 HOST = socket.gethostname()
@@ -79,8 +80,8 @@ def test_a_lock_file_that_cannot_be_written_stops_every_rank(world, tmp_path, mo
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
     monkeypatch.setattr(run_dir.os, 'pwrite', quota)
     out = tmp_path / 'out'
-    results = world.run(lambda rank: run_dir.prepare_output_dir(parse('--output_dir', str(out)), 'cpu'))
-    assert_rank_failed(results, 0, f'cannot write the lock file {out}/{run_dir.LOCK_NAME}: '
+    results = world.run(lambda rank: run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(out))), 'cpu'))
+    assert_rank_failed(results, 0, f'cannot write the lock file {out}/{run_lock.LOCK_NAME}: '
                                    f'{os.strerror(errno.EDQUOT)}; make --output_dir writable or choose another')
 
 
@@ -117,7 +118,8 @@ def test_a_rank_that_sees_another_resume_checkpoint_stops_every_rank(tmp_path, m
     _tiny_run(tmp_path).save(0, {}, ['checkpoint.pth'])
     world = ThreadWorld(2, monkeypatch)
     seen_by(world, blind, monkeypatch)
-    results = world.run(lambda rank: run_dir.agree_on_resume_path(parse('--output_dir', str(tmp_path)), 'cpu'))
+    settings = run_dir_of(parse('--output_dir', str(tmp_path)))
+    results = world.run(lambda rank: run_dir.agree_on_resume_path(settings, 'cpu'))
     fix = ('every node must see the same --output_dir (a shared filesystem), or pass --resume with a path every '
            'node sees')
     path = f'{tmp_path}/checkpoint.pth'
@@ -130,7 +132,8 @@ def test_a_rank_that_sees_another_resume_checkpoint_stops_every_rank(tmp_path, m
 def test_every_rank_takes_rank_0_resume_decision(tmp_path, monkeypatch):
     _tiny_run(tmp_path).save(0, {}, ['checkpoint.pth'])
     world = ThreadWorld(2, monkeypatch)
-    results = world.run(lambda rank: run_dir.agree_on_resume_path(parse('--output_dir', str(tmp_path)), 'cpu'))
+    settings = run_dir_of(parse('--output_dir', str(tmp_path)))
+    results = world.run(lambda rank: run_dir.agree_on_resume_path(settings, 'cpu'))
     assert results == [f'{tmp_path}/checkpoint.pth'] * 2
 
 
@@ -146,7 +149,7 @@ def test_ranks_that_read_different_checkpoints_under_one_name_stop_every_rank(tm
            for p in (path, str(tmp_path / 'b' / 'checkpoint.pth'))]
     world = ThreadWorld(2, monkeypatch)
     real = checkpoint_io.load_checkpoint_file
-    monkeypatch.setattr(checkpoint, 'load_checkpoint_file', lambda p, **kw: real(
+    monkeypatch.setattr(resume, 'load_checkpoint_file', lambda p, **kw: real(
         p.replace('/a/', '/b/') if world.rank() == 1 else p, **kw))  # rank 1's node holds another file there
     results = world.run(lambda rank: _tiny_run(tmp_path / 'a').resume(path))
     assert ids[0].startswith('epoch 0, sha256 ') and ids[1].startswith('epoch 1, sha256 ')
@@ -166,7 +169,7 @@ def test_a_rank_that_cannot_read_the_resumed_checkpoint_stops_every_rank(tmp_pat
         if world.rank() == 1:
             raise CheckpointError(f'checkpoint {p} does not exist')
         return real(p, **kw)
-    monkeypatch.setattr(checkpoint, 'load_checkpoint_file', load)
+    monkeypatch.setattr(resume, 'load_checkpoint_file', load)
     results = world.run(lambda rank: _tiny_run(tmp_path).resume(path))
     assert_rank_failed(results, 1, f'rank 1 on host {HOST} cannot read {path}, which rank 0 resumes from '
                                    f'(checkpoint {path} does not exist): every node must see the same --output_dir '

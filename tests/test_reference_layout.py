@@ -6,7 +6,7 @@ import os
 
 import timm
 import torch
-from conftest import REPO
+from conftest import REPO, TrainingRun, optimizer_of, scheduler_of
 from reference_impl import read_keys, reference_forward
 
 import checkpoint
@@ -90,7 +90,7 @@ def test_every_loader_takes_a_reference_layout_checkpoint(tmp_path, one_thread, 
     }
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--output_dir', str(tmp_path / 'run')])
     evaluated = _xt(9)                                                       # main.py --eval --resume
-    run = checkpoint.TrainingCheckpoints(args, evaluated, None, None, None, None, 7, 'cpu')
+    run = TrainingRun(args, evaluated, None, None, None, None, 7, 'cpu')
     run.resume(path, eval_only=True)
     assert _same(evaluated.state_dict(), raw.state_dict())
     _, ema_sd = weights.select_weights(run.resume(path, eval_only=True).ckpt, path, 'model_ema')
@@ -117,8 +117,8 @@ def test_training_resumes_bit_exactly_from_a_reference_layout_checkpoint(tmp_pat
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--layer-decay', '0.75', '--epochs', '4',
                                               '--output_dir', str(tmp_path / 'run')])
     model = _xt(0, drop_path_rate=0.0).train()
-    optimizer = cli.build_optimizer(args, model)
-    scheduler = cli.build_lr_scheduler(args, optimizer)
+    optimizer = optimizer_of(args, model)
+    scheduler = scheduler_of(args, optimizer)
     _step(model, optimizer, 1)
     path = str(tmp_path / 'old.pth')
     torch.save({'model': to_reference_layout(model.state_dict()), 'optimizer': optimizer.state_dict(),
@@ -126,8 +126,8 @@ def test_training_resumes_bit_exactly_from_a_reference_layout_checkpoint(tmp_pat
                 'args': checkpoint.args_to_dict(args)}, path)
 
     resumed = _xt(5, drop_path_rate=0.0).train()
-    resumed_opt = cli.build_optimizer(args, resumed)
-    run = checkpoint.TrainingCheckpoints(args, resumed, None, resumed_opt, cli.build_lr_scheduler(args, resumed_opt),
+    resumed_opt = optimizer_of(args, resumed)
+    run = TrainingRun(args, resumed, None, resumed_opt, scheduler_of(args, resumed_opt),
                                          None, 7, 'cpu')
     assert run.resume(path).start_epoch == 1
     _step(model, optimizer, 2)

@@ -1,5 +1,4 @@
 """tools/release.py: training checkpoint -> NAME-<sha8>.safetensors + model card, loadable through timm."""
-import argparse
 import hashlib
 import json
 import os
@@ -99,8 +98,7 @@ def test_model_card_code_gives_timm_users_main_evals_transform(tmp_path, one_thr
     scope = {}
     exec(code, scope)
     timm_eval = timm.data.create_transform(**timm.data.resolve_data_config({}, model=scope['model']))
-    main_eval = datasets.build_transform(False, argparse.Namespace(
-        model='NALAFORMER_XT', input_size=input_size, eval_crop_ratio=0.875))
+    main_eval = datasets.build_transform(False, datasets.data_config('NALAFORMER_XT', input_size, 0.875))
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (37, 81, 3), dtype=np.uint8))
     assert torch.equal(timm_eval(img), main_eval(img)) and main_eval(img).shape == (3, input_size, input_size)
     torch.testing.assert_close(_logits(scope['model']), _logits(ema), rtol=0, atol=0)

@@ -15,6 +15,7 @@ from conftest import parse
 import cli
 import datasets
 import main
+import schedule
 from errors import UserError
 
 FLAGS = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--num_workers',
@@ -79,9 +80,8 @@ def test_the_recorded_model_check_lets_the_same_model_through(tmp_path, recorded
 def test_an_lr_below_min_lr_is_noted_with_both_values_and_the_fixes(argv, note):
     args = parse(*argv)
     global_batch = args.batch_size
-    if not args.unscale_lr:
-        args.lr *= global_batch / 512
-    assert cli.lr_floor_note(args, global_batch) == note
+    lr = schedule.scaled_lr(args.lr, global_batch, args.unscale_lr)
+    assert schedule.lr_floor_note(lr, cli.settings(schedule.Schedule, args), global_batch, args.unscale_lr) == note
 
 
 @pytest.fixture(scope='module')

@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 import timm
 import torch
+from conftest import optimizer_of, scheduler_of
 
 import cli
 import engine
@@ -48,8 +49,8 @@ def test_engine_logs_every_step_with_the_head_lr(tmp_path, one_thread):
     model = timm.create_model('NALAFORMER_XT', num_classes=3)
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--lr', '1e-3', '--layer-decay', '0.5',
                                               '--warmup-epochs', '0'])
-    optimizer = cli.build_optimizer(args, model)
-    cli.build_lr_scheduler(args, optimizer).step(2)  # as main.py does at the start of epoch 2
+    optimizer = optimizer_of(args, model)
+    scheduler_of(args, optimizer).step(2)  # as main.py does at the start of epoch 2
     head_lr = max(g['lr'] for g in optimizer.param_groups)
     assert min(g['lr'] for g in optimizer.param_groups) < head_lr / 100
     data = torch.utils.data.TensorDataset(torch.randn(6, 3, 32, 32), torch.tensor([0, 1, 2, 0, 1, 2]))

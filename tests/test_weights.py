@@ -1,5 +1,5 @@
-"""Weights into a model (weights.py, models/weights.py): the one rule by which every single-weights loader takes its
-weights, and the one-line diagnosis of files and weights that do not fit the model."""
+"""Weights into a model (weights.py, models/weight_files.py): the one rule by which every single-weights loader
+takes its weights, and the one-line diagnosis of files and weights that do not fit the model."""
 import fractions
 from argparse import Namespace
 

@@ -17,24 +17,28 @@ import torch
 from conftest import (
     PY,
     REPO,
+    TrainingRun,
     env,
     load,
     parse,
+    run_dir_of,
+    scheduler_of,
 )
 from PIL import Image
 
 import checkpoint
 import checkpoint_io
-import cli
-import engine
 import errors
 import exits
 import image_folder
+import resume
 import run_dir
+import run_lock
+import train_state
 
 # ------------------------------------------------------------------------------ one job per output dir
-LOCK_HOLDER = ('import sys, run_dir\n'
-               'assert run_dir.lock_run_dir(sys.argv[1]) is None\n'
+LOCK_HOLDER = ('import sys, run_lock\n'
+               'assert run_lock.lock_run_dir(sys.argv[1]) is None\n'
                'print("held", flush=True)\n'
                'sys.stdin.read()\n')
 
@@ -51,68 +55,68 @@ def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_p
     no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
     try:
         assert holder.stdout.readline().strip() == 'held'
-        err = run_dir.lock_run_dir(str(tmp_path))
+        err = run_lock.lock_run_dir(str(tmp_path))
         line = f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host '
         assert err and line in err
         # the holder's checkpoint being written: a refused job must not clean it away
         saving = tmp_path / (checkpoint_io.TMP_PREFIX + 'checkpoint.pth.x1')
         saving.write_bytes(b'half a checkpoint')
         with pytest.raises(errors.UserError, match='is in use by another run'):
-            run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path)), 'cpu')
+            run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path))), 'cpu')
         with pytest.raises(errors.UserError, match=re.escape(line)):
-            run_dir.prepare_output_dir(no_lock, 'cpu')
+            run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         with monkeypatch.context() as m:  # a filesystem whose locks fail: the recorded process still runs
-            m.setattr(run_dir.fcntl, 'lockf', _no_locks)
+            m.setattr(run_lock.fcntl, 'lockf', _no_locks)
             with pytest.raises(errors.UserError, match=re.escape(line)):
-                run_dir.prepare_output_dir(no_lock, 'cpu')
+                run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         assert saving.exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    run_dir.prepare_output_dir(no_lock, 'cpu')  # its process ended, so did its lock
-    assert str(tmp_path) not in run_dir._held_locks  # --no-lock took none
+    run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')  # its process ended, so did its lock
+    assert str(tmp_path) not in run_lock._held_locks  # --no-lock took none
     # nothing stale is left behind
-    assert run_dir.lock_run_dir(str(tmp_path)) is None
+    assert run_lock.lock_run_dir(str(tmp_path)) is None
 
 
 def test_no_lock_ignores_a_recorded_process_number_that_a_later_process_reuses(tmp_path):
-    lock = tmp_path / run_dir.LOCK_NAME
+    lock = tmp_path / run_lock.LOCK_NAME
     no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
     other = subprocess.Popen(['sleep', '30'])
     try:
         lock.write_text(f'PID {other.pid} on host {socket.gethostname()}\n')
         os.utime(lock, (time.time() - 60, time.time() - 60))  # written before that process started
-        run_dir.prepare_output_dir(no_lock, 'cpu')
+        run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         os.utime(lock)  # written after it started: the process that wrote it
         with pytest.raises(errors.UserError, match=f'is in use by another run \\(PID {other.pid} on host'):
-            run_dir.prepare_output_dir(no_lock, 'cpu')
+            run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
     finally:
         other.kill()
         other.wait()
 
 
 def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_dir.fcntl, 'lockf', _no_locks)
-    assert run_dir.lock_run_dir(str(tmp_path)) is None
+    monkeypatch.setattr(run_lock.fcntl, 'lockf', _no_locks)
+    assert run_lock.lock_run_dir(str(tmp_path)) is None
     out = capsys.readouterr().out
     assert 'does not support file locks' in out and 'running without a lock' in out
 
 
 def test_no_lock_leaves_the_output_dir_unlocked(tmp_path):
-    run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'a'), '--no-lock'), 'cpu')
-    assert not os.path.exists(tmp_path / 'a' / run_dir.LOCK_NAME)
-    run_dir.prepare_output_dir(parse('--output_dir', str(tmp_path / 'b')), 'cpu')
-    assert os.path.exists(tmp_path / 'b' / run_dir.LOCK_NAME)
+    run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'a'), '--no-lock')), 'cpu')
+    assert not os.path.exists(tmp_path / 'a' / run_lock.LOCK_NAME)
+    run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'b'))), 'cpu')
+    assert os.path.exists(tmp_path / 'b' / run_lock.LOCK_NAME)
 
 
 # ------------------------------------------------------------------------------ classes of a resumed run
 def _tiny_run(tmp_path, argv=(), classes=None, n_train_images=None):
-    """TrainingCheckpoints for a tiny model, with the optimizer and schedule main.py builds from `argv`."""
+    """A TrainingRun for a tiny model, with the optimizer and schedule main.py builds from `argv`."""
     from timm.optim import create_optimizer_v2
     args = parse('--output_dir', str(tmp_path), '--epochs', '4', '--no-model-ema', *argv)
     model = torch.nn.Linear(4, 3)
     opt = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay)
-    return checkpoint.TrainingCheckpoints(args, model, None, opt, cli.build_lr_scheduler(args, opt), None, 15, 'cpu',
+    return TrainingRun(args, model, None, opt, scheduler_of(args, opt), None, 15, 'cpu',
                                           classes=classes, n_train_images=n_train_images)
 
 
@@ -120,10 +124,10 @@ def test_other_classes_stop_a_resume_naming_the_first_difference(tmp_path, capsy
     _tiny_run(tmp_path, classes=['a', 'b', 'c'], n_train_images=24).save(0, {}, ['checkpoint.pth'])
     path = str(tmp_path / 'checkpoint.pth')
     assert load(path)['classes'] == ['a', 'b', 'c'] and load(path)['n_train_images'] == 24
-    with pytest.raises(checkpoint.CheckpointError, match=r"class 0 is 'a' in the checkpoint but 'd' in the data.*"
+    with pytest.raises(errors.CheckpointError, match=r"class 0 is 'a' in the checkpoint but 'd' in the data.*"
                                                          r"--finetune"):
         _tiny_run(tmp_path, classes=['d', 'b', 'c']).resume(path)
-    with pytest.raises(checkpoint.CheckpointError, match=r"3 classes, the data 4 \(class 3 'e' only in the data\)"):
+    with pytest.raises(errors.CheckpointError, match=r"3 classes, the data 4 \(class 3 'e' only in the data\)"):
         _tiny_run(tmp_path, classes=['a', 'b', 'c', 'e']).resume(path)
     _tiny_run(tmp_path, classes=['a', 'b', 'c'], n_train_images=30).resume(path)
     assert 'the training set has 30 images, 24 when the checkpoint was written' in capsys.readouterr().out
@@ -158,9 +162,9 @@ def test_a_changed_data_path_is_a_note_naming_both_paths(tmp_path, monkeypatch, 
 # ------------------------------------------------------------------------------ mid-epoch resume, other world
 def test_a_mid_epoch_checkpoint_under_another_batch_restarts_the_epoch(tmp_path, capsys):
     run = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24)
-    state = engine.EpochState(step=2, rng_state=engine.get_rng_state(),
-                              epoch_rng_state=engine.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
-    run.save(1, engine.epoch_state_entries(state), ['checkpoint.pth'])
+    state = train_state.EpochState(step=2, rng_state=train_state.get_rng_state(),
+                              epoch_rng_state=train_state.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
+    run.save(1, train_state.epoch_state_entries(state), ['checkpoint.pth'])
     path = str(tmp_path / 'checkpoint.pth')
     same = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24).resume(path)
     assert (same.start_epoch, same.state.step) == (1, 2)
@@ -220,12 +224,12 @@ def test_resume_notes_name_the_flags_and_what_they_change():
     now = parse('--batch-size', '4', '--accum-steps', '1', '--epochs', '3')
     now.world_size, now.lr = 2, 5e-4 * 8 / 512
     decay = 0.99996
-    lines = checkpoint.flag_changes(saved, now)
+    lines = resume.flag_changes(saved, vars(now))
     assert lines[0] == (f'--accum-steps 2 -> 1: global batch 16 -> 8, '
                         f'LR {5e-4 * 16 / 512:.4g} -> {5e-4 * 8 / 512:.4g}, '
                         f'EMA decay {decay ** (16 / 512):.8g} -> {decay ** (8 / 512):.8g}')
     assert lines[1:] == ['--epochs 2 -> 3']
-    assert checkpoint.flag_changes(saved, parse()) != [] and checkpoint.flag_changes({}, now) == []
+    assert resume.flag_changes(saved, vars(parse())) != [] and resume.flag_changes({}, vars(now)) == []
 
 
 # ------------------------------------------------------------------------------ file names in messages
@@ -245,6 +249,6 @@ def test_a_deleted_output_dir_is_reported_as_gone(tmp_path):
     out.mkdir()
     checkpoint_io.save_atomic({'epoch': 0}, str(out / 'checkpoint.pth'))
     shutil.rmtree(out)  # the whole run directory deleted while the run goes on
-    with pytest.raises(checkpoint.CheckpointWriteError) as e:
+    with pytest.raises(errors.CheckpointWriteError) as e:
         checkpoint_io.save_atomic({'epoch': 1}, str(out / 'checkpoint.pth'))
     assert f'the output directory {out} is gone' in str(e.value) and 'is kept' not in str(e.value)

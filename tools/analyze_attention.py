@@ -40,7 +40,6 @@ import json
 import math
 import os
 import sys
-from argparse import Namespace
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -491,15 +490,12 @@ def images_from_dir(root: str, cfg: dict[str, Any], limit: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def digits_images(cfg: dict[str, Any], limit: int, data_path: str | None,
-                  model: str | None = None) -> torch.Tensor:
-    """The first ``limit`` images of the DIGITS validation split, through datasets.build_dataset with
-    ``model``'s data config at the input size and crop of ``cfg`` (written once under ``data_path``,
-    default ./data/digits)."""
-    from cli import get_args_parser
-    args = get_args_parser().parse_args(['--data-set', 'DIGITS'], namespace=Namespace(
-        data_path=data_path, model=model, input_size=cfg['input_size'][-1], eval_crop_ratio=cfg['crop_pct']))
-    ds, _ = datasets.build_dataset(False, args)
+def digits_images(cfg: dict[str, Any], limit: int, data_path: str | None) -> torch.Tensor:
+    """The first ``limit`` images of the DIGITS validation split (written once under ``data_path``, default
+    ./data/digits), through datasets.build_dataset with the evaluation transform of the data config ``cfg``."""
+    source = datasets.DataSource(data_set='DIGITS', data_path=data_path, inat_category='name', strict_data=False,
+                                 follow_links=False)
+    ds, _ = datasets.build_dataset(False, source, datasets.build_transform(False, cfg))
     return torch.stack([ds[i][0] for i in range(min(limit, len(ds)))])
 
 
@@ -583,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     input_size = cfg['input_size'][-1]
     if not 0 <= args.stage < len(model.layers):
         raise SystemExit(f'analyze_attention: error: --stage {args.stage} out of range 0..{len(model.layers) - 1}')
-    images = (digits_images(cfg, args.num_images, args.data_path, args.model) if args.data_set
+    images = (digits_images(cfg, args.num_images, args.data_path) if args.data_set
               else images_from_dir(args.images, cfg, args.num_images))
     captured = capture(model, images, args.batch_size)
     kinds = {s: stage_kind(model, s) for s in range(len(model.layers))}

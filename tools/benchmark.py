@@ -57,10 +57,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import timm
 from timm.models import get_pretrained_cfg
 
+import cpu
 import engine
 import models  # noqa: F401  (registers the variants)
 import optim_step
-import utils
+import precision
+from ema import ModelEma
 from models import VARIANTS
 from tools.published import published_top1
 
@@ -158,12 +160,12 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str
         model.eval()
 
         def step() -> None:
-            with torch.no_grad(), optim_step.autocast(device, amp_dtype(dtype)):
+            with torch.no_grad(), precision.autocast(device, amp_dtype(dtype)):
                 fwd(x)
         return step, None
 
     model.train()
-    # main.py's AdamW: the fused kernel on a GPU (cli.build_optimizer)
+    # main.py's AdamW: the fused kernel on a GPU (optimizer.build_optimizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05,
                                   **({'fused': True} if device.type == 'cuda' else {}))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
@@ -529,7 +531,8 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
     import contextlib
     import io
 
-    from cli import build_optimizer, get_args_parser
+    from cli import get_args_parser, settings
+    from optimizer import OptimizerSettings, build_optimizer
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)
     model = create_any(name, device, True, x.shape[-2:]).train()
@@ -537,14 +540,14 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
 
     def bare() -> None:
         model.zero_grad(set_to_none=True)
-        with optim_step.autocast(device, amp_dtype(dtype)):
+        with precision.autocast(device, amp_dtype(dtype)):
             loss = cross_entropy(model(x), target)
         loss.backward()
     bare_s = statistics.median(time_call(bare, device, args.steps, args.warmup))
-    optimizer = build_optimizer(get_args_parser().parse_args(['--model', name]), model)
+    optimizer = build_optimizer(model, settings(OptimizerSettings, get_args_parser().parse_args(['--model', name])))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype(dtype), scaler)
-    ema = optim_step.ModelEma(model, decay=0.9999)
+    ema = ModelEma(model, decay=0.9999)
 
     def epoch(n: int) -> None:
         with contextlib.redirect_stdout(io.StringIO()):  # the epoch's progress lines
@@ -573,14 +576,11 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict
 
     from torchvision.datasets import ImageFolder
 
-    import datasets
-    from cli import get_args_parser
-    from utils import available_cpus
+    from cpu import available_cpus
     workers = (args.data_workers or [available_cpus()])[0]
-    recipe = get_args_parser().parse_args(['--input-size', str(args.input_size[0])])
     with tempfile.TemporaryDirectory(prefix='nalaformer-photos-') as root:
         make_photo_jpegs(root, count=args.loader_images)
-        dataset = ImageFolder(root, transform=datasets.build_transform(True, recipe, uint8=True))
+        dataset = ImageFolder(root, transform=recipe_train_transform(args.input_size[0], uint8=True))
         n_batches = max(8, 4 * workers)
         sampler = torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=n_batches * args.batch_size)
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
@@ -592,7 +592,7 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict
             seen += images.shape[0]
         img_s = seen / (time.perf_counter() - start)
     per_worker = img_s / max(workers, 1)
-    row = dict(part='loader', workers=workers, batch_size=args.batch_size, input_size=recipe.input_size,
+    row = dict(part='loader', workers=workers, batch_size=args.batch_size, input_size=args.input_size[0],
                img_s=img_s, img_s_per_worker=per_worker,
                workers_needed={r['model']: math.ceil(r['engine_img_s'] / per_worker) for r in engine_rows})
     print(f"loader, {workers} workers (main.py's uint8 train transform, photo JPEGs): {img_s:.0f} img/s, "
@@ -709,6 +709,15 @@ def make_photo_jpegs(root: str, count: int = 200, quality: int = 90, classes: in
         img.save(os.path.join(folder, f'{i:05d}.jpg'), quality=quality)
 
 
+def recipe_train_transform(input_size: int, uint8: bool = False):
+    """main.py's training transform with the recipe's flags (every default) at ``input_size``."""
+    import datasets
+    from cli import get_args_parser, settings
+    recipe = get_args_parser().parse_args(['--input-size', str(input_size)])
+    cfg = datasets.data_config(recipe.model, recipe.input_size, recipe.eval_crop_ratio)
+    return datasets.build_transform(True, cfg, settings(datasets.Augmentation, recipe), recipe.data_set, uint8)
+
+
 def _transform_times(dataset) -> tuple:
     """(wall s, process CPU s, per-image thread CPU s) of loading every item of ``dataset`` in this process."""
     import resource
@@ -733,17 +742,15 @@ def data_loading(args: argparse.Namespace) -> dict:
     Normalize, RandomErasing in the worker, as before) is given too."""
     from torchvision.datasets import ImageFolder
 
-    import datasets
-    from cli import get_args_parser
-    recipe = get_args_parser().parse_args(['--input-size', str((list(args.input_size) * 2)[0])])
-    dataset = ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe, uint8=True))
+    size = (list(args.input_size) * 2)[0]
+    dataset = ImageFolder(args.data_loading, transform=recipe_train_transform(size, uint8=True))
     torch.manual_seed(0)
     dataset[0]
     wall, cpu, per_image = _transform_times(dataset)
-    _, cpu_float, _ = _transform_times(ImageFolder(args.data_loading, transform=datasets.build_transform(True, recipe)))
+    _, cpu_float, _ = _transform_times(ImageFolder(args.data_loading, transform=recipe_train_transform(size)))
     ms = sorted(1e3 * t for t in per_image)
     quantiles = {f'p{q}': ms[min(len(ms) - 1, int(q / 100 * len(ms)))] for q in (10, 50, 90, 99)}
-    result = dict(data=args.data_loading, images=len(dataset), input_size=recipe.input_size,
+    result = dict(data=args.data_loading, images=len(dataset), input_size=size,
                   threads=torch.get_num_threads(), one_worker_img_s_wall=len(dataset) / wall,
                   one_worker_img_s_cpu=len(dataset) / cpu, image_cpu_ms_mean=statistics.mean(ms),
                   image_cpu_ms=quantiles, cpu_transform_img_s_cpu=len(dataset) / cpu_float, loaders=[])
@@ -769,13 +776,13 @@ def data_loading(args: argparse.Namespace) -> dict:
     return result
 
 
-# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against optim_step.ModelEma -------------
+# ---- EMA update: timm's ModelEmaV3 (two state dicts per update) against ema.ModelEma -------------
 EMA_MODELS = ('NALAFORMER_XT', 'NALAFORMER_L')
 
 
 def ema_update_times(args: argparse.Namespace) -> list[dict]:
     """ms per EMA update of each model (default XT and L) on ``args.device``: timm's ModelEmaV3 and main.py's
-    optim_step.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
+    ema.ModelEma, one update of each per round (interleaved), median over ``args.steps`` rounds after
     ``args.warmup``."""
     from timm.utils import ModelEmaV3
     device = torch.device(args.device)
@@ -783,7 +790,7 @@ def ema_update_times(args: argparse.Namespace) -> list[dict]:
     for name in args.preset_models or EMA_MODELS:
         model = create_any(name, device, args.fast_path)
         emas = {'timm ModelEmaV3': ModelEmaV3(model, decay=0.9999),
-                'optim_step.ModelEma': optim_step.ModelEma(model, decay=0.9999)}
+                'ema.ModelEma': ModelEma(model, decay=0.9999)}
         times: dict[str, list[float]] = {k: [] for k in emas}
         for i in range(args.warmup + args.steps):
             for label, ema in emas.items():
@@ -834,12 +841,12 @@ def sweep(args: argparse.Namespace) -> dict:
                 sin, cos = rope((side, side))
                 if args.mode == 'train':
                     block.train()
-                    with optim_step.autocast(device, amp_dtype(dtype)):
+                    with precision.autocast(device, amp_dtype(dtype)):
                         out = block(x, sin, cos)
                     out.float().sum().backward()
                 else:
                     block.eval()
-                    with torch.no_grad(), optim_step.autocast(device, amp_dtype(dtype)):
+                    with torch.no_grad(), precision.autocast(device, amp_dtype(dtype)):
                         block(x, sin, cos)
             # small sizes take milliseconds: repeat them for >= 1 s and keep the fastest step, the
             # best estimate of the block's own cost on a machine shared with other processes
@@ -907,7 +914,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
     parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default=None,
-                        help="CPU allocator setting, as main.py's flag (utils.retain_freed_cpu_memory); "
+                        help="CPU allocator setting, as main.py's flag (cpu.retain_freed_cpu_memory); "
                              "default retain for one model (as main.py), system (a plain process) with "
                              "--compare")
     parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=None,
@@ -954,7 +961,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--tiny', action='store_true',
                         help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--ema-update', action='store_true',
-                        help="ms per EMA update, timm's ModelEmaV3 against main.py's optim_step.ModelEma "
+                        help="ms per EMA update, timm's ModelEmaV3 against main.py's ema.ModelEma "
                              '(--preset-models, default XT and L)')
     parser.add_argument('--sweep', action='store_true', help='NaLa block vs softmax block over input sizes')
     parser.add_argument('--sweep-sizes', type=int, nargs='+', default=[224, 320, 448, 512, 640, 768, 896, 1024])
@@ -1007,9 +1014,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     # main.py's fp32 setting (TF32 on CUDA unless --no-tf32), so that fp32 figures are those training runs at;
     # None off CUDA, where there is no TF32
-    args.tf32_applied = args.tf32 if optim_step.set_tf32(args.device, args.tf32) else None
+    args.tf32_applied = args.tf32 if precision.set_tf32(args.device, args.tf32) else None
     if not args.device.startswith('cuda') and args.cpu_malloc == 'retain':
-        args.cpu_malloc = 'retain' if utils.retain_freed_cpu_memory() else 'system'
+        args.cpu_malloc = 'retain' if cpu.retain_freed_cpu_memory() else 'system'
     if args.sweep:
         results = sweep(args)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

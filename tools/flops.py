@@ -5,7 +5,7 @@
 
 FLOPs are fvcore's default count (one multiply-add = one FLOP) of matmul, linear, conv, einsum and
 norm layers, measured on the model in eval mode with batch 1, as the reference figures are
-(``models.flops.count_flops``).
+(``models.flop_count.count_flops``).
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ import timm
 
 import models  # noqa: F401  (registers the variants)
 from models import PAPER_FIGURES, VARIANTS
-from models.flops import count_flops, count_params  # count_* re-exported for tools
+from models.flop_count import count_flops, count_params  # count_* re-exported for tools
 
 # (title, width) of each column; every value is right-aligned under the right end of its title
 COLUMNS = (('model', 15), ('params (M)', 12), ('GFLOPs', 10), ('paper params (M)', 19), ('paper GFLOPs', 14),

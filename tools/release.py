@@ -252,7 +252,7 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
                 license=license_line, file=final, layout=layout, classes=json.loads(meta.get('classes', '[]')),
                 choice=describe_choice(taken, acc, ckpt.get('epoch') if isinstance(ckpt, dict) else None))
     if flops:
-        from models.flops import count_flops
+        from models.flop_count import count_flops
         info['gflops'] = count_flops(model, (3, input_size, input_size)) / 1e9
     card = final[:-len('.safetensors')] + '.md'
     with open(card, 'w') as f:

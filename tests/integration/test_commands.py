@@ -11,11 +11,8 @@ import sys
 import pytest
 import torch
 from conftest import PY, REPO, env, run_main, untrained_eval_argv
-from image_folders import make_args
+from image_folders import dataset_of, eval_sets_of, make_args
 from PIL import Image
-
-import datasets as D
-import eval_sets as E
 
 pytestmark = pytest.mark.slow  # main.py, make's flags, torch.hub and torchrun in real processes
 
@@ -79,8 +76,8 @@ def test_eval_prints_every_set_asked_for(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
     # expected figures from the same model, transforms and labels, computed here
-    dv, _ = D.build_dataset(False, make_args(data_path=str(tmp_path / 'd')))
-    (_, v2), = E.build_eval_sets(make_args(eval_sets=[str(tmp_path / 'v2')]), dv)
+    dv, _ = dataset_of(False, make_args(data_path=str(tmp_path / 'd')))
+    (_, v2), = eval_sets_of(make_args(eval_sets=[str(tmp_path / 'v2')]), dv)
     with torch.no_grad():
         top1 = {name: [int(model(ds[i][0][None]).argmax()) for i in range(len(ds))]
                 for name, ds in (('val', dv), ('v2', v2))}
@@ -128,8 +125,8 @@ def test_under_torchrun_each_message_comes_once_and_every_rank_fails(data, tmp_p
 SCRIPT = r"""
 import resource, sys
 import torch
-import utils
-retained = utils.retain_freed_cpu_memory() if sys.argv[1] == 'retain' else None
+import cpu
+retained = cpu.retain_freed_cpu_memory() if sys.argv[1] == 'retain' else None
 faults = []
 for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

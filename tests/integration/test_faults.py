@@ -34,8 +34,9 @@ from conftest import (
 from image_folders import make_imagefolder
 
 import checkpoint_io
-import run_dir
-import utils
+import loaders
+import run_lock
+import signals
 
 pytestmark = pytest.mark.slow  # main.py and data-loader workers in real processes, signals and kills
 
@@ -263,20 +264,20 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
     args = BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(out), '--no-model-ema']
     script = tmp_path / 'inject.py'
     script.write_text(
-        'import os, sys, checkpoint, main\n'
-        'real = checkpoint.save_atomic\n'
+        'import os, sys, saver, main\n'
+        'real = saver.save_atomic\n'
         'def save(state, path):\n'
         '    real(state, path)\n'
         '    if path.endswith("checkpoint.pth"):\n'
         '        os._exit(9)\n'
-        'checkpoint.save_atomic = save\n'
+        'saver.save_atomic = save\n'
         'sys.exit(main.run(sys.argv[1:]))\n')
     p = subprocess.run([PY, str(script)] + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, capture_output=True,
                        text=True, timeout=240)
     assert p.returncode == 9, p.stderr[-2000:]
     ck = torch.load(out / 'checkpoint.pth', weights_only=True)
     assert ck['epoch'] == 0 and ck['files'] == ['checkpoint.pth', 'best.pth'] and ck['best_epoch'] == 0
-    assert sorted(f for f in os.listdir(out) if f != run_dir.LOCK_NAME) == ['checkpoint.pth']
+    assert sorted(f for f in os.listdir(out) if f != run_lock.LOCK_NAME) == ['checkpoint.pth']
     p = run_main(args)  # the same command: nothing left to train, the state is repaired
     assert re.search(r'Repaired \S+best\.pth: it was missing', p.stdout), p.stdout[-3000:]
     assert 'added the line of epoch 0' in p.stdout
@@ -353,7 +354,7 @@ def test_usr1_to_every_process_with_spawned_workers_saves_and_resumes(data, tmp_
 def stop_signals_held_off():
     """For each stop signal: does this process hold it back (blocked) or ignore it?"""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    return [s in blocked or signal.getsignal(s) == signal.SIG_IGN for s in utils.STOP_SIGNALS]
+    return [s in blocked or signal.getsignal(s) == signal.SIG_IGN for s in signals.STOP_SIGNALS]
 
 
 class SignalState(torch.utils.data.Dataset):
@@ -378,10 +379,10 @@ def test_spawned_workers_ignore_the_stop_signals_from_birth():
     """A spawned worker spends seconds importing torch before `worker_init_fn` runs: a stop signal must not
     kill it in that window either. The main process gets its signal mask back afterwards."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    loader = utils.DataLoader(SignalState(), num_workers=1, multiprocessing_context='spawn',
-                              worker_init_fn=utils.worker_init_fn)
+    loader = loaders.DataLoader(SignalState(), num_workers=1, multiprocessing_context='spawn',
+                              worker_init_fn=signals.worker_init_fn)
     (state,) = list(loader)
     at_birth, loading = state.tolist()[0]
-    assert at_birth[utils.STOP_SIGNALS.index(signal.SIGUSR1)]  # what SLURM's requeue sends to every process
+    assert at_birth[signals.STOP_SIGNALS.index(signal.SIGUSR1)]  # what SLURM's requeue sends to every process
     assert all(loading)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

@@ -1,93 +1,10 @@
-"""The training process and its operating system: stop signals (the main process and its data-loader workers),
-the CPUs a process may count on (and so its default
-number of workers), and the CPU memory allocator.
-
-The rest of the engine's helpers: distributed.py (process group, collectives), metrics.py (progress lines,
-log.txt), errors.py (one-line errors), checkpoint.py (checkpoint format).
-"""
-import contextlib
+"""The CPUs a training process may count on (and so its default number of data-loader workers) and its CPU
+memory allocator."""
 import os
 import re
-import signal
-from typing import Iterator
-
-import torch.utils.data
 
 import distributed
 
-
-# --------------------------------------------------------------------------------------------------
-# Graceful stop on SIGTERM / SIGINT
-# --------------------------------------------------------------------------------------------------
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the training loop checks it (agreed over all ranks) at each step boundary.
-    A second SIGINT aborts at once."""
-
-    def __init__(self):
-        self.signum = None
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
-        if hasattr(signal, 'SIGUSR1'):  # some schedulers warn with SIGUSR1 before SIGTERM
-            signal.signal(signal.SIGUSR1, self._handler)
-
-    def _handler(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else ''
-
-
-# the signals that ask a run to stop; SLURM (scancel --signal) and torchrun send them to every process of
-# the job, data-loader workers included
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ('SIGTERM', 'SIGINT', 'SIGUSR1') if hasattr(signal, name))
-
-
-def worker_init_fn(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: workers leave the stop signals to the main process, which stops them
-    cleanly. Workers started by spawn or forkserver (Python 3.14's default) inherit no handler, and a stop
-    signal's default action would kill them and with them the run."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-@contextlib.contextmanager
-def stop_signals_blocked() -> Iterator[None]:
-    """Hold the stop signals back from this thread for the block; one that arrives meanwhile is delivered
-    when it ends, nothing is lost. Processes started inside the block inherit the blocked mask (through
-    fork and exec), so they ignore the stop signals from their first instruction on."""
-    if not hasattr(signal, 'pthread_sigmask'):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-class DataLoader(torch.utils.data.DataLoader):
-    """torch's DataLoader whose worker processes ignore the stop signals from birth, whatever the start
-    method: they are started with the signals blocked (a spawned worker takes seconds to import torch
-    before `worker_init_fn` runs), and `worker_init_fn` ignores them."""
-
-    def __iter__(self):
-        with stop_signals_blocked():
-            return super().__iter__()
-
-
-
-
-# --------------------------------------------------------------------------------------------------
-# CPUs per process and the default number of data-loader workers
-# --------------------------------------------------------------------------------------------------
 #: data-loader workers per process when --num_workers is not given: enough for a GPU's input pipeline
 #: (docs/performance.md), capped by this process's share of the node's CPUs
 DEFAULT_NUM_WORKERS = 10
