@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .compat import is_exporting, is_fx_symbolic_tracing
 
-__all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward', 'use_plain_ops', 'autocast_off']
+__all__ = ['depthwise_conv_same', 'depthwise_conv_same_backward', 'use_plain_ops', 'autocast_off', 'norm_params']
 
 
 def use_plain_ops() -> bool:
@@ -35,6 +35,25 @@ def autocast_off(x: torch.Tensor) -> ContextManager:
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 
+def norm_params(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm parameters for an input x of any float dtype, such that the statistics are float32.
+
+    On a CPU, LayerNorm takes a bf16/fp16 input with float32 parameters and then keeps its mean and
+    1/std in float32; given parameters of the input's dtype it would store them in that dtype. CUDA's
+    LayerNorm keeps them in float32 either way but needs parameters of the input's dtype. In float32
+    both are the parameters themselves. While FX traces, x is a Proxy whose device is unknown: the graph
+    gets the parameters as they are, right on a CPU (where FX graphs run without the autocast region,
+    CUDA's autocast makes LayerNorm float32 itself).
+    """
+    if torch.jit.is_scripting():
+        keep = x.device.type == 'cpu'
+    else:  # an explicit else: TorchScript then does not compile the FX check
+        keep = is_fx_symbolic_tracing() or x.device.type == 'cpu'
+    if keep:
+        return weight, bias
+    return weight.to(x.dtype), bias.to(x.dtype)
+
+
 @torch.library.custom_op('nalaformer::depthwise_conv_same', mutates_args=())
 def depthwise_conv_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Depthwise conv, stride 1, 'same' padding: F.conv2d, as an op torch.compile does not look into.
@@ -42,16 +61,19 @@ def depthwise_conv_same(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Inductor lowered the depthwise convs' backward (CPE, FFN, LePE) with the input re-laid out as
     (B, H, C, W), on which oneDNN's depthwise backward is several times slower than on the
     channels-last map. As an opaque op with an opaque backward, its tensors keep the strides eager
-    mode gives them. Same numbers as F.conv2d; pass channels-last maps. It computes in its inputs'
-    dtype, also under autocast (which is still on inside a custom op), as its fake says.
+    mode gives them. Same numbers as F.conv2d; the output is channels-last. x may be any strided map
+    (LePE passes a slice of the qkvg output): the op convolves a channels-last copy and its backward
+    saves x itself and makes the copy again, so that no copy is kept for the backward. It computes in
+    its inputs' dtype, also under autocast (which is still on inside a custom op), as its fake says.
     """
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return F.conv2d(x, weight, bias, 1, weight.shape[-1] // 2, 1, x.shape[1])
+        return F.conv2d(x.contiguous(memory_format=torch.channels_last), weight, bias, 1, weight.shape[-1] // 2, 1,
+                        x.shape[1])
 
 
 @depthwise_conv_same.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.channels_last)
 
 
 @torch.library.custom_op('nalaformer::depthwise_conv_same_backward', mutates_args=())
@@ -64,6 +86,7 @@ def depthwise_conv_same_backward(grad: torch.Tensor, x: torch.Tensor,
     """
     pad = weight.shape[-1] // 2
     sum_bias = x.device.type == 'cpu' and weight.shape[-1] > 3
+    x = x.contiguous(memory_format=torch.channels_last)
     grads = torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]], [1, 1], [pad, pad], [1, 1],
                                                 False, [0, 0], weight.shape[0], [True, True, not sum_bias])
     return grads[0], grads[1], grad.sum((0, 2, 3)) if sum_bias else grads[2]
@@ -71,7 +94,8 @@ def depthwise_conv_same_backward(grad: torch.Tensor, x: torch.Tensor,
 
 @depthwise_conv_same_backward.register_fake
 def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0])
+    return (torch.empty_like(x, memory_format=torch.channels_last), torch.empty_like(weight),
+            weight.new_empty(weight.shape[0]))
 
 
 def _depthwise_setup_context(ctx, inputs, output) -> None:
