@@ -144,10 +144,17 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 #    the phases are repeated twice along channels) replaces the slicing, stacking, pair swapping and
 #    concatenation of the plain path's four rotary calls.
 # 2. One power instead of two. With u = q / n and p the per-token exponent,
-#        [ReLU(u)^p ; ReLU(-u)^p] = ReLU([b ; -b]),  b = sign(u) |u|^p = u * |u|^(p-1),
+#        [ReLU(u)^p ; ReLU(-u)^p] = [ReLU(b) ; ReLU(-b)],  b = sign(u) |u|^p = u * |u|^(p-1),
 #    and the backward reuses |u|^(p-1) for dp/du. The power is exp((p-1) log|u|): vectorised exp and
 #    log instead of a per-element pow with a tensor exponent (2.5x faster on the CPU), and log|u|
 #    is the one dp/dn needs in the backward.
+# 3. Features [ReLU(x) ; x] instead of [ReLU(x) ; ReLU(-x)]. With ReLU(-x) = ReLU(x) - x, the NaLa
+#    features are Q = F_Q T and K = F_K T for F_Q = [ReLU(b) ; b], F_K = [ReLU(k^3) ; k^3] and the
+#    fixed 2d x 2d matrix T = [[I, I], [0, -I]] (rows: the halves of F). T acts on whole d-wide halves,
+#    so it commutes with R, and Q K^T = F_Q (T T^T) F_K^T: the products and the normaliser take F_Q and
+#    F_K with M = T T^T = [[2I, -I], [-I, I]] applied to the small (2d x d) kv and to mean F_K. F is
+#    written in two passes (x into one half, ReLU(x) into the other) where [ReLU(x) ; ReLU(-x)] takes a
+#    2d-wide product and a clamp, and the gradient of F back to x is one select and add.
 # The backward is written out (NaLaFastFunction). It saves q, k and v as they come (slices of the
 # qkvg output, which the frame keeps anyway), the small (2d x d) kv product, mean K and the per-token
 # normaliser, and recomputes the elementwise maps from q and k: the 2d-wide features, their rotations,
@@ -197,17 +204,6 @@ def rotate_adjoint(grad: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
     return rotate(grad, phases, conjugate=True)
 
 
-def _signs(x: torch.Tensor) -> torch.Tensor:
-    """The column (1, -1) made on x's device by arange (1, then 1 - 2): no tensor from Python data,
-    which on a GPU would be a host-to-device copy, twice per NaLa block and forward."""
-    return torch.arange(1.0, -2.0, -2.0, dtype=x.dtype, device=x.device).unsqueeze(-1)
-
-
-def _split_relu(x: torch.Tensor) -> torch.Tensor:
-    """[ReLU(x) ; ReLU(-x)] along the last dim, in one multiply and one in-place clamp."""
-    return (x.unsqueeze(-2) * _signs(x)).clamp_min_(0).flatten(-2)
-
-
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the elementwise maps: float32 for bf16, fp16 and float32 inputs, float64 for float64."""
     return torch.promote_types(dtype, torch.float32)
@@ -218,15 +214,32 @@ def _head_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype, memory_format=torch.contiguous_format)
 
 
+def _relu_and_self(x: torch.Tensor) -> torch.Tensor:
+    """F = [ReLU(x) ; x] along the last dim; x may be a view into F's second half (see ``_features``)."""
+    d = x.shape[-1]
+    if torch.compiler.is_compiling():
+        return torch.cat([x.clamp_min(0), x], dim=-1)
+    feat = x.new_empty(*x.shape[:-1], 2 * d)
+    feat[..., d:].copy_(x)
+    torch.clamp_min(x, 0, out=feat[..., :d])
+    return feat
+
+
 def _key_features(k: torch.Tensor) -> torch.Tensor:
-    """K = [ReLU(k^3) ; ReLU(-k^3)], (B, h, N, 2d) in k's layout and dtype (head-major float32 in the core)."""
-    return _split_relu(k ** 3)
+    """F_K = [ReLU(k^3) ; k^3], (B, h, N, 2d) in k's dtype, from k in a head-major layout."""
+    d = k.shape[-1]
+    if torch.compiler.is_compiling():
+        return _relu_and_self(k ** 3)
+    feat = k.new_empty(*k.shape[:-1], 2 * d)
+    torch.pow(k, 3, out=feat[..., d:])
+    torch.clamp_min(feat[..., d:], 0, out=feat[..., :d])
+    return feat
 
 
 def _query_features(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q = [ReLU(b) ; ReLU(-b)], b = sign(u)|u|^p, in ``_wide(q.dtype)``, head-major (B, h, N, 2d), from q of
-    any strides; with the terms its gradient needs: u, log|u| (-inf where u = 0), |u|^(p-1), p, tanh(n) and
-    the guarded divisor n."""
+    """F_Q = [ReLU(b) ; b], b = sign(u)|u|^p, in ``_wide(q.dtype)``, head-major (B, h, N, 2d), from q of any
+    strides; with the terms its gradient needs: u, log|u| (-inf where u = 0), |u|^(p-1), p, tanh(n) and the
+    guarded divisor n."""
     q = _head_major(q, _wide(q.dtype))
     q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
     divisor = torch.where(q_norm > 0, q_norm, 1.0)
@@ -235,7 +248,27 @@ def _query_features(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
     u = q / divisor
     log_u = u.abs().log_()                                                       # -inf where u = 0
     pow_m1 = (power - 1).mul(log_u).exp_()                                       # |u|^(p-1), 0 where u = 0
-    return _split_relu(pow_m1 * u), u, log_u, pow_m1, power, tanh_n, divisor
+    d = q.shape[-1]
+    if torch.compiler.is_compiling():
+        feat = _relu_and_self(pow_m1 * u)
+    else:
+        feat = q.new_empty(*q.shape[:-1], 2 * d)
+        torch.mul(pow_m1, u, out=feat[..., d:])
+        torch.clamp_min(feat[..., d:], 0, out=feat[..., :d])
+    return feat, u, log_u, pow_m1, power, tanh_n, divisor
+
+
+def _mix_halves(x: torch.Tensor) -> torch.Tensor:
+    """M x for M = [[2I, -I], [-I, I]] acting on the two halves of dim -2 (M is symmetric, so this is also
+    the gradient map): [2 x1 - x2 ; x2 - x1]."""
+    first, second = x.chunk(2, dim=-2)
+    return torch.cat([2 * first - second, second - first], dim=-2)
+
+
+def _grad_of_relu_and_self(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient w.r.t. x of F = [ReLU(x) ; x] given the gradient of F."""
+    d = x.shape[-1]
+    return torch.where(x > 0, grad[..., :d] + grad[..., d:], grad[..., d:])
 
 
 class NaLaFastFunction(torch.autograd.Function):
@@ -249,16 +282,16 @@ class NaLaFastFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
         dtype, inv_sqrt_n = v.dtype, q.shape[-2] ** -0.5
-        # keys: (R(K) N^-1/2)^T (V N^-1/2) in the compute dtype, mean K in float32 for the normaliser
+        # keys: M (R(F_K) N^-1/2)^T (V N^-1/2) in the compute dtype, M mean F_K in float32 for the normaliser
         k_feat = _key_features(_head_major(k, _wide(dtype)))                    # (B, h, N, 2d)
-        k_mean = k_feat.mean(dim=-2, keepdim=True)                               # (B, h, 1, 2d)
+        k_mean = _mix_halves(k_feat.mean(dim=-2).unsqueeze(-1))                  # (B, h, 2d, 1)
         k_rot = rotate(k_feat, phases * inv_sqrt_n).to(dtype)
         del k_feat
         v_scaled = torch.mul(v, inv_sqrt_n, out=v.new_empty(v.shape))            # head-major
-        kv = k_rot.transpose(-2, -1) @ v_scaled                                  # (B, h, 2d, d)
+        kv = _mix_halves((k_rot.transpose(-2, -1) @ v_scaled).to(k_mean.dtype)).to(dtype)  # (B, h, 2d, d)
         del k_rot, v_scaled
         q_feat = _query_features(q)[0]
-        z = 1 / (q_feat @ k_mean.transpose(-2, -1) + NALA_EPS)                   # (B, h, N, 1) float32
+        z = 1 / (q_feat @ k_mean + NALA_EPS)                                     # (B, h, N, 1) float32
         num = rotate(q_feat, phases).to(dtype) @ kv                              # (B, h, N, d)
         ctx.save_for_backward(q, k, v, phases, kv, k_mean, z)
         return num.mul_(z) if dtype == z.dtype else (num * z).to(dtype)
@@ -266,36 +299,42 @@ class NaLaFastFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, phases, kv, k_mean, z = ctx.saved_tensors
-        dtype, n_tokens, d = v.dtype, q.shape[-2], q.shape[-1]
+        dtype, n_tokens = v.dtype, q.shape[-2]
         inv_sqrt_n = n_tokens ** -0.5
         q_feat, u, log_u, pow_m1, power, tanh_n, divisor = _query_features(q)
         # the sums over tokens below take both factors scaled by N^-1/2, as the forward's (no fp16 overflow)
-        q_rot = rotate(q_feat, phases * inv_sqrt_n).to(dtype)                    # R(Q) N^-1/2
+        q_rot = rotate(q_feat, phases * inv_sqrt_n).to(dtype)                    # R(F_Q) N^-1/2
         grad_num = (grad * (z * inv_sqrt_n)).to(dtype)                           # d/d(num) N^-1/2
-        grad_den = (grad * (q_rot @ kv)).sum(dim=-1, keepdim=True, dtype=z.dtype)
-        grad_den = grad_den.mul_(z * z * -n_tokens ** 0.5)                        # d/d(Q . mean K)
-        # numerator product and normaliser -> Q
+        # numerator product -> F_Q and kv
         grad_kv = q_rot.transpose(-2, -1) @ grad_num                             # (B, h, 2d, d), d/d(kv) / N
         del q_rot
-        grad_q_feat = rotate_adjoint((grad_num @ kv.transpose(-2, -1)).float(), phases * n_tokens ** 0.5)
-        grad_q_feat = grad_q_feat.addcmul_(grad_den, k_mean).unflatten(-1, (2, d))
-        # Q = [ReLU(b) ; ReLU(-b)] -> b -> (u, p) -> q
-        grad_b = torch.where(u > 0, grad_q_feat[..., 0, :], -grad_q_feat[..., 1, :])
+        grad_q_feat = rotate_adjoint((grad_num @ kv.transpose(-2, -1)).to(z.dtype), phases * n_tokens ** 0.5)
+        # normaliser: sum_d grad num = R(F_Q) . (grad kv^T) = F_Q . R^T(grad kv^T) (R is orthogonal), which is
+        # F_Q . grad_q_feat / z at this point: no second numerator product
+        grad_den = torch.linalg.vecdot(q_feat, grad_q_feat).unsqueeze(-1).mul_(-z)  # d/d(F_Q . M mean F_K)
+        grad_q_feat = grad_q_feat.addcmul_(grad_den, k_mean.transpose(-2, -1))
+        d = u.shape[-1]
+        b = q_feat[..., d:]
+        grad_b = _grad_of_relu_and_self(grad_q_feat, b)
         del grad_q_feat
+        # b = u |u|^(p-1) -> (u, p) -> q
         grad_u = grad_b * power * pow_m1
         log_u = log_u.clamp_min_(_LOG_TINY)                                      # 0 * log 0 -> 0 below
-        grad_n = (grad_b * pow_m1 * u * log_u).sum(dim=-1, keepdim=True) * (3 * (1 - tanh_n * tanh_n))
-        radial = (u * grad_u).sum(dim=-1, keepdim=True)
-        grad_q = ((grad_u - u * radial) / divisor + grad_n * u).to(dtype)
+        grad_n = torch.linalg.vecdot(grad_b * b, log_u).unsqueeze(-1) * (3 * (1 - tanh_n * tanh_n))
+        radial = torch.linalg.vecdot(u, grad_u).unsqueeze(-1)
+        grad_q = torch.addcmul(grad_u.div_(divisor), u, grad_n - radial / divisor).to(dtype)
         # keys and values
-        grad_k_mean = grad_den.transpose(-2, -1) @ q_feat                        # (B, h, 1, 2d)
-        del q_feat, u, log_u, pow_m1, grad_b, grad_u
+        grad_k_mean = _mix_halves(q_feat.transpose(-2, -1) @ grad_den)          # (B, h, 2d, 1), M F_Q^T grad
+        del q_feat, u, log_u, pow_m1, grad_b, grad_u, b
+        grad_kv = _mix_halves(grad_kv.to(grad_k_mean.dtype)).to(dtype)          # d/d(R(F_K)^T V) / N
         k = _head_major(k, _wide(dtype))
-        grad_v = rotate(_key_features(k), phases).to(dtype) @ grad_kv
-        grad_k_feat = rotate_adjoint((_head_major(v, dtype) @ grad_kv.transpose(-2, -1)).float(), phases)
-        grad_k_feat = grad_k_feat.add_(grad_k_mean / n_tokens).unflatten(-1, (2, d))
+        k_feat = _key_features(k)
+        grad_v = rotate(k_feat, phases).to(dtype) @ grad_kv
+        grad_k_feat = rotate_adjoint((_head_major(v, dtype) @ grad_kv.transpose(-2, -1)).to(k.dtype), phases)
+        grad_k_feat = grad_k_feat.add_(grad_k_mean.transpose(-2, -1) / n_tokens)
+        d = k.shape[-1]
         # sign(k^3) = sign(k); where k^3 underflows to 0 the factor 3 k^2 is below 1e-25
-        grad_k = torch.where(k > 0, grad_k_feat[..., 0, :], -grad_k_feat[..., 1, :]).mul_(k.square()).mul_(3)
+        grad_k = _grad_of_relu_and_self(grad_k_feat, k_feat[..., d:]).mul_(k.square()).mul_(3)
         return grad_q, grad_k.to(dtype), grad_v, None
 
 

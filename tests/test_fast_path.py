@@ -97,7 +97,7 @@ def test_rotate_is_rope_and_rotate_adjoint_is_its_gradient(repeat, form):
     assert not torch.allclose(adjoint(g, phases), forward(g, phases))  # the adjoint is not R itself
 
 
-@pytest.mark.parametrize('kernel', [3, 5])  # CPE/FFN, LePE (whose bias gradient is taken apart)
+@pytest.mark.parametrize('kernel', [3, 5, 7])  # CPE/FFN, LePE (its weight gradient from 3x3 ones), 7x7
 @pytest.mark.parametrize('channels_last', [True, False])
 def test_depthwise_conv_op_equals_conv2d_with_gradients(channels_last, kernel):
     from models.ops import depthwise_conv_same
