@@ -20,7 +20,7 @@ __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
     'nala_attention_fast', 'softmax_attention_fast', 'rope_phases', 'rotate', 'rotate_real',
-    'rotate_adjoint', 'NaLaFastFunction', 'lepe_fast', 'GatedNormFunction', 'gated_norm_fast',
+    'rotate_adjoint', 'NaLaFastFunction', 'lepe_fast', 'GatedNormFunction', 'gated_norm_fast', 'wide_dtype',
 ]
 
 NALA_EPS = 1e-6  # added to the normaliser, as in the reference
@@ -92,6 +92,15 @@ def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
     return torch.cat([q_pos, q_neg], dim=-1), torch.cat([k_pos, k_neg], dim=-1)
 
 
+def wide_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the elementwise maps for an input x: float32 for bf16, fp16 and float32, float64 for
+    float64. An FX leaf function: torch 2.4's FX cannot record ``torch.promote_types`` of a traced dtype."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+torch.fx.wrap('wide_dtype')
+
+
 def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          sin: torch.Tensor, cos: torch.Tensor, eps: float = NALA_EPS) -> torch.Tensor:
     """NaLa core (docs/method.md#nala-kernel to #normaliser-and-linear-time-order), in the reference's order
@@ -104,7 +113,7 @@ def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Autocast must be off (the attention frame's region), or it would round the normaliser's product too.
     (``eps`` is an argument because TorchScript reads no globals.)
     """
-    dtype, wide = v.dtype, torch.promote_types(v.dtype, torch.float32)
+    dtype, wide = v.dtype, wide_dtype(v)
     head_dim = q.shape[-1]
     q_feat, k_feat = nala_kernel_terms(q.to(wide), k.to(wide))
     # RoPE on each d-wide half of the numerator features, with the same tables
@@ -126,7 +135,7 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Softmax attention of stages 3-4 (docs/method.md#softmax-attention): RoPE on q and k,
     softmax(q k^T / sqrt(d)) v. The rotation runs in float32 (float64 for float64 inputs) and is rounded to
     the compute dtype (v's: float32, or bf16/fp16 under autocast), in which the rest runs."""
-    dtype, wide = v.dtype, torch.promote_types(v.dtype, torch.float32)
+    dtype, wide = v.dtype, wide_dtype(v)
     q = apply_rope(q.to(wide), sin, cos).to(dtype)
     k = apply_rope(k.to(wide), sin, cos).to(dtype)
     attn = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
@@ -163,7 +172,7 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # head-major (in the forward and again in the backward): every elementwise result inherits its input's
 # layout, and the batched products need (B*h)-collapsible operands, or each of them copies its 2d-wide
 # operand.
-# Precision (docs/method.md#precision): the maps are computed in float32 (``_wide``) from q and k; the
+# Precision (docs/method.md#precision): the maps are computed in float32 (``wide_dtype``) from q and k; the
 # two products run in the compute dtype (v's: float32, or bf16/fp16 under autocast) on the rotated
 # features rounded to it; mean K, the normaliser and its gradient stay float32.
 _LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
@@ -204,11 +213,6 @@ def rotate_adjoint(grad: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
     return rotate(grad, phases, conjugate=True)
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the elementwise maps: float32 for bf16, fp16 and float32 inputs, float64 for float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _head_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (B, h, N, d) in ``dtype``, contiguous (head-major): one pass at most, none if it already is."""
     return x.to(dtype, memory_format=torch.contiguous_format)
@@ -237,10 +241,10 @@ def _key_features(k: torch.Tensor) -> torch.Tensor:
 
 
 def _query_features(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """F_Q = [ReLU(b) ; b], b = sign(u)|u|^p, in ``_wide(q.dtype)``, head-major (B, h, N, 2d), from q of any
+    """F_Q = [ReLU(b) ; b], b = sign(u)|u|^p, in ``wide_dtype(q)``, head-major (B, h, N, 2d), from q of any
     strides; with the terms its gradient needs: u, log|u| (-inf where u = 0), |u|^(p-1), p, tanh(n) and the
     guarded divisor n."""
-    q = _head_major(q, _wide(q.dtype))
+    q = _head_major(q, wide_dtype(q))
     q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
     divisor = torch.where(q_norm > 0, q_norm, 1.0)
     tanh_n = torch.tanh(q_norm)
@@ -283,11 +287,14 @@ class NaLaFastFunction(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
         dtype, inv_sqrt_n = v.dtype, q.shape[-2] ** -0.5
         # keys: M (R(F_K) N^-1/2)^T (V N^-1/2) in the compute dtype, M mean F_K in float32 for the normaliser
-        k_feat = _key_features(_head_major(k, _wide(dtype)))                    # (B, h, N, 2d)
+        k_feat = _key_features(_head_major(k, wide_dtype(v)))                   # (B, h, N, 2d)
         k_mean = _mix_halves(k_feat.mean(dim=-2).unsqueeze(-1))                  # (B, h, 2d, 1)
         k_rot = rotate(k_feat, phases * inv_sqrt_n).to(dtype)
         del k_feat
-        v_scaled = torch.mul(v, inv_sqrt_n, out=v.new_empty(v.shape))            # head-major
+        if torch.compiler.is_compiling():                                        # out= is not traceable
+            v_scaled = v * inv_sqrt_n
+        else:
+            v_scaled = torch.mul(v, inv_sqrt_n, out=v.new_empty(v.shape))        # head-major
         kv = _mix_halves((k_rot.transpose(-2, -1) @ v_scaled).to(k_mean.dtype)).to(dtype)  # (B, h, 2d, d)
         del k_rot, v_scaled
         q_feat = _query_features(q)[0]
@@ -327,7 +334,7 @@ class NaLaFastFunction(torch.autograd.Function):
         grad_k_mean = _mix_halves(q_feat.transpose(-2, -1) @ grad_den)          # (B, h, 2d, 1), M F_Q^T grad
         del q_feat, u, log_u, pow_m1, grad_b, grad_u, b
         grad_kv = _mix_halves(grad_kv.to(grad_k_mean.dtype)).to(dtype)          # d/d(R(F_K)^T V) / N
-        k = _head_major(k, _wide(dtype))
+        k = _head_major(k, wide_dtype(v))
         k_feat = _key_features(k)
         grad_v = rotate(k_feat, phases).to(dtype) @ grad_kv
         grad_k_feat = rotate_adjoint((_head_major(v, dtype) @ grad_kv.transpose(-2, -1)).to(k.dtype), phases)
@@ -354,7 +361,7 @@ def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """``softmax_attention_plain`` with one rotary pass over q and k together (float32, rounded to v's dtype
     as there) and fused SDPA in v's dtype."""
-    qk = rotate(torch.stack([q, k]).to(_wide(v.dtype)), rope_phases(sin, cos)).to(v.dtype)
+    qk = rotate(torch.stack([q, k]).to(wide_dtype(v)), rope_phases(sin, cos)).to(v.dtype)
     return F.scaled_dot_product_attention(qk[0], qk[1], v)
 
 
