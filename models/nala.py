@@ -219,14 +219,9 @@ def _head_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _relu_and_self(x: torch.Tensor) -> torch.Tensor:
-    """F = [ReLU(x) ; x] along the last dim; x may be a view into F's second half (see ``_features``)."""
-    d = x.shape[-1]
-    if torch.compiler.is_compiling():
-        return torch.cat([x.clamp_min(0), x], dim=-1)
-    feat = x.new_empty(*x.shape[:-1], 2 * d)
-    feat[..., d:].copy_(x)
-    torch.clamp_min(x, 0, out=feat[..., :d])
-    return feat
+    """F = [ReLU(x) ; x] along the last dim, as torch.compile takes it (out= ops are not traceable there);
+    eager mode writes x into F's second half and ReLU(x) from there into the first."""
+    return torch.cat([x.clamp_min(0), x], dim=-1)
 
 
 def _key_features(k: torch.Tensor) -> torch.Tensor:
