@@ -193,6 +193,9 @@ def attribute(events) -> dict[str, dict[str, float]]:
 
 def profile_step(step: Callable[[], None], steps: int = 1) -> tuple[dict[str, dict[str, float]], float]:
     """Cells of ``steps`` profiled calls of ``step`` (per call), and the profiled wall seconds per call."""
+    # as tools/benchmark.py: the profiler's tracing library reads its log level when first used in a process
+    # (6: silent, no start/stop lines on stderr); a level the user set stays
+    os.environ.setdefault('KINETO_LOG_LEVEL', '6')
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
