@@ -14,13 +14,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .compat import arange
-from .ops import autocast_off, depthwise_conv_same, use_plain_ops
+from .ops import autocast_off, depthwise_conv_same, norm_params, use_plain_ops
 
 __all__ = [
     'RoPE', 'rotate_every_two', 'apply_rope', 'nala_attention_plain', 'softmax_attention_plain',
     'GatedAttention', 'NaLaAttention', 'SoftmaxAttention', 'nala_kernel_terms',
     'nala_attention_fast', 'softmax_attention_fast', 'rope_phases', 'rotate', 'rotate_real',
-    'rotate_adjoint', 'NaLaFastFunction', 'lepe_fast',
+    'rotate_adjoint', 'NaLaFastFunction', 'lepe_fast', 'GatedNormFunction', 'gated_norm_fast', 'wide_dtype',
 ]
 
 NALA_EPS = 1e-6  # added to the normaliser, as in the reference
@@ -92,36 +92,52 @@ def nala_kernel_terms(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
     return torch.cat([q_pos, q_neg], dim=-1), torch.cat([k_pos, k_neg], dim=-1)
 
 
+def wide_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the elementwise maps for an input x: float32 for bf16, fp16 and float32, float64 for
+    float64. An FX leaf function: torch 2.4's FX cannot record ``torch.promote_types`` of a traced dtype."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+torch.fx.wrap('wide_dtype')
+
+
 def nala_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          sin: torch.Tensor, cos: torch.Tensor, eps: float = NALA_EPS) -> torch.Tensor:
     """NaLa core (docs/method.md#nala-kernel to #normaliser-and-linear-time-order), in the reference's order
     of operations.
 
-    q, k, v: (B, h, N, d) float32; sin, cos: (N, d). Returns (B, h, N, d). Linear in N: the N x N
-    attention matrix is never formed. (``eps`` is an argument because TorchScript reads no globals.)
+    q, k, v: (B, h, N, d) in the compute dtype (float32, or bf16/fp16 under autocast); sin, cos: (N, d).
+    Returns (B, h, N, d) in that dtype. Linear in N: the N x N attention matrix is never formed. Precision
+    (docs/method.md#precision): the feature maps and their rotation are computed in float32 (float64 for
+    float64 inputs) and rounded to the compute dtype for the two products; the normaliser stays float32.
+    Autocast must be off (the attention frame's region), or it would round the normaliser's product too.
+    (``eps`` is an argument because TorchScript reads no globals.)
     """
+    dtype, wide = v.dtype, wide_dtype(v)
     head_dim = q.shape[-1]
-    q_feat, k_feat = nala_kernel_terms(q, k)
+    q_feat, k_feat = nala_kernel_terms(q.to(wide), k.to(wide))
     # RoPE on each d-wide half of the numerator features, with the same tables
     q_rope = torch.cat([apply_rope(q_feat[..., :head_dim], sin, cos),
-                        apply_rope(q_feat[..., head_dim:], sin, cos)], dim=-1)
+                        apply_rope(q_feat[..., head_dim:], sin, cos)], dim=-1).to(dtype)
     k_rope = torch.cat([apply_rope(k_feat[..., :head_dim], sin, cos),
-                        apply_rope(k_feat[..., head_dim:], sin, cos)], dim=-1)
+                        apply_rope(k_feat[..., head_dim:], sin, cos)], dim=-1).to(dtype)
     # normaliser from the un-rotated features, numerator as Q~ ((K~^T N^-1/2)(V N^-1/2))
     z = 1 / (q_feat @ k_feat.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps)
     # N^-1/2 from a sum over the token axis of q: the legacy ONNX exporter freezes N (and anything made
     # from it, ones_like included) at the traced size, and torch.export cannot serialise it as a float
-    scale = (q[..., :1] * 0 + 1).sum(dim=-2, keepdim=True).rsqrt()           # (B, h, 1, 1)
+    scale = (q[..., :1].to(wide) * 0 + 1).sum(dim=-2, keepdim=True).rsqrt().to(dtype)  # (B, h, 1, 1)
     kv = (k_rope.transpose(-2, -1) * scale) @ (v * scale)
-    return (q_rope @ kv) * z
+    return ((q_rope @ kv) * z).to(dtype)
 
 
 def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """Softmax attention of stages 3-4 (docs/method.md#softmax-attention): RoPE on q and k,
-    softmax(q k^T / sqrt(d)) v."""
-    q = apply_rope(q, sin, cos)
-    k = apply_rope(k, sin, cos)
+    softmax(q k^T / sqrt(d)) v. The rotation runs in float32 (float64 for float64 inputs) and is rounded to
+    the compute dtype (v's: float32, or bf16/fp16 under autocast), in which the rest runs."""
+    dtype, wide = v.dtype, wide_dtype(v)
+    q = apply_rope(q.to(wide), sin, cos).to(dtype)
+    k = apply_rope(k.to(wide), sin, cos).to(dtype)
     attn = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     return attn.softmax(dim=-1) @ v
 
@@ -137,20 +153,28 @@ def softmax_attention_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 #    the phases are repeated twice along channels) replaces the slicing, stacking, pair swapping and
 #    concatenation of the plain path's four rotary calls.
 # 2. One power instead of two. With u = q / n and p the per-token exponent,
-#        [ReLU(u)^p ; ReLU(-u)^p] = ReLU([b ; -b]),  b = sign(u) |u|^p = u * |u|^(p-1),
+#        [ReLU(u)^p ; ReLU(-u)^p] = [ReLU(b) ; ReLU(-b)],  b = sign(u) |u|^p = u * |u|^(p-1),
 #    and the backward reuses |u|^(p-1) for dp/du. The power is exp((p-1) log|u|): vectorised exp and
 #    log instead of a per-element pow with a tensor exponent (2.5x faster on the CPU), and log|u|
 #    is the one dp/dn needs in the backward.
-# The backward is written out (NaLaFastFunction) and saves Q, K (2d wide), u, log|u|, |u|^(p-1) and
-# the un-normalised output: fewer tensors than autograd keeps for the plain graph, and no rotated copy
-# (R(Q) and R(K) are recomputed, one pass each). q, k and v are made head-major first: every
-# elementwise result inherits its input's layout, and the batched products need (B*h)-collapsible
-# operands, or each of them copies its 2d-wide operand.
-# Exact zeros: a zero query has n = 0, the divisor is guarded as in the plain path; where u = 0,
-# log|u| = -inf gives |u|^(p-1) = exp(-inf) = 0 exactly (p - 1 >= 0.5), so b = 0 and every gradient
-# term carries the factor |u|^(p-1) = 0; the saved log|u| is clamped to a finite value, so
-# 0 * log 0 never appears.
-
+# 3. Features [ReLU(x) ; x] instead of [ReLU(x) ; ReLU(-x)]. With ReLU(-x) = ReLU(x) - x, the NaLa
+#    features are Q = F_Q T and K = F_K T for F_Q = [ReLU(b) ; b], F_K = [ReLU(k^3) ; k^3] and the
+#    fixed 2d x 2d matrix T = [[I, I], [0, -I]] (rows: the halves of F). T acts on whole d-wide halves,
+#    so it commutes with R, and Q K^T = F_Q (T T^T) F_K^T: the products and the normaliser take F_Q and
+#    F_K with M = T T^T = [[2I, -I], [-I, I]] applied to the small (2d x d) kv and to mean F_K. F is
+#    written in two passes (x into one half, ReLU(x) into the other) where [ReLU(x) ; ReLU(-x)] takes a
+#    2d-wide product and a clamp, and the gradient of F back to x is one select and add.
+# The backward is written out (NaLaFastFunction). It saves q, k and v as they come (slices of the
+# qkvg output, which the frame keeps anyway), the small (2d x d) kv product, mean K and the per-token
+# normaliser, and recomputes the elementwise maps from q and k: the 2d-wide features, their rotations,
+# u, log|u|, |u|^(p-1) and the numerator. So the core adds no (B, h, N, d)-sized tensor to what a
+# training step keeps, at the cost of one more pass of the maps in the backward. q, k and v are made
+# head-major (in the forward and again in the backward): every elementwise result inherits its input's
+# layout, and the batched products need (B*h)-collapsible operands, or each of them copies its 2d-wide
+# operand.
+# Precision (docs/method.md#precision): the maps are computed in float32 (``wide_dtype``) from q and k; the
+# two products run in the compute dtype (v's: float32, or bf16/fp16 under autocast) on the rotated
+# features rounded to it; mean K, the normaliser and its gradient stay float32.
 _LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
 
 
@@ -189,72 +213,131 @@ def rotate_adjoint(grad: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
     return rotate(grad, phases, conjugate=True)
 
 
-def _signs(x: torch.Tensor) -> torch.Tensor:
-    """The column (1, -1) made on x's device by arange (1, then 1 - 2): no tensor from Python data,
-    which on a GPU would be a host-to-device copy, twice per NaLa block and forward."""
-    return torch.arange(1.0, -2.0, -2.0, dtype=x.dtype, device=x.device).unsqueeze(-1)
+def _head_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (B, h, N, d) in ``dtype``, contiguous (head-major): one pass at most, none if it already is."""
+    return x.to(dtype, memory_format=torch.contiguous_format)
 
 
-def _split_relu(x: torch.Tensor) -> torch.Tensor:
-    """[ReLU(x) ; ReLU(-x)] along the last dim, in one multiply and one in-place clamp."""
-    return (x.unsqueeze(-2) * _signs(x)).clamp_min_(0).flatten(-2)
+def _relu_and_self(x: torch.Tensor) -> torch.Tensor:
+    """F = [ReLU(x) ; x] along the last dim, as torch.compile takes it (out= ops are not traceable there);
+    eager mode writes x into F's second half and ReLU(x) from there into the first."""
+    return torch.cat([x.clamp_min(0), x], dim=-1)
+
+
+def _key_features(k: torch.Tensor) -> torch.Tensor:
+    """F_K = [ReLU(k^3) ; k^3], (B, h, N, 2d) in k's dtype, from k in a head-major layout."""
+    d = k.shape[-1]
+    if torch.compiler.is_compiling():
+        return _relu_and_self(k ** 3)
+    feat = k.new_empty(*k.shape[:-1], 2 * d)
+    torch.pow(k, 3, out=feat[..., d:])
+    torch.clamp_min(feat[..., d:], 0, out=feat[..., :d])
+    return feat
+
+
+def _query_features(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """F_Q = [ReLU(b) ; b], b = sign(u)|u|^p, in ``wide_dtype(q)``, head-major (B, h, N, 2d), from q of any
+    strides; with the terms its gradient needs: u, log|u| (-inf where u = 0), |u|^(p-1), p, tanh(n) and the
+    guarded divisor n."""
+    q = _head_major(q, wide_dtype(q))
+    q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
+    divisor = torch.where(q_norm > 0, q_norm, 1.0)
+    tanh_n = torch.tanh(q_norm)
+    power = 3 * (0.5 + tanh_n)
+    u = q / divisor
+    log_u = u.abs().log_()                                                       # -inf where u = 0
+    pow_m1 = (power - 1).mul(log_u).exp_()                                       # |u|^(p-1), 0 where u = 0
+    d = q.shape[-1]
+    if torch.compiler.is_compiling():
+        feat = _relu_and_self(pow_m1 * u)
+    else:
+        feat = q.new_empty(*q.shape[:-1], 2 * d)
+        torch.mul(pow_m1, u, out=feat[..., d:])
+        torch.clamp_min(feat[..., d:], 0, out=feat[..., :d])
+    return feat, u, log_u, pow_m1, power, tanh_n, divisor
+
+
+def _mix_halves(x: torch.Tensor) -> torch.Tensor:
+    """M x for M = [[2I, -I], [-I, I]] acting on the two halves of dim -2 (M is symmetric, so this is also
+    the gradient map): [2 x1 - x2 ; x2 - x1]."""
+    first, second = x.chunk(2, dim=-2)
+    return torch.cat([2 * first - second, second - first], dim=-2)
+
+
+def _grad_of_relu_and_self(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient w.r.t. x of F = [ReLU(x) ; x] given the gradient of F."""
+    d = x.shape[-1]
+    return torch.where(x > 0, grad[..., :d] + grad[..., d:], grad[..., d:])
 
 
 class NaLaFastFunction(torch.autograd.Function):
-    """NaLa core (docs/method.md#fast-path) with a hand-written backward; see the notes above.
+    """NaLa core (docs/method.md#fast-path) with a hand-written backward that recomputes the elementwise
+    maps; see the notes above.
 
-    q, k, v: (B, h, N, d) float32 (any strides); phases: ``rope_phases(sin, cos, 2)``.
+    q, k, v: (B, h, N, d) in one dtype (any strides); phases: ``rope_phases(sin, cos, 2)``. Call it with
+    autocast off: it computes in the dtype of its inputs.
     """
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
-        n_tokens = q.shape[-2]
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()                 # head-major
-        # keys: K = [ReLU(k^3) ; ReLU(-k^3)], R(K)^T V / N, and mean K for the normaliser
-        k_feat = _split_relu(k ** 3)                                             # (B, h, N, 2d)
-        k_mean = k_feat.mean(dim=-2, keepdim=True)                               # (B, h, 1, 2d)
-        kv = (rotate(k_feat, phases).transpose(-2, -1) @ v).div_(n_tokens)       # (B, h, 2d, d)
-        # queries: n, p, b = sign(u)|u|^p, Q = [ReLU(b) ; ReLU(-b)]
-        q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-        divisor = torch.where(q_norm > 0, q_norm, torch.ones_like(q_norm))
-        tanh_n = torch.tanh(q_norm)
-        power = 3 * (0.5 + tanh_n)
-        u = q / divisor
-        log_u = u.abs().log_()                                                   # -inf where u = 0
-        pow_m1 = (power - 1).mul(log_u).exp_()                                   # |u|^(p-1), 0 where u = 0
-        b = pow_m1 * u
-        q_feat = _split_relu(b)                                                  # (B, h, N, 2d)
-        z = 1 / (q_feat @ k_mean.transpose(-2, -1) + NALA_EPS)                   # (B, h, N, 1)
-        num = rotate(q_feat, phases) @ kv                                        # (B, h, N, d)
-        ctx.save_for_backward(u, k, v, phases, kv, k_mean, z, divisor, tanh_n, power, pow_m1,
-                              log_u.clamp_min_(_LOG_TINY), q_feat, k_feat, num)
-        return num * z
+        dtype, inv_sqrt_n = v.dtype, q.shape[-2] ** -0.5
+        # keys: M (R(F_K) N^-1/2)^T (V N^-1/2) in the compute dtype, M mean F_K in float32 for the normaliser
+        k_feat = _key_features(_head_major(k, wide_dtype(v)))                   # (B, h, N, 2d)
+        k_mean = _mix_halves(k_feat.mean(dim=-2).unsqueeze(-1))                  # (B, h, 2d, 1)
+        k_rot = rotate(k_feat, phases * inv_sqrt_n).to(dtype)
+        del k_feat
+        if torch.compiler.is_compiling():                                        # out= is not traceable
+            v_scaled = v * inv_sqrt_n
+        else:
+            v_scaled = torch.mul(v, inv_sqrt_n, out=v.new_empty(v.shape))        # head-major
+        kv = _mix_halves((k_rot.transpose(-2, -1) @ v_scaled).to(k_mean.dtype)).to(dtype)  # (B, h, 2d, d)
+        del k_rot, v_scaled
+        q_feat = _query_features(q)[0]
+        z = 1 / (q_feat @ k_mean + NALA_EPS)                                     # (B, h, N, 1) float32
+        num = rotate(q_feat, phases).to(dtype) @ kv                              # (B, h, N, d)
+        ctx.save_for_backward(q, k, v, phases, kv, k_mean, z)
+        return num.mul_(z) if dtype == z.dtype else (num * z).to(dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (u, k, v, phases, kv, k_mean, z, divisor, tanh_n, power, pow_m1, log_u,
-         q_feat, k_feat, num) = ctx.saved_tensors
-        n_tokens, d = u.shape[-2], u.shape[-1]
-        grad_num = grad * z
-        grad_den = (grad * num).sum(dim=-1, keepdim=True).mul_(-z * z)           # d/d(Q . mean K)
-        # numerator product and normaliser -> Q
-        grad_kv = (rotate(q_feat, phases).transpose(-2, -1) @ grad_num).div_(n_tokens)  # (B, h, 2d, d)
-        grad_q_feat = rotate_adjoint(grad_num @ kv.transpose(-2, -1), phases)
-        grad_q_feat = grad_q_feat.addcmul_(grad_den, k_mean).unflatten(-1, (2, d))
-        # Q = [ReLU(b) ; ReLU(-b)] -> b -> (u, p) -> q
-        grad_b = torch.where(u > 0, grad_q_feat[..., 0, :], -grad_q_feat[..., 1, :])
+        q, k, v, phases, kv, k_mean, z = ctx.saved_tensors
+        dtype, n_tokens = v.dtype, q.shape[-2]
+        inv_sqrt_n = n_tokens ** -0.5
+        q_feat, u, log_u, pow_m1, power, tanh_n, divisor = _query_features(q)
+        # the sums over tokens below take both factors scaled by N^-1/2, as the forward's (no fp16 overflow)
+        q_rot = rotate(q_feat, phases * inv_sqrt_n).to(dtype)                    # R(F_Q) N^-1/2
+        grad_num = (grad * (z * inv_sqrt_n)).to(dtype)                           # d/d(num) N^-1/2
+        # numerator product -> F_Q and kv
+        grad_kv = q_rot.transpose(-2, -1) @ grad_num                             # (B, h, 2d, d), d/d(kv) / N
+        del q_rot
+        grad_q_feat = rotate_adjoint((grad_num @ kv.transpose(-2, -1)).to(z.dtype), phases * n_tokens ** 0.5)
+        # normaliser: sum_d grad num = R(F_Q) . (grad kv^T) = F_Q . R^T(grad kv^T) (R is orthogonal), which is
+        # F_Q . grad_q_feat / z at this point: no second numerator product
+        grad_den = torch.linalg.vecdot(q_feat, grad_q_feat).unsqueeze(-1).mul_(-z)  # d/d(F_Q . M mean F_K)
+        grad_q_feat = grad_q_feat.addcmul_(grad_den, k_mean.transpose(-2, -1))
+        d = u.shape[-1]
+        b = q_feat[..., d:]
+        grad_b = _grad_of_relu_and_self(grad_q_feat, b)
+        del grad_q_feat
+        # b = u |u|^(p-1) -> (u, p) -> q
         grad_u = grad_b * power * pow_m1
-        grad_n = (grad_b * pow_m1 * u * log_u).sum(dim=-1, keepdim=True) * (3 * (1 - tanh_n * tanh_n))
-        radial = (u * grad_u).sum(dim=-1, keepdim=True)
-        grad_q = (grad_u - u * radial) / divisor + grad_n * u
+        log_u = log_u.clamp_min_(_LOG_TINY)                                      # 0 * log 0 -> 0 below
+        grad_n = torch.linalg.vecdot(grad_b * b, log_u).unsqueeze(-1) * (3 * (1 - tanh_n * tanh_n))
+        radial = torch.linalg.vecdot(u, grad_u).unsqueeze(-1)
+        grad_q = torch.addcmul(grad_u.div_(divisor), u, grad_n - radial / divisor).to(dtype)
         # keys and values
-        grad_k_mean = grad_den.transpose(-2, -1) @ q_feat                        # (B, h, 1, 2d)
-        grad_v = rotate(k_feat, phases) @ grad_kv
-        grad_k_feat = rotate_adjoint(v @ grad_kv.transpose(-2, -1), phases)
-        grad_k_feat = grad_k_feat.add_(grad_k_mean / n_tokens).unflatten(-1, (2, d))
+        grad_k_mean = _mix_halves(q_feat.transpose(-2, -1) @ grad_den)          # (B, h, 2d, 1), M F_Q^T grad
+        del q_feat, u, log_u, pow_m1, grad_b, grad_u, b
+        grad_kv = _mix_halves(grad_kv.to(grad_k_mean.dtype)).to(dtype)          # d/d(R(F_K)^T V) / N
+        k = _head_major(k, wide_dtype(v))
+        k_feat = _key_features(k)
+        grad_v = rotate(k_feat, phases).to(dtype) @ grad_kv
+        grad_k_feat = rotate_adjoint((_head_major(v, dtype) @ grad_kv.transpose(-2, -1)).to(k.dtype), phases)
+        grad_k_feat = grad_k_feat.add_(grad_k_mean.transpose(-2, -1) / n_tokens)
+        d = k.shape[-1]
         # sign(k^3) = sign(k); where k^3 underflows to 0 the factor 3 k^2 is below 1e-25
-        grad_k = torch.where(k > 0, grad_k_feat[..., 0, :], -grad_k_feat[..., 1, :]).mul_(k.square()).mul_(3)
-        return grad_q, grad_k, grad_v, None
+        grad_k = _grad_of_relu_and_self(grad_k_feat, k_feat[..., d:]).mul_(k.square()).mul_(3)
+        return grad_q, grad_k.to(dtype), grad_v, None
 
 
 # The fast path's functions below are FX leaf functions (``torch.fx.wrap``): an FX graph calls them as
@@ -271,20 +354,56 @@ def nala_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @torch.jit.unused
 def softmax_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """``softmax_attention_plain`` with one rotary pass over q and k together and fused SDPA."""
-    qk = rotate(torch.stack([q, k]), rope_phases(sin, cos))
+    """``softmax_attention_plain`` with one rotary pass over q and k together (float32, rounded to v's dtype
+    as there) and fused SDPA in v's dtype."""
+    qk = rotate(torch.stack([q, k]).to(wide_dtype(v)), rope_phases(sin, cos)).to(v.dtype)
     return F.scaled_dot_product_attention(qk[0], qk[1], v)
 
 
 @torch.jit.unused
 def lepe_fast(v_map: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """LePE's depthwise 'same' conv on the fast path: the custom op on the channels-last map."""
-    return depthwise_conv_same(v_map.contiguous(memory_format=torch.channels_last), weight, bias)
+    """LePE's depthwise 'same' conv on the fast path: the custom op, which takes v's map as it lies in the
+    qkvg output and keeps no channels-last copy of it for the backward."""
+    return depthwise_conv_same(v_map, weight, bias)
+
+
+class GatedNormFunction(torch.autograd.Function):
+    """y = LN(s) * SiLU(g) on (B, H, W, C) tokens with a backward that recomputes LN(s) and SiLU(g): it saves
+    s, g (a slice of the qkvg output) and LN's per-token statistics, where autograd would also keep
+    LN(s), SiLU(g) and g's copy. Same numbers as the plain path's F.layer_norm(s) * F.silu(g) (the same
+    kernels), in s's dtype; weight and bias as ``norm_params`` gives them."""
+
+    @staticmethod
+    def forward(ctx, s: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        normed, mean, rstd = torch.native_layer_norm(s, (s.shape[-1],), weight, bias, eps)
+        ctx.save_for_backward(s, g, weight, bias, mean, rstd)
+        ctx.eps = eps
+        return normed.mul_(F.silu(g))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        s, g, weight, bias, mean, rstd = ctx.saved_tensors
+        shape = [s.shape[-1]]
+        normed = torch.native_layer_norm(s, shape, weight, bias, ctx.eps)[0]
+        grad_g = torch.ops.aten.silu_backward(grad * normed, g)
+        del normed
+        grad_s, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
+            grad * F.silu(g), s, shape, mean, rstd, weight, bias, [True, True, True])
+        return grad_s, grad_g, grad_weight, grad_bias, None
+
+
+@torch.jit.unused
+def gated_norm_fast(s: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """LN(s) * SiLU(g) of the attention frame on the fast path (``GatedNormFunction``)."""
+    return GatedNormFunction.apply(s, g, weight, bias, eps)
 
 
 torch.fx.wrap('nala_attention_fast')
 torch.fx.wrap('softmax_attention_fast')
 torch.fx.wrap('lepe_fast')
+torch.fx.wrap('gated_norm_fast')
 
 
 class GatedAttention(nn.Module):
@@ -292,11 +411,12 @@ class GatedAttention(nn.Module):
 
     x (B, H, W, C) tokens -> [q|k|v|g] = qkvg(x) -> lepe = DWConv5x5(v) -> core(q, k, v) per head
     -> y = LN(o + lepe) * SiLU(g) -> out_proj -> (B, H, W, C). The part between qkvg and out_proj runs
-    in float32, also under autocast. Subclasses define ``core``, which runs one of two functions that
-    compute the same numbers: the plain core (the reference's order of operations) or the fast core.
-    ``fast_path`` selects the fast core and runs LePE as the custom depthwise op
-    (docs/method.md#fast-path); tracers, exporters and TorchScript always get the plain path
-    (``models.ops.use_plain_ops``).
+    with autocast off in the dtype of the qkvg output (float32, or bf16/fp16 under autocast), with
+    float32 kept where accuracy needs it (docs/method.md#precision). Subclasses define ``core``, which
+    runs one of two functions that compute the same numbers: the plain core (the reference's order of
+    operations) or the fast core. ``fast_path`` selects the fast core, runs LePE as the custom
+    depthwise op and the gated LayerNorm as ``gated_norm_fast`` (docs/method.md#fast-path); tracers,
+    exporters and TorchScript always get the plain path (``models.ops.use_plain_ops``).
     """
 
     def __init__(self, dim: int, num_heads: int) -> None:
@@ -312,7 +432,8 @@ class GatedAttention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor,
              fast: bool) -> torch.Tensor:
-        """The attention core on (B, h, N, d) float32 heads: the fast one if ``fast``, else the plain one."""
+        """The attention core on (B, h, N, d) heads (the compute dtype): the fast one if ``fast``, else the
+        plain one."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
@@ -322,31 +443,30 @@ class GatedAttention(nn.Module):
         else:
             with autocast_off(x):
                 y = self._mix(qkvg, sin, cos, self.fast_path and not use_plain_ops())
-        return self.out_proj(y.to(qkvg.dtype))
+        return self.out_proj(y)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, H, W, C) tokens as (B, h, N, d) heads (a view)."""
         return t.flatten(1, 2).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
     def _mix(self, qkvg: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, fast: bool) -> torch.Tensor:
-        """Everything between qkvg and out_proj, in float32."""
-        # Split, then cast (a no-op in fp32): under autocast each part becomes its own fp32 tensor,
-        # v is already channels-last for LePE, and the backward joins bf16 gradients instead of fp32
-        # ones. (Unpacked first: FX cannot iterate over a traced chunk.)
+        """Everything between qkvg and out_proj, in qkvg's dtype; autocast must be off."""
+        # unpacked first: FX cannot iterate over a traced chunk
         q, k, v, g = qkvg.chunk(4, dim=-1)
-        q, k, v, g = q.float(), k.float(), v.float(), g.float()
         v_map = v.permute(0, 3, 1, 2)                                            # (B, C, H, W) view
         lepe_bias = self.lepe.bias
         assert lepe_bias is not None                                             # for TorchScript's types
-        weight, bias = self.lepe.weight.float(), lepe_bias.float()
+        weight, bias = self.lepe.weight.to(qkvg.dtype), lepe_bias.to(qkvg.dtype)
         if fast:
             lepe = lepe_fast(v_map, weight, bias)
         else:
             lepe = F.conv2d(v_map, weight, bias, padding=self.lepe.padding, groups=self.lepe.groups)
         o = self.core(self._heads(q), self._heads(k), self._heads(v), sin, cos, fast)
-        o = o.transpose(1, 2).reshape(v.shape)                                   # (B, H, W, C)
-        return F.layer_norm(o + lepe.permute(0, 2, 3, 1), self.ln.normalized_shape, self.ln.weight.float(),
-                            self.ln.bias.float(), self.ln.eps) * F.silu(g)
+        s = o.transpose(1, 2).reshape(v.shape) + lepe.permute(0, 2, 3, 1)        # (B, H, W, C)
+        ln_weight, ln_bias = norm_params(self.ln.weight, self.ln.bias, s)
+        if fast:
+            return gated_norm_fast(s, g, ln_weight, ln_bias, self.ln.eps)
+        return F.layer_norm(s, self.ln.normalized_shape, ln_weight, ln_bias, self.ln.eps) * F.silu(g)
 
 
 class NaLaAttention(GatedAttention):

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .compat import is_fx_symbolic_tracing
 from .nala import NaLaAttention, RoPE, SoftmaxAttention
-from .ops import depthwise_conv_same, use_plain_ops
+from .ops import depthwise_conv_same, depthwise_conv_same_backward, use_plain_ops
 from .weight_files import file_eval_config, file_num_classes, weights_key
 
 __all__ = ['NaLaFormer', 'VARIANTS', 'PAPER_FIGURES', 'MODEL_NAMES', 'checkpoint_filter_fn', 'from_reference_layout',
@@ -76,15 +76,59 @@ def conv_residual_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     change the model's numbers), and the FFN's bf16/fp16 activations stay in theirs. An FX leaf
     function; TorchScript does not compile it (a scripted model takes the plain path).
     """
+    weight, bias = _with_identity(weight, bias, x.dtype)
+    return depthwise_conv_same(x.contiguous(memory_format=torch.channels_last), weight, bias)
+
+
+def _with_identity(weight: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A depthwise kernel with 1 added at its centre (x + conv(x) as one conv) and its bias (zeros if None),
+    in ``dtype``."""
     kh, kw = weight.shape[-2:]
     # a 1 at the kernel centre, padded out without item assignment
     identity = F.pad(weight.new_ones(1, 1, 1, 1), (kw // 2, kw // 2, kh // 2, kh // 2))
     bias = weight.new_zeros(weight.shape[0]) if bias is None else bias
-    weight, bias = (weight + identity).to(x.dtype), bias.to(x.dtype)
-    return depthwise_conv_same(x.contiguous(memory_format=torch.channels_last), weight, bias)
+    return (weight + identity).to(dtype), bias.to(dtype)
+
+
+class ConvFFNFunction(torch.autograd.Function):
+    """fc2(a + DWConv3x3(a)), a = GELU(h), on (B, H, W, F) tokens h, with a backward that recomputes a and the
+    conv's output from h: it saves h alone, where autograd keeps h, a and the conv's output (each F wide, the
+    widest activations of a block). All in h's dtype; the conv kernel has the identity folded in."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor, fc2_weight: torch.Tensor,
+                fc2_bias: torch.Tensor) -> torch.Tensor:
+        c = depthwise_conv_same(F.gelu(h).permute(0, 3, 1, 2), conv_weight, conv_bias)      # channels-last map
+        ctx.save_for_backward(h, conv_weight, conv_bias, fc2_weight)
+        return F.linear(c.permute(0, 2, 3, 1), fc2_weight, fc2_bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, conv_weight, conv_bias, fc2_weight = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])                                  # (tokens, C)
+        grad_c = (grad @ fc2_weight).reshape(h.shape).permute(0, 3, 1, 2)        # (B, F, H, W) channels-last
+        a = F.gelu(h).permute(0, 3, 1, 2)
+        c = depthwise_conv_same(a, conv_weight, conv_bias)
+        grad_fc2_weight = grad.t() @ c.permute(0, 2, 3, 1).reshape(grad.shape[0], -1)
+        del c
+        grad_a, grad_conv_weight, grad_conv_bias = depthwise_conv_same_backward(grad_c, a, conv_weight)
+        del a, grad_c
+        grad_h = torch.ops.aten.gelu_backward(grad_a.permute(0, 2, 3, 1), h)
+        return grad_h, grad_conv_weight, grad_conv_bias, grad_fc2_weight, grad.sum(0)
+
+
+@torch.jit.unused
+def conv_ffn_fast(h: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                  fc2_weight: torch.Tensor, fc2_bias: torch.Tensor) -> torch.Tensor:
+    """The FFN after fc1 on the fast path (``ConvFFNFunction``), in h's dtype (bf16/fp16 under autocast,
+    as the plain path's GELU, conv and fc2 run there). An FX leaf function; TorchScript does not compile it."""
+    conv_weight, conv_bias = _with_identity(conv_weight, conv_bias, h.dtype)
+    return ConvFFNFunction.apply(h, conv_weight, conv_bias, fc2_weight.to(h.dtype), fc2_bias.to(h.dtype))
 
 
 torch.fx.wrap('conv_residual_fast')
+torch.fx.wrap('conv_ffn_fast')
 
 
 class ChannelsLastLayerNorm(nn.Module):
@@ -100,8 +144,9 @@ class ChannelsLastLayerNorm(nn.Module):
 
 class ConvFFN(nn.Module):
     """fc1 -> exact GELU -> y + DWConv3x3(y) -> fc2, on (B, H, W, C) tokens. The depthwise conv reads
-    the (B, H, W, F) activations as a (B, F, H, W) map by a permute; ``fast_path`` folds its residual
-    into its kernel (``conv_residual_fast``)."""
+    the (B, H, W, F) activations as a (B, F, H, W) map by a permute; ``fast_path`` runs everything after
+    fc1 as ``conv_ffn_fast`` (the residual folded into the conv's kernel, GELU and the conv recomputed in
+    the backward)."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -112,12 +157,11 @@ class ConvFFN(nn.Module):
         self.fast_path = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.act(self.fc1(x)).permute(0, 3, 1, 2)                          # (B, F, H, W) view
+        h = self.fc1(x)
         if self.fast_path and not use_plain_ops():
-            y = conv_residual_fast(y, self.dwconv.weight, self.dwconv.bias)
-        else:
-            y = y + self.dwconv(y)
-        return self.fc2(y.permute(0, 2, 3, 1))
+            return conv_ffn_fast(h, self.dwconv.weight, self.dwconv.bias, self.fc2.weight, self.fc2.bias)
+        y = self.act(h).permute(0, 3, 1, 2)                                      # (B, F, H, W) view
+        return self.fc2((y + self.dwconv(y)).permute(0, 2, 3, 1))
 
 
 class StochasticDepth(DropPath):

@@ -26,7 +26,7 @@ def test_cells_sum_to_the_step_and_cover_every_part(tmp_path, capsys):
         assert 0.5 * r['profiled_step_ms'] < r['total_ms'] <= 1.05 * r['profiled_step_ms']
         for stage in ('stem', 'stage1', 'stage2', 'stage3', 'stage4'):
             assert r['stages'][stage] > 0, stage
-        for family in ('nala_core', 'softmax_attn', 'dwconv', 'conv', 'linear', 'norm'):
+        for family in ('nala_core', 'softmax_attn', 'dwconv', 'conv', 'linear', 'ffn', 'norm'):
             assert r['families'][family] > 0, family
         assert r['cells']['stage1']['nala_core'] > 0 and r['cells']['stage1']['softmax_attn'] == 0
         assert r['cells']['stage3']['softmax_attn'] > 0 and r['cells']['stage3']['nala_core'] == 0
@@ -47,12 +47,12 @@ def test_labels_are_removed_after_profiling():
     x = torch.randn(1, 3, 32, 32)
     step, _ = make_step(model, x, torch.zeros(1, dtype=torch.long), 'inference', torch.float32,
                         torch.device('cpu'), False)
-    originals = [getattr(owner, attr) for owner, attr in profile_ops.FAST_PATH_DWCONVS]
+    originals = [getattr(owner, attr) for owner, attr, _ in profile_ops.FAST_PATH_FUNCTIONS]
     with profile_ops.labelled(model):
         assert nala.lepe_fast is not originals[0]
         assert any('core' in vars(m) for m in model.modules())
         step()
-    assert [getattr(owner, attr) for owner, attr in profile_ops.FAST_PATH_DWCONVS] == originals
+    assert [getattr(owner, attr) for owner, attr, _ in profile_ops.FAST_PATH_FUNCTIONS] == originals
     assert not any('core' in vars(m) for m in model.modules())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 

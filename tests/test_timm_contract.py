@@ -49,8 +49,8 @@ def _fx_model(model):
 
 
 def test_fx_graph_computes_exactly_what_eager_computes():
-    from models.nala import lepe_fast, nala_attention_fast, softmax_attention_fast
-    from models.nalaformer import conv_residual_fast
+    from models.nala import gated_norm_fast, lepe_fast, nala_attention_fast, softmax_attention_fast
+    from models.nalaformer import conv_ffn_fast, conv_residual_fast
     model = timm.create_model('NALAFORMER_XT').eval()
     x = torch.randn(2, 3, 64, 96)
     with torch.no_grad():
@@ -60,7 +60,8 @@ def test_fx_graph_computes_exactly_what_eager_computes():
     assert torch.equal(fx_out, out)
     # the fast path's pieces are leaf calls of the graph
     targets = {node.target for node in fx_model.graph.nodes if node.op == 'call_function'}
-    assert {nala_attention_fast, softmax_attention_fast, lepe_fast, conv_residual_fast} <= targets
+    assert {nala_attention_fast, softmax_attention_fast, lepe_fast, gated_norm_fast, conv_residual_fast,
+            conv_ffn_fast} <= targets
 
 
 def test_torch_jit_script_runs_the_plain_path():

@@ -1,11 +1,14 @@
 """Fast path against plain path under autocast: one block per stage of a variant, with the variant's
 own widths, heads and layer scale.
 
-Under autocast the two paths round different intermediate values to the autocast dtype, so they
-cannot agree bit for bit. The rule they follow: the residual stream stays fp32 on both paths (only the
-branches compute in bf16/fp16), so the fast path may differ from the plain path by no more than the
-plain path itself differs from fp32. ``amp_path_parity`` measures that on any device and dtype; the
-tests run it on the CPU with bfloat16, a GPU check can run it with float16 and bfloat16.
+Under autocast both paths follow one precision policy (docs/method.md#precision: the branches, the
+attention frame included, compute in the autocast dtype with float32 kept for the NaLa feature maps, the
+normaliser and LayerNorm's statistics), but they round different intermediate values, so they cannot
+agree bit for bit. The rule they follow: the residual stream stays fp32 on both paths, and the fast path
+may differ from the plain path by no more than the plain path itself differs from fp32
+(tests/test_precision.py applies the same rule to the gradients). ``amp_path_parity`` measures that
+on any device and dtype; the tests run it on the CPU with bfloat16 and float16, a GPU check can run it
+with both.
 """
 import contextlib
 

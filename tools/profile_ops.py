@@ -4,9 +4,10 @@
         --sizes 512 1024 --batch-sizes 2 1 --threads 2 --json profile.jsonl
 
 One step per model, size and mode (``inference``: no-grad eval forward; ``train``: forward, backward and
-AdamW step, as tools/benchmark.py times them) runs under ``torch.profiler`` (CPU only, fp32). Forward ops
-are attributed by ``record_function`` ranges the tool opens around the model's parts (module hooks, and
-wrappers of NaLaFormer's attention cores and fast-path depthwise convs); backward ops inherit stage and
+AdamW step, as tools/benchmark.py times them) runs under ``torch.profiler`` (CPU only; fp32, or autocast to
+bf16 with ``--dtype bf16``). Forward ops are attributed by ``record_function`` ranges the tool opens around
+the model's parts (module hooks, and wrappers of NaLaFormer's attention cores and fast-path functions,
+``FAST_PATH_FUNCTIONS``); backward ops inherit stage and
 family from the forward op that created their autograd node (its sequence number). Every op's self time
 goes to exactly one (stage, family) cell, so the cells sum to the profiled step.
 
@@ -14,7 +15,9 @@ Stages: ``stem``, ``stage1``..``stage4`` (each with the downsample that leads in
 classifier, loss), ``optimizer`` (AdamW step, zero_grad, gradient accumulation). Families:
 ``nala_core`` and ``softmax_attn`` (the attention cores: everything between q/k/v and the output heads;
 swin's window attention without its linears), ``dwconv`` (depthwise convs: CPE, FFN, LePE, ConvNeXt's),
-``conv`` (dense convs: stem, downsample), ``linear``, ``norm`` (layer and batch norms), ``copies`` (copy,
+``conv`` (dense convs: stem, downsample), ``linear``, ``ffn`` (NaLaFormer's fast path: everything in the
+FFN after fc1, i.e. GELU, the depthwise conv and fc2, one function with its own backward; on the plain path
+these count as other, dwconv and linear), ``norm`` (layer and batch norms, the fast path's gated LN), ``copies`` (copy,
 cat, stack, roll, pad and dtype or layout conversions outside the cores), ``other`` (activations,
 residuals, gating, Python time between ops) and ``optimizer``.
 """
@@ -36,10 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402
-from tools.benchmark import create_any, make_step  # noqa: E402
+from tools.benchmark import DTYPES, create_any, make_step  # noqa: E402
 
 STAGES = ('stem', 'stage1', 'stage2', 'stage3', 'stage4', 'head', 'optimizer')
-FAMILIES = ('nala_core', 'softmax_attn', 'dwconv', 'conv', 'linear', 'norm', 'copies', 'other', 'optimizer')
+FAMILIES = ('nala_core', 'softmax_attn', 'dwconv', 'conv', 'linear', 'ffn', 'norm', 'copies', 'other', 'optimizer')
 CORE_FAMILIES = ('nala_core', 'softmax_attn')
 #: ops that only move or convert data; outside the attention cores they count as ``copies``
 COPY_OPS = frozenset({
@@ -49,8 +52,9 @@ COPY_OPS = frozenset({
 })
 STAGE_TAG, FAMILY_TAG = 'stage::', 'family::'
 Tags = tuple[str | None, str | None, bool]  # (stage, family, under the optimizer)
-#: the fast path's depthwise convs, functions that the blocks look up in their modules at call time
-FAST_PATH_DWCONVS = ((nala, 'lepe_fast'), (nalaformer, 'conv_residual_fast'))
+#: the fast path's functions that the blocks look up in their modules at call time, with their family
+FAST_PATH_FUNCTIONS = ((nala, 'lepe_fast', 'dwconv'), (nalaformer, 'conv_residual_fast', 'dwconv'),
+                       (nalaformer, 'conv_ffn_fast', 'ffn'), (nala, 'gated_norm_fast', 'norm'))
 OPTIMIZER_PREFIXES = ('Optimizer.', 'optimizer', 'autograd::engine::evaluate_function: torch::autograd::AccumulateGrad')
 
 
@@ -118,14 +122,14 @@ def labelled(model: nn.Module) -> Iterator[None]:
             family = 'nala_core' if isinstance(module, nala.NaLaAttention) else 'softmax_attn'
             module.core = _ranged(FAMILY_TAG + family, module.core)  # an instance attribute shadows the method
             cores.append(module)
-    patched = [(owner, attr) for owner, attr in FAST_PATH_DWCONVS if hasattr(owner, attr)]
-    originals = [getattr(owner, attr) for owner, attr in patched]
-    for (owner, attr), fn in zip(patched, originals):
-        setattr(owner, attr, _ranged(FAMILY_TAG + 'dwconv', fn))
+    patched = [(owner, attr, family) for owner, attr, family in FAST_PATH_FUNCTIONS if hasattr(owner, attr)]
+    originals = [getattr(owner, attr) for owner, attr, _ in patched]
+    for (owner, attr, family), fn in zip(patched, originals):
+        setattr(owner, attr, _ranged(FAMILY_TAG + family, fn))
     try:
         yield
     finally:
-        for (owner, attr), fn in zip(patched, originals):
+        for (owner, attr, _), fn in zip(patched, originals):
             setattr(owner, attr, fn)
         for module in cores:
             del module.core
@@ -189,6 +193,9 @@ def attribute(events) -> dict[str, dict[str, float]]:
 
 def profile_step(step: Callable[[], None], steps: int = 1) -> tuple[dict[str, dict[str, float]], float]:
     """Cells of ``steps`` profiled calls of ``step`` (per call), and the profiled wall seconds per call."""
+    # as tools/benchmark.py: the profiler's tracing library reads its log level when first used in a process
+    # (6: silent, no start/stop lines on stderr); a level the user set stays
+    os.environ.setdefault('KINETO_LOG_LEVEL', '6')
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -206,14 +213,14 @@ def summarise(cells: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]
 
 
 def run(model_name: str, size: int, batch_size: int, mode: str, steps: int, warmup: int,
-        fast_path: bool = True) -> dict:
+        fast_path: bool = True, dtype: str = 'fp32') -> dict:
     """Profile one model at one square size and mode; one result dict."""
     device = torch.device('cpu')
     torch.manual_seed(0)
     x = torch.randn(batch_size, 3, size, size)
     target = torch.randint(0, 1000, (batch_size,))
     model = create_any(model_name, device, fast_path, (size, size))
-    step, _ = make_step(model, x, target, mode, torch.float32, device, False)
+    step, _ = make_step(model, x, target, mode, DTYPES[dtype], device, False)
     for _ in range(warmup):
         step()
     plain = []
@@ -225,8 +232,8 @@ def run(model_name: str, size: int, batch_size: int, mode: str, steps: int, warm
         cells, profiled_s = profile_step(step, steps)
     summary = summarise(cells)
     return dict(model=model_name, size=size, batch_size=batch_size, mode=mode, threads=torch.get_num_threads(),
-                fast_path=fast_path, step_ms=1e3 * statistics.median(plain), profiled_step_ms=1e3 * profiled_s,
-                img_s=batch_size / statistics.median(plain), cells=cells, **summary)
+                fast_path=fast_path, dtype=dtype, step_ms=1e3 * statistics.median(plain),
+                profiled_step_ms=1e3 * profiled_s, img_s=batch_size / statistics.median(plain), cells=cells, **summary)
 
 
 def format_result(r: dict) -> str:
@@ -234,7 +241,8 @@ def format_result(r: dict) -> str:
     total = r['total_ms']
     families = [f for f in FAMILIES if r['families'][f] > 0]
     head = f"{'stage':<10}" + ''.join(f'{f:>13}' for f in families) + f"{'total':>11}{'share':>8}"
-    lines = [f"{r['model']} {r['size']}px batch {r['batch_size']} {r['mode']}: {r['step_ms']:.0f} ms/step "
+    lines = [f"{r['model']} {r['size']}px batch {r['batch_size']} {r['mode']} {r.get('dtype', 'fp32')}: "
+             f"{r['step_ms']:.0f} ms/step "
              f"unprofiled, {total:.0f} ms profiled ({r['img_s']:.2f} img/s, {r['threads']} threads)", head]
     for stage in STAGES:
         row = r['cells'][stage]
@@ -260,6 +268,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads')
     parser.add_argument('--fast-path', action=argparse.BooleanOptionalAction, default=True,
                         help="NaLaFormer's fast path (default) or the plain path")
+    parser.add_argument('--dtype', choices=['fp32', 'bf16'], default='fp32',
+                        help='fp32, or autocast to bf16 as tools/benchmark.py --dtype bf16')
     parser.add_argument('--json', default=None, help='append one JSON line per result to this file')
     args = parser.parse_args(argv)
     if len(args.batch_sizes) not in (1, len(args.sizes)):
@@ -279,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     for size, batch_size in zip(args.sizes, batch_sizes):
         for mode in args.modes:
             for name in [args.model] + [n for n in args.compare if n != args.model]:
-                result = run(name, size, batch_size, mode, args.steps, args.warmup, args.fast_path)
+                result = run(name, size, batch_size, mode, args.steps, args.warmup, args.fast_path, args.dtype)
                 print(format_result(result) + '\n', flush=True)
                 results.append(result)
                 if args.json:
