@@ -123,6 +123,7 @@ class OptimizerStep:
         self._window_len = 1
         self._buffers: list[torch.Tensor] = []
         self._losses: list[torch.Tensor] = []
+        self._buffer_modules: tuple = (None, [])  # (the bare model, its modules that hold buffers)
 
     def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
                  index: int = 0, n_steps: int | None = None, stop_flag: Any = None,
@@ -135,7 +136,7 @@ class OptimizerStep:
             self._window_end = end if n_steps is None else min(end, n_steps)
             self._window_len = self._window_end - index
             # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
-            self._buffers = [b.detach().clone() for b in unwrap_model(model).buffers()]
+            self._buffers = [b.detach().clone() for b in self._model_buffers(model)]
             self._losses = []
             self.optimizer.zero_grad(set_to_none=True)
         last = index + 1 >= self._window_end
@@ -151,8 +152,17 @@ class OptimizerStep:
         self._window_end = None
         return self._step(model, stop_flag, grad_norm)
 
+    def _model_buffers(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The buffers of the bare model (BatchNorm statistics), those of model.buffers(), from the modules that
+        hold any: the modules are gathered once per model (walking every module costs the host more than
+        copying the buffers); the tensors are looked up at every call, as .to() replaces them."""
+        bare = unwrap_model(model)
+        if self._buffer_modules[0] is not bare:
+            self._buffer_modules = (bare, [m for m in bare.modules() if m._buffers])
+        return [b for m in self._buffer_modules[1] for b in m._buffers.values() if b is not None]
+
     def _backward(self, loss: torch.Tensor) -> None:
-        scaled = loss / self._window_len
+        scaled = loss / self._window_len if self._window_len > 1 else loss  # x / 1 is x: no op to run and undo
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
 
     def _step(self, model, stop_flag, grad_norm: bool) -> StepOutcome:
@@ -177,7 +187,7 @@ class OptimizerStep:
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
-                for b, saved in zip(unwrap_model(model).buffers(), buffers):
+                for b, saved in zip(self._model_buffers(model), buffers):
                     b.copy_(saved)
             # a skipped window is rare: naming its loss may read the losses back once more
             outcome.non_finite = (next(v for v in losses.tolist() if not math.isfinite(v)) if bad_here
