@@ -165,24 +165,35 @@ class OptimizerStep:
         scaled = loss / self._window_len if self._window_len > 1 else loss  # x / 1 is x: no op to run and undo
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
 
+    def _flags(self, losses: torch.Tensor, grads: list[torch.Tensor], stop_flag: Any) -> tuple[bool, bool, bool, bool]:
+        """(a non-finite loss on this rank, on any rank, non-finite fp16 gradients on any rank, a stop request on
+        any rank), with the step's one wait for the device. Under torch.distributed or with a loss scaler, this
+        rank's flags are built on the device - a non-finite loss, non-finite (scaled fp16) gradients
+        (GradScaler's own test, which its step would read back by itself) and the stop request - and agreed by
+        one all-reduce; one process without a scaler reads its loss check alone, the stop request being
+        the host's own."""
+        stop_here = stop_flag is not None and stop_flag.requested
+        if self.scaler is None and not is_dist_avail_and_initialized():
+            bad = not torch.isfinite(losses).all().item()
+            return bad, bad, False, stop_here
+        flags = torch.stack([
+            ~torch.isfinite(losses).all(),
+            ~torch.isfinite(total_norm(grads, math.inf)) if self.scaler is not None and grads
+            else torch.zeros((), dtype=torch.bool, device=losses.device),
+            torch.full((), stop_here, dtype=torch.bool, device=losses.device),
+        ]).float()
+        agreed = flags.clone()
+        if is_dist_avail_and_initialized():
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        bad_here, bad, overflow, stop = (v > 0 for v in torch.cat([flags[:1], agreed]).tolist())
+        return bad_here, bad, overflow, stop
+
     def _step(self, model, stop_flag, grad_norm: bool) -> StepOutcome:
         losses, self._losses = torch.stack(self._losses), []
         buffers, self._buffers = self._buffers, []
         grads = [p.grad for p in model.parameters() if p.grad is not None] if self.scaler is not None or grad_norm \
             else []
-        # this rank's flags, on the device: a non-finite loss, non-finite (scaled fp16) gradients - GradScaler's
-        # own test, which its step would read back by itself - and a stop request
-        flags = torch.stack([
-            ~torch.isfinite(losses).all(),
-            ~torch.isfinite(total_norm(grads, math.inf)) if self.scaler is not None and grads
-            else torch.zeros((), dtype=torch.bool, device=losses.device),
-            torch.full((), stop_flag is not None and stop_flag.requested, dtype=torch.bool, device=losses.device),
-        ]).float()
-        agreed = flags.clone()
-        if is_dist_avail_and_initialized():
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-        # the step's one wait for the device
-        bad_here, bad, overflow, stop = (v > 0 for v in torch.cat([flags[:1], agreed]).tolist())
+        bad_here, bad, overflow, stop = self._flags(losses, grads, stop_flag)
         outcome = StepOutcome(losses=losses, stop=stop)
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
