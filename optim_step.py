@@ -170,11 +170,11 @@ class OptimizerStep:
         any rank), with the step's one wait for the device. Under torch.distributed or with a loss scaler, this
         rank's flags are built on the device - a non-finite loss, non-finite (scaled fp16) gradients
         (GradScaler's own test, which its step would read back by itself) and the stop request - and agreed by
-        one all-reduce; one process without a scaler reads its loss check alone, the stop request being
-        the host's own."""
+        one all-reduce; one process without a scaler reads its window's losses and checks them on the host
+        (cheaper than the device-side test on a CPU), the stop request being the host's own."""
         stop_here = stop_flag is not None and stop_flag.requested
         if self.scaler is None and not is_dist_avail_and_initialized():
-            bad = not torch.isfinite(losses).all().item()
+            bad = not all(math.isfinite(v) for v in losses.tolist())
             return bad, bad, False, stop_here
         flags = torch.stack([
             ~torch.isfinite(losses).all(),
