@@ -280,6 +280,9 @@ def _precision_and_speed_flags(parser: argparse.ArgumentParser) -> None:
                         '(--no-tf32: full fp32)')
     g.add_argument('--channels-last', action='store_true')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
+    g.add_argument('--grad-checkpointing', action='store_true',
+                   help="recompute each block's activations in the backward instead of keeping them (timm's "
+                        'set_grad_checkpointing): less memory, more time per step, for large inputs or batches')
     g.add_argument('--sync-bn', action=argparse.BooleanOptionalAction, default=True,
                    help='SyncBatchNorm in multi-GPU runs')
 

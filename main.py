@@ -254,9 +254,17 @@ def build_data(args: argparse.Namespace, device: torch.device) -> Data:
 # --------------------------------------------------------------------------------------------------
 def build_model(args: argparse.Namespace, nb_classes: int) -> torch.nn.Module:
     """The model with the number of classes and dropout of the command line; drop path from --drop-path,
-    or the variant's own rate when --drop-path is not given."""
+    or the variant's own rate when --drop-path is not given; timm's gradient checkpointing with
+    --grad-checkpointing."""
     extra = {} if args.drop_path is None else {'drop_path_rate': args.drop_path}
-    return timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
+    model = timm.create_model(args.model, pretrained=False, num_classes=nb_classes, drop_rate=args.drop, **extra)
+    if getattr(args, 'grad_checkpointing', False):
+        try:
+            model.set_grad_checkpointing(True)
+        except (AttributeError, AssertionError, NotImplementedError) as e:  # timm's models that have none assert
+            raise FlagError(f'--grad-checkpointing: {args.model} does not support gradient checkpointing '
+                            f'({first_line(e)}); leave out the flag') from e
+    return model
 
 
 def prepare_model(args: argparse.Namespace, nb_classes: int, device: torch.device,

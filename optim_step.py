@@ -65,6 +65,7 @@ class OptimizerStep:
         self._window_len = 1
         self._buffers: list[torch.Tensor] = []
         self._losses: list[torch.Tensor] = []
+        self._buffer_modules: tuple = (None, [])  # (the bare model, its modules that hold buffers)
 
     def __call__(self, model: torch.nn.Module, criterion: Callable[..., torch.Tensor], samples: Any, targets: Any,
                  index: int = 0, n_steps: int | None = None, stop_flag: Any = None,
@@ -77,7 +78,7 @@ class OptimizerStep:
             self._window_end = end if n_steps is None else min(end, n_steps)
             self._window_len = self._window_end - index
             # a skipped step must not leave inf/NaN BatchNorm statistics behind: keep the buffers to restore
-            self._buffers = [b.detach().clone() for b in unwrap_model(model).buffers()]
+            self._buffers = [b.detach().clone() for b in self._model_buffers(model)]
             self._losses = []
             self.optimizer.zero_grad(set_to_none=True)
         last = index + 1 >= self._window_end
@@ -93,33 +94,53 @@ class OptimizerStep:
         self._window_end = None
         return self._step(model, stop_flag, grad_norm)
 
+    def _model_buffers(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The buffers of the bare model (BatchNorm statistics), those of model.buffers(), from the modules that
+        hold any: the modules are gathered once per model (walking every module costs the host more than
+        copying the buffers); the tensors are looked up at every call, as .to() replaces them."""
+        bare = unwrap_model(model)
+        if self._buffer_modules[0] is not bare:
+            self._buffer_modules = (bare, [m for m in bare.modules() if m._buffers])
+        return [b for m in self._buffer_modules[1] for b in m._buffers.values() if b is not None]
+
     def _backward(self, loss: torch.Tensor) -> None:
-        scaled = loss / self._window_len
+        scaled = loss / self._window_len if self._window_len > 1 else loss  # x / 1 is x: no op to run and undo
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+
+    def _flags(self, losses: torch.Tensor, grads: list[torch.Tensor], stop_flag: Any) -> tuple[bool, bool, bool, bool]:
+        """(a non-finite loss on this rank, on any rank, non-finite fp16 gradients on any rank, a stop request on
+        any rank), with the step's one wait for the device. Under torch.distributed or with a loss scaler, this
+        rank's flags are built on the device - a non-finite loss, non-finite (scaled fp16) gradients
+        (GradScaler's own test, which its step would read back by itself) and the stop request - and agreed by
+        one all-reduce; one process without a scaler reads its window's losses and checks them on the host
+        (cheaper than the device-side test on a CPU), the stop request being the host's own."""
+        stop_here = stop_flag is not None and stop_flag.requested
+        if self.scaler is None and not is_dist_avail_and_initialized():
+            bad = not all(math.isfinite(v) for v in losses.tolist())
+            return bad, bad, False, stop_here
+        flags = torch.stack([
+            ~torch.isfinite(losses).all(),
+            ~torch.isfinite(total_norm(grads, math.inf)) if self.scaler is not None and grads
+            else torch.zeros((), dtype=torch.bool, device=losses.device),
+            torch.full((), stop_here, dtype=torch.bool, device=losses.device),
+        ]).float()
+        agreed = flags.clone()
+        if is_dist_avail_and_initialized():
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        bad_here, bad, overflow, stop = (v > 0 for v in torch.cat([flags[:1], agreed]).tolist())
+        return bad_here, bad, overflow, stop
 
     def _step(self, model, stop_flag, grad_norm: bool) -> StepOutcome:
         losses, self._losses = torch.stack(self._losses), []
         buffers, self._buffers = self._buffers, []
         grads = [p.grad for p in model.parameters() if p.grad is not None] if self.scaler is not None or grad_norm \
             else []
-        # this rank's flags, on the device: a non-finite loss, non-finite (scaled fp16) gradients - GradScaler's
-        # own test, which its step would read back by itself - and a stop request
-        flags = torch.stack([
-            ~torch.isfinite(losses).all(),
-            ~torch.isfinite(total_norm(grads, math.inf)) if self.scaler is not None and grads
-            else torch.zeros((), dtype=torch.bool, device=losses.device),
-            torch.full((), stop_flag is not None and stop_flag.requested, dtype=torch.bool, device=losses.device),
-        ]).float()
-        agreed = flags.clone()
-        if is_dist_avail_and_initialized():
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-        # the step's one wait for the device
-        bad_here, bad, overflow, stop = (v > 0 for v in torch.cat([flags[:1], agreed]).tolist())
+        bad_here, bad, overflow, stop = self._flags(losses, grads, stop_flag)
         outcome = StepOutcome(losses=losses, stop=stop)
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
-                for b, saved in zip(unwrap_model(model).buffers(), buffers):
+                for b, saved in zip(self._model_buffers(model), buffers):
                     b.copy_(saved)
             # a skipped window is rare: naming its loss may read the losses back once more
             outcome.non_finite = (next(v for v in losses.tolist() if not math.isfinite(v)) if bad_here

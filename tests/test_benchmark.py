@@ -250,3 +250,94 @@ def test_host_syncs_per_step_counts_the_sync_warnings_of_one_step(monkeypatch):
         engine.train_one_epoch(model, lambda s, o, t: torch.nn.functional.cross_entropy(o, t),
                                benchmark.BatchList([batch] * n, 4), step, 0, engine.TrainSettings(print_freq=10 ** 9))
     assert benchmark.host_syncs_per_step(epoch, 3) == 1.0
+
+
+# ---- several dtypes, CPU time, the load warning, the allocator, the peak figure, gradient checkpointing ----
+@pytest.fixture
+def no_fvcore(monkeypatch):
+    """A fixed MAC count instead of fvcore's (seconds per model; the count is tested above)."""
+    monkeypatch.setattr(benchmark, 'model_macs', lambda name, size: 10 ** 7)
+    monkeypatch.setattr(benchmark, 'model_macs_any', lambda name, size, fast_path=True: 10 ** 7)
+
+
+def test_one_model_in_two_dtypes_interleaved_prints_the_speed_up(no_fvcore, capsys):
+    results = benchmark.main(TINY + ['--mode', 'inference', '--dtype', 'fp32,bf16'])
+    assert [r['dtype'] for r in results] == ['fp32', 'bf16']
+    fp32, bf16 = results
+    assert len(fp32['step_s_all']) == len(bf16['step_s_all']) == 2 and 'speedup' not in fp32
+    assert bf16['speedup_over'] == 'fp32'
+    assert bf16['speedup'] == pytest.approx(fp32['step_s_median'] / bf16['step_s_median'])
+    assert bf16['speedup_cpu'] == pytest.approx(fp32['cpu_s_median'] / bf16['cpu_s_median'])
+    assert fp32['cpu_s_median'] > 0 and 0 < fp32['cpu_busy']
+    assert bf16['gemm_gmac_s'] != fp32['gemm_gmac_s']  # each dtype against its own GEMM
+    out = capsys.readouterr().out
+    assert f"bf16 over fp32: {bf16['speedup']:.2f}x img/s by wall time, {bf16['speedup_cpu']:.2f}x by CPU time" in out
+    assert out.count('cpu_malloc=system') == 2 and benchmark.PEAK_NOTE in out
+
+
+def test_compare_in_two_dtypes_ratios_per_dtype_and_speed_ups(no_fvcore, capsys):
+    results = benchmark.main(['--model', 'NALAFORMER_XT', '--compare', 'convnext_atto', '--input-size', '32',
+                              '--batch-size', '2', '--steps', '1', '--warmup', '0', '--gemm-size', '128',
+                              '--device', 'cpu', '--modes', 'inference', '--dtype', 'fp32,bf16'])
+    assert [(r['dtype'], r['model']) for r in results] == [
+        ('fp32', 'NALAFORMER_XT'), ('fp32', 'convnext_atto'), ('bf16', 'NALAFORMER_XT'), ('bf16', 'convnext_atto')]
+    for r in results:  # ratios against the peer in the same dtype, by wall and by CPU time
+        peer = next(p for p in results if p['model'] == 'convnext_atto' and p['dtype'] == r['dtype'])
+        assert r['img_s_vs_best_peer'] == pytest.approx(r['img_s'] / peer['img_s'])
+        assert r['img_s_cpu_vs_best_peer'] == pytest.approx(peer['cpu_s_median'] / r['cpu_s_median'])
+        assert r['cpu_malloc'] == 'system' and r['grad_checkpointing'] is None
+    for fp32, bf16 in zip(results[:2], results[2:]):
+        assert 'speedup' not in fp32 and bf16['speedup'] == pytest.approx(fp32['step_s_median'] / bf16['step_s_median'])
+    out = capsys.readouterr().out
+    assert out.count('fp32, bf16, batch 2, 32x32') == 1 and 'CPU img/s/best' in out and benchmark.PEAK_NOTE in out
+    speedups = [line.split() for line in out.splitlines() if '/ fp32' in line and line.startswith('inference')]
+    assert [(row[1], row[2]) for row in speedups] == [('NALAFORMER_XT', 'bf16'), ('convnext_atto', 'bf16')]
+
+
+def test_a_process_short_of_cpu_time_warns_that_another_job_shared_the_cores(no_fvcore, monkeypatch, capsys):
+    """The process CPU time of the timed steps against their wall time x threads: with the CPU clock
+    stood still (as if other jobs had the cores), the run warns; rows that kept their threads busy do not."""
+    monkeypatch.setattr(benchmark.time, 'process_time', lambda: 1.0)
+    result = benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'])
+    assert result['cpu_busy'] == 0.0
+    assert 'warning: during the timed steps the process used 0% of its 1 threads' in capsys.readouterr().out
+    busy = dict(result, cpu_busy=benchmark.CPU_BUSY_MIN)
+    assert benchmark.load_warning([busy]) is None and benchmark.load_warning([dict(busy, cpu_busy=None)]) is None
+
+
+def test_one_allocator_default_for_one_model_compare_and_presets():
+    for argv in ([], ['--compare', 'convnext_atto'], ['--preset', 'paper', '--device', 'cpu']):
+        assert benchmark.parse_args(argv).cpu_malloc == 'system'
+    assert benchmark.parse_args(['--cpu-malloc', 'retain']).cpu_malloc == 'retain'
+
+
+def test_help_says_what_the_peak_memory_figure_holds(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(['--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    assert ' '.join(benchmark.PEAK_NOTE.split()) in out and '--grad-checkpointing' in out
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--dtype', 'fp32,int8'], "--dtype: unknown dtype(s) ['int8']"),
+    (['--dtype', 'fp32,bf16', '--sweep'], '--sweep takes one --dtype'),
+    (['--grad-checkpointing', '--preset', 'paper'], '--grad-checkpointing goes with one model or --compare'),
+])
+def test_dtype_list_and_grad_checkpointing_refuse_what_they_do_not_fit(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_grad_checkpointing_is_turned_on_where_supported_and_named_where_not(no_fvcore, capsys):
+    """--grad-checkpointing reaches every stage of NaLaFormer; dla46_c, whose timm class refuses it, runs
+    without and the table's header says so."""
+    xt = benchmark.create_any('NALAFORMER_XT', benchmark.torch.device('cpu'), True)
+    assert benchmark.with_grad_checkpointing(xt) and all(stage.grad_checkpointing for stage in xt.layers)
+    assert not benchmark.with_grad_checkpointing(benchmark.create_any('dla46_c', benchmark.torch.device('cpu'), True))
+    results = benchmark.main(['--model', 'NALAFORMER_XT', '--compare', 'dla46_c', '--input-size', '32',
+                              '--batch-size', '2', '--steps', '1', '--warmup', '0', '--gemm-size', '128',
+                              '--device', 'cpu', '--modes', 'train', '--grad-checkpointing'])
+    assert [(r['model'], r['grad_checkpointing']) for r in results] == [('NALAFORMER_XT', True), ('dla46_c', False)]
+    assert ('gradient checkpointing: on for NALAFORMER_XT (not supported by dla46_c: run without)'
+            in capsys.readouterr().out)

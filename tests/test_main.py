@@ -43,6 +43,34 @@ def test_main_build_uses_the_variant_rate_unless_drop_path_is_given(capsys):
     assert last_block_drop_prob(main.build_model(parse('--model', 'NALAFORMER_XT', '--drop-path', '0'), 10)) == 0.0
 
 
+def test_grad_checkpointing_reaches_the_model_and_keeps_its_gradients(monkeypatch, one_thread):
+    """--grad-checkpointing turns on every stage's checkpointing: each block runs under torch's checkpoint and
+    the gradients are those of the model without it."""
+    import models.nalaformer
+    checkpointed = []
+    real = models.nalaformer.checkpoint
+    monkeypatch.setattr(models.nalaformer, 'checkpoint', lambda block, *a, **kw: checkpointed.append(block) or
+                        real(block, *a, **kw))
+    grads = []
+    for flags in ([], ['--grad-checkpointing']):
+        torch.manual_seed(0)
+        m = main.build_model(parse('--model', 'NALAFORMER_XT', '--drop-path', '0', *flags), 3)
+        assert all(stage.grad_checkpointing for stage in m.layers) == bool(flags)
+        m(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert len(checkpointed) == sum(len(stage.blocks) for stage in m.layers)
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain)
+
+
+def test_grad_checkpointing_of_a_model_without_it_is_one_line(capsys):
+    from errors import FlagError
+    with pytest.raises(FlagError) as e:
+        main.build_model(parse('--model', 'dla46_c', '--grad-checkpointing'), 3)
+    assert str(e.value).startswith('--grad-checkpointing: dla46_c does not support gradient checkpointing')
+    assert '\n' not in str(e.value) and 'leave out the flag' in str(e.value)
+
+
 # -------------------------------------------------------------------------------------------- optimizer
 def _depth(name):
     """Position of a parameter in the forward order: stem 0, then each block, a stage's downsample with the

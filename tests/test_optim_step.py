@@ -110,6 +110,26 @@ def test_a_non_finite_micro_step_skips_its_whole_window(one_thread):
     assert_bitwise_equal(ema.module.state_dict(), e_ref.module.state_dict())
 
 
+def test_a_skipped_window_puts_back_the_buffers_the_model_holds_now(one_thread):
+    """The modules that hold buffers are gathered once per model, their buffers looked up at every window:
+    after .to() has replaced the buffers, a skipped window restores the model's new ones, and a window of
+    another model object saves and restores that object's."""
+    model = bn_model()
+    step = optim_step.OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), 'cpu')
+    (x, y), = batches(1)
+    assert step(model, ce, x, y).non_finite is None
+    model.to(torch.float64)  # new buffer tensors (running statistics), the same modules
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad_x, _ = poisoned((x.double(), y))
+    assert step(model, ce, bad_x, y).non_finite is not None
+    assert_bitwise_equal(model.state_dict(), before)
+    other = bn_model(seed=1)
+    other_before = {k: v.clone() for k, v in other.state_dict().items()}
+    assert step(other, ce, *poisoned((x, y))).non_finite is not None
+    assert_bitwise_equal(other.state_dict(), other_before)
+    assert_bitwise_equal(model.state_dict(), before)
+
+
 class SyncRecorder(torch.nn.Module):
     """Stands in for DDP: records, per forward and per backward, whether no_sync() was active."""
 

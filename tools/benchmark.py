@@ -5,26 +5,35 @@
     python tools/benchmark.py --model NALAFORMER_XT --no-fast-path --compile --channels-last
     python tools/benchmark.py --sweep --out docs/results/sweep  # NaLa vs softmax block, 224..1024
     python tools/benchmark.py --model NALAFORMER_T --compare convnext_nano,pvt_v2_b1 -b 16
+    python tools/benchmark.py --model NALAFORMER_T --compare convnext_tiny -b 16 --dtype fp32,bf16
     python tools/benchmark.py --compare convnext_tiny,swin_tiny_patch4_window7_224 -b 2 --sizes 224 512 1024
     python tools/benchmark.py --preset paper
     python tools/benchmark.py --make-jpegs /tmp/jpegs --data-loading /tmp/jpegs
 
-A measurement: warm-up steps, then timed steps (median step time). ``train`` times main.py's optimizer
-step (``optim_step.OptimizerStep``: zero_grad(set_to_none), forward under autocast, the loss check, backward,
-AdamW step, fp16 loss scaling); ``inference`` times a no-grad forward in eval mode. MACs are fvcore's
-count of the model at batch 1 (the figure ``tools/flops.py`` prints) times the batch, times 3 for a
-training step (forward, input gradient, weight gradient). The efficiency divides the achieved MAC/s by
-the MAC/s of a large square matrix product of the same dtype, timed in this process right before every
-timed step (median over steps of the per-step ratio), so figures compare across noisy runs and
-machines. Peak memory is the peak of tensor memory during one step above what was live before it
-(params, buffers and optimizer state are listed separately): CUDA's allocator statistics on a GPU, the
-profiler's allocation trace on a CPU.
+A measurement: warm-up steps, then timed steps (median step time, and the median process CPU time per
+step, all threads). ``train`` times main.py's optimizer step (``optim_step.OptimizerStep``:
+zero_grad(set_to_none), forward under autocast, the loss check, backward, AdamW step, fp16 loss scaling);
+``inference`` times a no-grad forward in eval mode. ``--dtype fp32,bf16`` builds the model once per dtype
+(the same initial weights) and steps them in turn, then prints each dtype's speed-up over the first (by
+wall and by CPU time). MACs are fvcore's count of the model at batch 1 (the figure ``tools/flops.py``
+prints) times the batch, times 3 for a training step (forward, input gradient, weight gradient). The
+efficiency divides the achieved MAC/s by the MAC/s of a large square matrix product of the same dtype,
+timed in this process right before every timed step, so figures compare across noisy runs and machines.
+Peak memory is the most tensor memory live at once during one step above what was live before it (the
+last step's gradients freed first): activations kept for backward, gradients and temporaries, not the
+parameters, buffers and optimizer state (listed separately for one model); CUDA's allocator statistics
+on a GPU, the profiler's allocation trace on a CPU. On a CPU a line warns when the process used less
+than 80% of its threads' time during the timed steps: another job on the cores makes wall-time figures
+low, which the CPU-time figures show less. ``--grad-checkpointing`` turns on timm's
+``set_grad_checkpointing`` in every model that has it and names those that do not.
 
-On a CPU, glibc gives large freed blocks back to the OS, so activations page-fault again step after
-step; ``--cpu-malloc retain`` (the default for one model, as in main.py) keeps them in the process
-instead; ``--compare`` and ``--preset`` default to ``system``, a plain process as a user's own code
-runs. Under ``system`` the first steps are slow until glibc's adaptive mmap threshold has grown, hence
-4 warm-up steps by default on a CPU (figures in docs/performance.md).
+The CPU allocator is the same for one model, ``--compare`` and ``--preset``: ``--cpu-malloc system``
+by default, a plain process as a user's own code (and timm's train.py) runs; ``retain`` adds main.py's
+setting (glibc keeps freed memory instead of giving large blocks back to the OS, so activations do not
+page-fault again every step). Every model of a run is stepped under the same setting; with the batch
+slices NaLaFormer pays little under ``system`` (docs/performance.md). Under ``system`` the first steps
+are slow until glibc's adaptive mmap threshold has grown, hence 4 warm-up steps by default on a CPU. The
+output says which setting was used.
 
 ``--compare MODEL,MODEL`` steps --model and the named timm models interleaved in one process, in
 inference and training, and prints GMACs, ms/step, img/s, efficiency, the ratio to the best of them and each
@@ -152,6 +161,16 @@ def amp_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None if dtype == torch.float32 else dtype
 
 
+#: what the peak-memory figure holds (the table footers and --help say it)
+PEAK_NOTE = ('peak MiB: the most tensor memory live at once during one step above what was live before it '
+             '(the gradients are freed first): in training the activations saved for backward, the gradients '
+             "and every temporary, the optimizer step's included; in inference the forward's live activations. "
+             'Parameters, buffers and optimizer state, live before the step, are not in it.')
+
+#: below this share of its threads' time, the process was probably sharing its cores during the timed steps
+CPU_BUSY_MIN = 0.8
+
+
 def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str, dtype: torch.dtype,
               device: torch.device, compile_model: bool):
     """The function one benchmark step calls, and the optimizer (None for inference)."""
@@ -180,49 +199,140 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, mode: str
     return step, optimizer
 
 
-def benchmark_model(args: argparse.Namespace) -> dict:
+def step_peak_bytes(step: Callable[[], None], optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:
+    """``peak_bytes`` of one step (PEAK_NOTE), the last step's gradients freed first: the measured step
+    allocates its own, and blocks allocated before profiling and freed during it only draw a warning from
+    the profiler."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    return peak_bytes(step, device)
+
+
+def timed_rounds(steps: dict, dtypes: dict, args: argparse.Namespace, device: torch.device,
+                 after_round: Callable[[int], None] | None = None) -> tuple[dict, dict, dict]:
+    """``args.steps`` rounds of one step of every entry of ``steps`` (key -> step function), each right after
+    a GEMM of its dtype (``dtypes``: key -> dtype name), the order rotating every round, so that a load change
+    on a shared machine hits every entry alike; ``after_round(n)`` is called after round n. Returns per key
+    the wall seconds, the process CPU seconds (all threads: user + system) of each step, and the GEMM rate
+    (MAC/s) timed right before it."""
+    keys = list(steps)
+    times: dict = {k: [] for k in keys}
+    cpu_times: dict = {k: [] for k in keys}
+    gemms: dict = {k: [] for k in keys}
+    for i in range(args.steps):
+        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+            gemms[key].append(gemm_macs_per_s(DTYPES[dtypes[key]], device, args.gemm_size, repeats=2))
+            cpu_start = time.process_time()
+            times[key].append(time_call(steps[key], device, 1, warmup=0)[0])
+            cpu_times[key].append(time.process_time() - cpu_start)
+        if after_round is not None:
+            after_round(i + 1)
+    return times, cpu_times, gemms
+
+
+def cpu_busy(cpu_times: Sequence[float], times: Sequence[float], threads: int) -> float:
+    """The share of ``threads`` threads' time the process spent on the CPU during the timed steps: process
+    CPU seconds over wall seconds x threads (1.0: every thread busy all the time)."""
+    return sum(cpu_times) / max(sum(times) * threads, 1e-12)
+
+
+def load_warning(rows: Sequence[dict]) -> str | None:
+    """A warning line when the timed steps of ``rows`` kept fewer than CPU_BUSY_MIN of their threads busy
+    (another job on the cores, most likely); None on a GPU or when all were busy enough."""
+    low = [r for r in rows if r.get('cpu_busy') is not None and r['cpu_busy'] < CPU_BUSY_MIN]
+    if not low:
+        return None
+    worst = min(low, key=lambda r: r['cpu_busy'])
+    return (f"warning: during the timed steps the process used {100 * worst['cpu_busy']:.0f}% of its "
+            f"{worst['threads']} threads' time ({worst['model']} {worst['mode']} {worst['dtype']}; "
+            f'{len(low)} of {len(rows)} rows below {100 * CPU_BUSY_MIN:.0f}%): another job was probably on the '
+            'cores, so wall-time figures are low; the CPU-time figures are less affected (check the load average)')
+
+
+def with_grad_checkpointing(model: nn.Module) -> bool:
+    """Turn on timm's gradient checkpointing (``model.set_grad_checkpointing(True)``): True when the model
+    takes it, False (the model unchanged) when it has none or refuses, as many timm models do with an
+    assertion."""
+    setter = getattr(model, 'set_grad_checkpointing', None)
+    if setter is None:
+        return False
+    try:
+        setter(True)
+    except (AssertionError, NotImplementedError):
+        return False
+    return True
+
+
+def build_model(name: str, device: torch.device, args: argparse.Namespace,
+                input_size: Sequence[int] | None = None) -> tuple[nn.Module, bool | None]:
+    """``create_any`` with the flags' memory format and --grad-checkpointing: (model, whether gradient
+    checkpointing is on; None when not asked for)."""
+    model = create_any(name, device, args.fast_path, input_size)
+    if getattr(args, 'channels_last', False):
+        model = model.to(memory_format=torch.channels_last)
+    checkpointing = with_grad_checkpointing(model) if args.grad_checkpointing else None
+    return model, checkpointing
+
+
+def benchmark_model(args: argparse.Namespace) -> list[dict]:
+    """One model in every ``--dtype`` (a model per dtype, the same initial weights), stepped in turn, each
+    step right after a GEMM of its dtype (``timed_rounds``). One result dict per dtype, in --dtype order."""
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
     height, width = (list(args.input_size) * 2)[:2]
-    model = timm.create_model(args.model, num_classes=1000, fast_path=args.fast_path).to(device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
     torch.manual_seed(0)
     x = torch.randn(args.batch_size, 3, height, width, device=device).to(memory_format=memory_format)
     target = torch.randint(0, 1000, (args.batch_size,), device=device)
-    step, optimizer = make_step(model, x, target, args.mode, dtype, device, args.compile)
-
-    # Each timed step is paired with a GEMM timed right before it, so that a machine whose load
-    # changes during the run (other processes, clocks) affects both sides of the ratio alike.
-    for _ in range(args.warmup):
-        step()
-    times, gemms = [], []
-    for _ in range(args.steps):
-        gemms.append(gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2))
-        times.extend(time_call(step, device, 1, warmup=0))
-    peak = peak_bytes(step, device)
-
+    steps, optimizers, statics, checkpointing = {}, {}, {}, None
+    for dtype in args.dtypes:
+        torch.manual_seed(0)
+        model, checkpointing = build_model(args.model, device, args)
+        steps[dtype], optimizers[dtype] = make_step(model, x, target, args.mode, DTYPES[dtype], device, args.compile)
+        statics[dtype] = tensor_bytes(list(model.parameters()) + list(model.buffers()))
+        for _ in range(args.warmup):
+            steps[dtype]()
+    times, cpu_times, gemms = timed_rounds(steps, {d: d for d in steps}, args, device)
     macs_per_image = model_macs(args.model, (height, width)) * (3 if args.mode == 'train' else 1)
-    step_time = statistics.median(times)
-    img_s = args.batch_size / step_time
-    achieved = macs_per_image * img_s
-    efficiency = statistics.median(macs_per_image * args.batch_size / t / g for t, g in zip(times, gemms))
-    static = tensor_bytes(list(model.parameters()) + list(model.buffers()))
-    if optimizer is not None:
-        static += tensor_bytes(t for s in optimizer.state.values() for t in s.values()
-                               if torch.is_tensor(t))
-    return dict(
-        model=args.model, mode=args.mode, dtype=args.dtype, batch_size=args.batch_size,
-        input_size=[height, width], fast_path=args.fast_path, channels_last=args.channels_last,
-        compile=args.compile, tf32=args.tf32_applied, device=str(device), threads=torch.get_num_threads(),
-        cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
-        step_s_median=step_time, step_s_all=times, img_s=img_s,
-        gmacs_per_image=macs_per_image / 1e9, achieved_gmac_s=achieved / 1e9,
-        gemm_gmac_s=statistics.median(gemms) / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
-        efficiency=efficiency,
-        peak_step_mib=peak / 2 ** 20, peak_step_mib_per_image=peak / 2 ** 20 / args.batch_size,
-        static_mib=static / 2 ** 20,
-    )
+    threads = torch.get_num_threads()
+    results = []
+    for dtype, step in steps.items():
+        peak = step_peak_bytes(step, optimizers[dtype], device)
+        static = statics[dtype]
+        if optimizers[dtype] is not None:
+            state = optimizers[dtype].state.values()
+            static += tensor_bytes(t for s in state for t in s.values() if torch.is_tensor(t))
+        step_time = statistics.median(times[dtype])
+        results.append(dict(
+            model=args.model, mode=args.mode, dtype=dtype, batch_size=args.batch_size,
+            input_size=[height, width], fast_path=args.fast_path, channels_last=args.channels_last,
+            compile=args.compile, grad_checkpointing=checkpointing, tf32=args.tf32_applied, device=str(device),
+            threads=threads, cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
+            step_s_median=step_time, step_s_all=times[dtype], img_s=args.batch_size / step_time,
+            cpu_s_median=statistics.median(cpu_times[dtype]), cpu_s_all=cpu_times[dtype],
+            cpu_busy=cpu_busy(cpu_times[dtype], times[dtype], threads) if device.type == 'cpu' else None,
+            gmacs_per_image=macs_per_image / 1e9, achieved_gmac_s=macs_per_image * args.batch_size / step_time / 1e9,
+            gemm_gmac_s=statistics.median(gemms[dtype]) / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms[dtype]],
+            efficiency=statistics.median(macs_per_image * args.batch_size / t / g
+                                         for t, g in zip(times[dtype], gemms[dtype])),
+            peak_step_mib=peak / 2 ** 20, peak_step_mib_per_image=peak / 2 ** 20 / args.batch_size,
+            static_mib=static / 2 ** 20))
+    add_speedups(results, ('model', 'mode'))
+    return results
+
+
+def add_speedups(rows: list[dict], keys: Sequence[str]) -> None:
+    """For every row of a dtype other than the first one listed, its img/s over the same entry's (equal
+    ``keys``) in the first dtype: ``speedup_over`` (that dtype), ``speedup`` (wall time) and ``speedup_cpu``
+    (CPU time per step)."""
+    if not rows:
+        return
+    base_dtype = rows[0]['dtype']
+    base = {repr([r[k] for k in keys]): r for r in rows if r['dtype'] == base_dtype}
+    for r in rows:
+        ref = base.get(repr([r[k] for k in keys]))
+        if r['dtype'] != base_dtype and ref is not None:
+            r.update(speedup_over=base_dtype, speedup=ref['step_s_median'] / r['step_s_median'],
+                     speedup_cpu=ref['cpu_s_median'] / r['cpu_s_median'])
 
 
 def tf32_note(r: dict, prefix: str) -> str:
@@ -230,18 +340,43 @@ def tf32_note(r: dict, prefix: str) -> str:
     return '' if r.get('tf32') is None else prefix + ('on' if r['tf32'] else 'off')
 
 
+def checkpointing_note(rows: Sequence[dict]) -> str:
+    """'; gradient checkpointing: on for ..., not supported by ...' for rows built with --grad-checkpointing."""
+    asked = [r for r in rows if r.get('grad_checkpointing') is not None]
+    if not asked:
+        return ''
+    on = list(dict.fromkeys(r['model'] for r in asked if r['grad_checkpointing']))
+    off = list(dict.fromkeys(r['model'] for r in asked if not r['grad_checkpointing']))
+    return ('; gradient checkpointing: ' + (f"on for {', '.join(on)}" if on else 'on for none')
+            + (f" (not supported by {', '.join(off)}: run without)" if off else ''))
+
+
 def print_result(r: dict) -> None:
     print(f"{r['model']} {r['mode']} {r['dtype']} batch {r['batch_size']} {r['input_size'][0]}x{r['input_size'][1]} "
           f"fast_path={r['fast_path']} channels_last={r['channels_last']} compile={r['compile']} "
           f"device={r['device']} threads={r['threads']}" + tf32_note(r, ' tf32=')
-          + (f" cpu_malloc={r['cpu_malloc']}" if r.get('cpu_malloc') else ''))
+          + (f" cpu_malloc={r['cpu_malloc']}" if r.get('cpu_malloc') else '') + checkpointing_note([r]))
     print(f"  {r['img_s']:.2f} img/s  (median step {r['step_s_median'] * 1e3:.1f} ms of "
-          f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_s_all'])})")
+          f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_s_all'])}; CPU {r['cpu_s_median'] * 1e3:.1f} ms per step"
+          + (f", {100 * r['cpu_busy']:.0f}% of the threads' time" if r.get('cpu_busy') is not None else '') + ')')
     print(f"  {r['achieved_gmac_s']:.1f} GMAC/s achieved ({r['gmacs_per_image']:.3f} GMAC/image) vs "
           f"{r['gemm_gmac_s']:.1f} GMAC/s {r['dtype']} GEMM -> efficiency {100 * r['efficiency']:.1f}% "
           f"(median over steps, each against the GEMM timed right before it)")
     print(f"  peak memory {r['peak_step_mib']:.0f} MiB during a step ({r['peak_step_mib_per_image']:.1f} MiB/image) "
           f"+ {r['static_mib']:.0f} MiB params/buffers/optimizer state")
+    if 'speedup' in r:
+        print(f"  {r['dtype']} over {r['speedup_over']}: {r['speedup']:.2f}x img/s by wall time, "
+              f"{r['speedup_cpu']:.2f}x by CPU time")
+
+
+def print_results(results: Sequence[dict]) -> None:
+    """``print_result`` of each dtype, what the peak figure holds, and the load warning if any."""
+    for r in results:
+        print_result(r)
+    print(PEAK_NOTE)
+    warning = load_warning(results)
+    if warning:
+        print(warning)
 
 
 # ---- compare: our model against named timm models, interleaved in one process -------------------
@@ -264,16 +399,16 @@ def create_any(name: str, device: torch.device, fast_path: bool,
 
 
 def compare(args: argparse.Namespace) -> list[dict]:
-    """``args.model`` and every ``--compare`` model, same input and batch, stepped in turn.
+    """``args.model`` and every ``--compare`` model, same input and batch, stepped in turn in every --dtype.
 
-    Per mode: every model is built and warmed up, then each round times one step of every model
-    (each right after a GEMM), rotating the order every round, so that load changes on a shared
-    machine hit all models alike. Efficiency: MAC/s of the median step over the median GEMM of the
-    whole mode. After the timed rounds, one more step of each model gives its peak memory. One result
-    dict per model and mode.
+    Per mode: a model per name and dtype (the same initial weights in every dtype) is built and warmed up,
+    then each round times one step of every model in every dtype (each right after a GEMM of its dtype),
+    rotating the order every round, so that load changes on a shared machine hit all alike
+    (``timed_rounds``). Efficiency: MAC/s of the median step over the median GEMM of that dtype in the whole
+    mode. After the timed rounds, one more step of each gives its peak memory. One result dict per mode,
+    dtype and model, in that order.
     """
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
     height, width = (list(args.input_size) * 2)[:2]
     names = [args.model] + [n for n in args.compare if n != args.model]
     width_of_names = max(map(len, names))
@@ -287,64 +422,80 @@ def compare(args: argparse.Namespace) -> list[dict]:
     target = torch.randint(0, 1000, (args.batch_size,), device=device)
     results = []
     for mode in args.modes:
-        steps, optimizers = {}, {}
+        steps, optimizers, checkpointing = {}, {}, {}
         for name in names:
-            torch.manual_seed(0)
-            model = create_any(name, device, args.fast_path, (height, width))
-            steps[name], optimizers[name] = make_step(model, x, target, mode, dtype, device, args.compile)
-            for _ in range(args.warmup):
-                steps[name]()
-            progress(f'{name:<{width_of_names}}  {mode}: built, {args.warmup} warm-up steps')
-        times: dict[str, list[float]] = {name: [] for name in names}
-        cpu_times: dict[str, list[float]] = {name: [] for name in names}
-        gemms: list[float] = []
-        for i in range(args.steps):
-            order = names[i % len(names):] + names[:i % len(names)]
-            for name in order:
-                gemms.append(gemm_macs_per_s(dtype, device, args.gemm_size, repeats=2))
-                cpu_start = time.process_time()
-                times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
-                cpu_times[name].append(time.process_time() - cpu_start)
-            progress(f'{mode}: timed round {i + 1} of {args.steps} (one step of each model)')
+            for dtype in args.dtypes:
+                torch.manual_seed(0)
+                model, checkpointing[name] = build_model(name, device, args, (height, width))
+                key = (name, dtype)
+                steps[key], optimizers[key] = make_step(model, x, target, mode, DTYPES[dtype], device, args.compile)
+                for _ in range(args.warmup):
+                    steps[key]()
+            progress(f'{name:<{width_of_names}}  {mode}: built, {args.warmup} warm-up steps'
+                     + (f" in each of {', '.join(args.dtypes)}" if len(args.dtypes) > 1 else ''))
+        each = 'model' if len(args.dtypes) == 1 else 'model in each dtype'
+        line = f'{mode}: timed round {{}} of {args.steps} (one step of each {each})'
+        times, cpu_times, gemms = timed_rounds(steps, {key: key[1] for key in steps}, args, device,
+                                               lambda n, line=line: progress(line.format(n)))
         peaks = {}
-        for name in names:
-            if optimizers[name] is not None:
-                # free the last step's gradients first: the measured step allocates its own, and blocks
-                # allocated before profiling and freed during it only draw a warning from the profiler
-                optimizers[name].zero_grad(set_to_none=True)
-            peaks[name] = peak_bytes(steps[name], device)
-            progress(f'{name:<{width_of_names}}  {mode}: peak memory of a step {peaks[name] / 2 ** 20:.0f} MiB')
-        # one GEMM rate for all models of this mode (the median over all rounds), so that their
-        # efficiencies compare as MACs x img/s do
-        gemm = statistics.median(gemms)
-        rows = []
-        for name in names:
-            step_s = statistics.median(times[name])
-            rows.append(dict(
-                model=name, mode=mode, dtype=args.dtype, batch_size=args.batch_size, input_size=[height, width],
-                fast_path=args.fast_path if name.upper() in VARIANTS else None, compile=args.compile,
-                tf32=args.tf32_applied,
-                device=str(device), threads=torch.get_num_threads(),
-                cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
-                published_top1=published_top1(name),
-                gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[name],
-                cpu_s_median=statistics.median(cpu_times[name]), cpu_s_all=cpu_times[name],
-                img_s=args.batch_size / step_s, peak_step_mib=peaks[name] / 2 ** 20,
-                gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms],
-                efficiency=macs[name] * (3 if mode == 'train' else 1) * args.batch_size / step_s / gemm))
-        best_peer = max((r for r in rows[1:]), key=lambda r: r['efficiency'], default=None)
-        for r in rows:
-            if best_peer is not None:
-                r['best_peer'] = best_peer['model']
-                r['efficiency_vs_best_peer'] = r['efficiency'] / best_peer['efficiency']
-                r['img_s_vs_best_peer'] = r['img_s'] / best_peer['img_s']
-                # the same ratio from CPU time (user + system, all threads): less moved by other
-                # processes on a shared CPU than wall time
-                r['efficiency_cpu_vs_best_peer'] = (r['gmacs_per_image'] / r['cpu_s_median']) / (
-                    best_peer['gmacs_per_image'] / best_peer['cpu_s_median'])
+        for key in steps:
+            peaks[key] = step_peak_bytes(steps[key], optimizers[key], device)
+            progress(f'{key[0]:<{width_of_names}}  {mode}'
+                     + (f' {key[1]}' if len(args.dtypes) > 1 else '')
+                     + f': peak memory of a step {peaks[key] / 2 ** 20:.0f} MiB')
+        rows = compare_rows(args, mode, macs, checkpointing, times, cpu_times, gemms, peaks)
+        add_peer_ratios(rows)
         results.extend(rows)
         steps.clear()
+    add_speedups(results, ('model', 'mode', 'input_size'))
     return results
+
+
+def compare_rows(args: argparse.Namespace, mode: str, macs: dict, checkpointing: dict, times: dict, cpu_times: dict,
+                 gemms: dict, peaks: dict) -> list[dict]:
+    """The result dicts of one mode of ``compare``, dtype by dtype, models in their order; efficiency
+    against one GEMM rate per dtype (the median over the mode's rounds), so that the models' efficiencies
+    compare as MACs x img/s do."""
+    device = torch.device(args.device)
+    threads = torch.get_num_threads()
+    input_size = (list(args.input_size) * 2)[:2]
+    rows = []
+    for dtype in args.dtypes:
+        keys = [key for key in times if key[1] == dtype]
+        all_gemms = [g for key in keys for g in gemms[key]]
+        gemm = statistics.median(all_gemms)
+        for name, _ in keys:
+            key = (name, dtype)
+            step_s = statistics.median(times[key])
+            rows.append(dict(
+                model=name, mode=mode, dtype=dtype, batch_size=args.batch_size, input_size=input_size,
+                fast_path=args.fast_path if name.upper() in VARIANTS else None, compile=args.compile,
+                grad_checkpointing=checkpointing[name], tf32=args.tf32_applied, device=str(device), threads=threads,
+                cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None, published_top1=published_top1(name),
+                gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[key],
+                cpu_s_median=statistics.median(cpu_times[key]), cpu_s_all=cpu_times[key],
+                cpu_busy=cpu_busy(cpu_times[key], times[key], threads) if device.type == 'cpu' else None,
+                img_s=args.batch_size / step_s, peak_step_mib=peaks[key] / 2 ** 20,
+                gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in all_gemms],
+                efficiency=macs[name] * (3 if mode == 'train' else 1) * args.batch_size / step_s / gemm))
+    return rows
+
+
+def add_peer_ratios(rows: list[dict]) -> None:
+    """Each row's efficiency and img/s over the best --compare model's of its dtype (by efficiency), by wall
+    time and by CPU time (user + system, all threads: less moved by other processes on a shared CPU)."""
+    for dtype in dict.fromkeys(r['dtype'] for r in rows):
+        same = [r for r in rows if r['dtype'] == dtype]
+        best_peer = max(same[1:], key=lambda r: r['efficiency'], default=None)
+        if best_peer is None:
+            continue
+        for r in same:
+            r['best_peer'] = best_peer['model']
+            r['efficiency_vs_best_peer'] = r['efficiency'] / best_peer['efficiency']
+            r['img_s_vs_best_peer'] = r['img_s'] / best_peer['img_s']
+            r['efficiency_cpu_vs_best_peer'] = (r['gmacs_per_image'] / r['cpu_s_median']) / (
+                best_peer['gmacs_per_image'] / best_peer['cpu_s_median'])
+            r['img_s_cpu_vs_best_peer'] = best_peer['cpu_s_median'] / r['cpu_s_median']
 
 
 class Progress:
@@ -364,27 +515,51 @@ def model_macs_any(name: str, input_size: Sequence[int], fast_path: bool = True)
 
 
 def print_compare(results: list[dict]) -> None:
+    """The table of ``compare``'s rows, what its columns and the peak figure mean, the speed-ups of every
+    dtype after the first, and the load warning if any."""
     first = results[0]
-    print(f"{first['dtype']}, batch {first['batch_size']}, {first['input_size'][0]}x{first['input_size'][1]}, "
+    dtypes = list(dict.fromkeys(r['dtype'] for r in results))
+    print(f"{', '.join(dtypes)}, batch {first['batch_size']}, {first['input_size'][0]}x{first['input_size'][1]}, "
           f"device={first['device']}, threads={first['threads']}" + tf32_note(first, ', tf32=')
           + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else '')
-          + (', every model torch.compiled' if first.get('compile') else '')
-          + '; efficiency = fvcore MAC/s over a same-process GEMM (x3 MACs for a training step)')
+          + (', every model torch.compiled' if first.get('compile') else '') + checkpointing_note(results)
+          + '; efficiency = fvcore MAC/s over a same-process GEMM of the same dtype (x3 MACs for a training step)')
     name_width = max(24, 2 + max(len(r['model']) for r in results))
-    print(f"{'mode':<10}{'model':<{name_width}}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}{'peak MiB':>9}"
-          f"{'effic.':>8}{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}{'top-1':>7}")
+    nan = float('nan')
+    print(f"{'mode':<10}{'model':<{name_width}}{'dtype':<6}{'GMACs':>7}{'ms/step':>10}{'CPU ms':>9}{'img/s':>9}"
+          f"{'peak MiB':>9}{'effic.':>8}{'eff/best':>10}{'img/s/best':>11}{'CPU eff/best':>13}"
+          f"{'CPU img/s/best':>15}{'top-1':>7}")
     for r in results:
-        print(f"{r['mode']:<10}{r['model']:<{name_width}}{r['gmacs_per_image']:>7.3f}{r['step_s_median'] * 1e3:>10.1f}"
-              f"{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}{r['peak_step_mib']:>9.0f}"
-              f"{100 * r['efficiency']:>7.1f}%"
-              f"{r.get('efficiency_vs_best_peer', float('nan')):>10.2f}"
-              f"{r.get('img_s_vs_best_peer', float('nan')):>11.2f}"
-              f"{r.get('efficiency_cpu_vs_best_peer', float('nan')):>13.2f}"
+        print(f"{r['mode']:<10}{r['model']:<{name_width}}{r['dtype']:<6}{r['gmacs_per_image']:>7.3f}"
+              f"{r['step_s_median'] * 1e3:>10.1f}{r['cpu_s_median'] * 1e3:>9.0f}{r['img_s']:>9.2f}"
+              f"{r['peak_step_mib']:>9.0f}{100 * r['efficiency']:>7.1f}%"
+              f"{r.get('efficiency_vs_best_peer', nan):>10.2f}{r.get('img_s_vs_best_peer', nan):>11.2f}"
+              f"{r.get('efficiency_cpu_vs_best_peer', nan):>13.2f}{r.get('img_s_cpu_vs_best_peer', nan):>15.2f}"
               f"{r['published_top1'] if r['published_top1'] is not None else '-':>7}")
     if 'best_peer' in first:
-        print('eff/best, img/s/best: against the best --compare model by efficiency (per mode); CPU eff/best: '
-              'the same from CPU time per step (process user + system)')
+        print('eff/best, img/s/best: against the best --compare model by efficiency (per mode and dtype); CPU '
+              'eff/best, CPU img/s/best: the same from CPU time per step (process user + system, all threads)')
     print('top-1: published ImageNet-1k top-1 % at 224 px (sources in tools/published.py; - where none is listed)')
+    print(PEAK_NOTE)
+    print_speedups(results)
+    warning = load_warning(results)
+    if warning:
+        print(warning)
+
+
+def print_speedups(results: Sequence[dict]) -> None:
+    """A table of each model's img/s in every dtype after the first over its img/s in the first (wall time
+    and CPU time per step); nothing with one dtype."""
+    rows = [r for r in results if 'speedup' in r]
+    if not rows:
+        return
+    name_width = max(24, 2 + max(len(r['model']) for r in rows))
+    print(f"{'mode':<10}{'model':<{name_width}}{'speed-up':<16}{'wall':>7}{'CPU':>7}")
+    for r in rows:
+        print(f"{r['mode']:<10}{r['model']:<{name_width}}{r['dtype'] + ' / ' + r['speedup_over']:<16}"
+              f"{r['speedup']:>6.2f}x{r['speedup_cpu']:>6.2f}x")
+    print('speed-up: img/s in the dtype over img/s in the first --dtype, the same model and mode, stepped in '
+          'turn in this process (wall: median step time; CPU: median process CPU time per step)')
 
 
 def compare_sizes(args: argparse.Namespace) -> list[dict]:
@@ -400,21 +575,23 @@ def compare_sizes(args: argparse.Namespace) -> list[dict]:
 
 
 def print_size_table(results: list[dict]) -> None:
-    """img/s and peak step memory of every model per input size and mode, and --model's img/s over the
-    best --compare model's at that size and mode."""
+    """img/s and peak step memory of every model per input size, mode and dtype, and --model's img/s over
+    the best --compare model's at that size, mode and dtype."""
     ours = results[0]['model']
     best: dict = {}
     for r in results:
         if r['model'] != ours:
-            key = (r['input_size'][0], r['mode'])
+            key = (r['input_size'][0], r['mode'], r['dtype'])
             best[key] = max(best.get(key, 0.0), r['img_s'])
     name_width = max(32, 2 + max(len(r['model']) for r in results))
-    print(f"{'size':>6}  {'mode':<10}{'model':<{name_width}}{'img/s':>9}{'peak MiB':>10}  img/s / best peer")
+    print(f"{'size':>6}  {'mode':<10}{'model':<{name_width}}{'dtype':<6}{'img/s':>9}{'peak MiB':>10}  "
+          'img/s / best peer')
     for r in results:
-        key = (r['input_size'][0], r['mode'])
+        key = (r['input_size'][0], r['mode'], r['dtype'])
         ratio = f"{r['img_s'] / best[key]:.2f}" if r['model'] == ours and key in best else ''
-        print(f"{r['input_size'][0]:>6}  {r['mode']:<10}{r['model']:<{name_width}}{r['img_s']:>9.2f}"
+        print(f"{r['input_size'][0]:>6}  {r['mode']:<10}{r['model']:<{name_width}}{r['dtype']:<6}{r['img_s']:>9.2f}"
               f"{r['peak_step_mib']:>10.0f}  {ratio}")
+    print(PEAK_NOTE)
 
 
 # ---- paper preset: eval-mode throughput of every variant, as vision papers report it -------------
@@ -453,7 +630,7 @@ def print_paper_table(results: list[dict]) -> None:
     sizes = sorted({r['input_size'][0] for r in results})
     print(f"inference throughput, eval mode, batch {first['batch_size']}, {first['dtype']}"
           f"{' autocast' if first['dtype'] != 'fp32' else ''}, device={first['device']}, "
-          f"threads={first['threads']}")
+          f"threads={first['threads']}" + (f", cpu_malloc={first['cpu_malloc']}" if first.get('cpu_malloc') else ''))
     print('| model | params (M) | ' + ' | '.join(f'{s}² img/s' for s in sizes) + ' |')
     print('|---|---:|' + '---:|' * len(sizes))
     for name in dict.fromkeys(r['model'] for r in results):
@@ -895,28 +1072,43 @@ def plot_sweep(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of what one step runs: model, batch, size, mode, dtypes, paths, compile, device, allocator."""
     parser.add_argument('--model', default='NALAFORMER_T')
     parser.add_argument('--batch-size', '-b', type=int, default=None, help='default 32, or 1 with --sweep')
     parser.add_argument('--input-size', type=int, nargs='+', default=[224], help='side, or height width')
     parser.add_argument('--mode', choices=['train', 'inference'], default='train')
-    parser.add_argument('--dtype', choices=list(DTYPES), default=None,
-                        help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only); default fp32, '
-                             'fp16 for --preset on a GPU')
+    parser.add_argument('--dtype', default=None, metavar='DTYPE[,DTYPE]',
+                        help='fp32, or autocast to bf16 / fp16 (fp16 on GPU only); a comma list (fp32,bf16) steps '
+                             'every model in each dtype in turn, interleaved, and prints the speed-up of each '
+                             'dtype over the first (one model and --compare); default fp32, fp16 for --preset '
+                             'on a GPU')
     parser.add_argument('--fast-path', action=argparse.BooleanOptionalAction, default=True,
                         help='the fast path (default); --no-fast-path runs the plain path, the reference math')
     parser.add_argument('--channels-last', action='store_true')
+    parser.add_argument('--grad-checkpointing', action='store_true',
+                        help="timm's set_grad_checkpointing(True) on every model that supports it (less memory, "
+                             'more time per training step); the output names the models that do not')
     parser.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True,
                         help="fp32 matmuls/convolutions on CUDA's TF32 tensor cores, as main.py trains by default "
                              '(--no-tf32: full fp32, as main.py --no-tf32)')
     parser.add_argument('--compile', action='store_true', help='torch.compile the model')
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=None, help='torch.set_num_threads (CPU)')
-    parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default=None,
-                        help="CPU allocator setting, as main.py's flag (cpu.retain_freed_cpu_memory); "
-                             "default retain for one model (as main.py), system (a plain process) with "
-                             "--compare")
+    parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default='system',
+                        help="CPU allocator: system (default, for one model, --compare and --preset alike: a plain "
+                             "process, as a user's own code and timm's train.py run) or retain, main.py's "
+                             'default (cpu.retain_freed_cpu_memory); the output says which was used')
+    parser.add_argument('--warmup', type=int, default=None,
+                        help='untimed steps first (default 4 on a CPU, 2 on a GPU; see above)')
+    parser.add_argument('--steps', type=int, default=5)
+    parser.add_argument('--gemm-size', type=int, default=None,
+                        help='side of the reference GEMM (default 2048 on CPU, 8192 on GPU)')
+    parser.add_argument('--json', default=None, help='append the result as one JSON line to this file')
+
+
+def add_compare_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of --compare and --preset."""
     parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=None,
                         metavar='MODEL,MODEL',
                         help='timm models to step interleaved with --model (e.g. convnext_nano,pvt_v2_b1)')
@@ -925,12 +1117,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              'table of img/s and peak memory per size')
     parser.add_argument('--modes', nargs='+', choices=['inference', 'train'], default=['inference', 'train'],
                         help='modes timed by --compare')
-    parser.add_argument('--warmup', type=int, default=None,
-                        help='untimed steps first (default 4 on a CPU, 2 on a GPU; see above)')
-    parser.add_argument('--steps', type=int, default=5)
-    parser.add_argument('--gemm-size', type=int, default=None,
-                        help='side of the reference GEMM (default 2048 on CPU, 8192 on GPU)')
-    parser.add_argument('--json', default=None, help='append the result as one JSON line to this file')
     parser.add_argument('--preset', choices=['paper', 'gpu'], default=None,
                         help='paper: eval-mode img/s of every variant at 224/384/512 (batch 128 on a GPU with '
                              'fp16 autocast, 64 in fp32 on a CPU), printed as a table; gpu: training and '
@@ -948,6 +1134,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help='variants for --preset (default: all for paper, T and XT for gpu)')
     parser.add_argument('--preset-sizes', type=int, nargs='+', default=None,
                         help=f'input sides for --preset (default {" ".join(map(str, PAPER_SIZES))})')
+    parser.add_argument('--tiny', action='store_true',
+                        help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
+
+
+def add_other_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of data loading, the EMA update and the block sweep."""
     parser.add_argument('--data-loading', default=None, metavar='DIR',
                         help="img/s of main.py's train transform per DataLoader worker on the ImageFolder DIR")
     parser.add_argument('--make-jpegs', default=None, metavar='DIR',
@@ -958,8 +1150,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--data-workers', type=int, nargs='+', default=None,
                         help='DataLoader worker counts timed by --data-loading (default 0 2); --preset gpu: the '
                              "loader's workers (default: every CPU available)")
-    parser.add_argument('--tiny', action='store_true',
-                        help='--preset at a tiny size (XT and T, 32/48 px, batch 2, one step): a smoke test')
     parser.add_argument('--ema-update', action='store_true',
                         help="ms per EMA update, timm's ModelEmaV3 against main.py's ema.ModelEma "
                              '(--preset-models, default XT and L)')
@@ -971,6 +1161,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--sweep-plain-max', type=int, default=768,
                         help='largest size for the plain softmax curve (its N x N matrix grows fast)')
     parser.add_argument('--out', default='sweep', help='--sweep writes OUT.json and OUT.png')
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, epilog=PEAK_NOTE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_args(parser)
+    add_compare_args(parser)
+    add_other_args(parser)
     args = parser.parse_args(argv)
     on_gpu = args.device.startswith('cuda')
     if args.preset:
@@ -983,16 +1181,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error('--tiny goes with --preset paper')
     if args.batch_size is None:
         args.batch_size = 1 if args.sweep else 32
-    args.dtype = args.dtype or 'fp32'
     if args.warmup is None:
         args.warmup = 2 if args.device.startswith('cuda') else 4
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that do not fit together or name unknown things: argparse's error (exit 2). Sets ``args.dtypes``
+    (the --dtype list) and ``args.dtype`` (its first)."""
+    args.dtypes = list(dict.fromkeys(d.strip() for d in (args.dtype or 'fp32').split(',') if d.strip())) or ['fp32']
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown:
+        parser.error(f"--dtype: unknown dtype(s) {unknown}; choose from {', '.join(DTYPES)} (a comma list: fp32,bf16)")
+    args.dtype = args.dtypes[0]
+    several = [flag for flag, on in (('--preset', args.preset), ('--sweep', args.sweep),
+                                     ('--ema-update', args.ema_update), ('--data-loading', args.data_loading)) if on]
+    if len(args.dtypes) > 1 and several:
+        parser.error(f'{several[0]} takes one --dtype; several (--dtype {",".join(args.dtypes)}) go with one model '
+                     'or --compare')
+    if args.grad_checkpointing and several:
+        parser.error(f'--grad-checkpointing goes with one model or --compare, not with {several[0]}')
     if args.model.upper() not in VARIANTS:
         parser.error(f'unknown model {args.model}; choose from {list(VARIANTS)}')
     unknown = [m for m in args.preset_models or [] if m.upper() not in VARIANTS]
     if unknown:
         parser.error(f'--preset-models: unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
-    if args.cpu_malloc is None:
-        args.cpu_malloc = 'system' if (args.compare or args.preset) else 'retain'
     if args.compare is not None:
         unknown = [n for n in args.compare if not timm.is_model(n)]
         if unknown or not args.compare:
@@ -1002,9 +1216,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error('--sizes needs --compare MODEL,MODEL (it sweeps the comparison over input sizes)')
     if len(args.input_size) not in (1, 2):
         parser.error('--input-size takes one side or height and width')
-    if args.dtype == 'fp16' and not args.device.startswith('cuda'):
+    if 'fp16' in args.dtypes and not args.device.startswith('cuda'):
         parser.error('fp16 needs a GPU (--device cuda)')
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -1059,10 +1272,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print_compare(results)
         write_jsonl(args.json, results)
         return results
-    result = benchmark_model(args)
-    print_result(result)
-    write_jsonl(args.json, [result])
-    return result
+    results = benchmark_model(args)
+    print_results(results)
+    write_jsonl(args.json, results)
+    return results[0] if len(results) == 1 else results
 
 
 def write_jsonl(path: str | None, results: list[dict]) -> None:
