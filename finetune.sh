@@ -44,10 +44,6 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 AMP=${AMP:-fp16}
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-
 case "${MODEL^^}" in
     NALAFORMER_XT) DROP_PATH=0.1;  DEFAULT_LD=0.8 ;;
     NALAFORMER_T)  DROP_PATH=0.1;  DEFAULT_LD=0.85 ;;
@@ -57,10 +53,7 @@ case "${MODEL^^}" in
     *) echo "finetune.sh: unknown MODEL=$MODEL (expected NALAFORMER_XT, _T, _S, _B or _L)" >&2; exit 2 ;;
 esac
 LAYER_DECAY=${LAYER_DECAY:-$DEFAULT_LD}
-AMP_FLAGS=()
-if [ "$AMP" != "none" ]; then AMP_FLAGS=(--amp "$AMP"); fi
-
-source tools/rendezvous.sh  # RDZV: torchrun's rendezvous flags for NNODES nodes
+source tools/launch.sh  # PYTHON, AMP_FLAGS and RDZV (torchrun's rendezvous flags for NNODES nodes)
 cmd=("$PYTHON" -m torch.distributed.run
      --nnodes="$NNODES" --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" "${RDZV[@]}"
      main.py --model "$MODEL" --finetune "$CKPT" --input-size "$SIZE" --eval-crop-ratio 1.0

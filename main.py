@@ -435,27 +435,15 @@ def report_end(model: torch.nn.Module, start_time: float, test_stats: dict, ema_
           if ema_stats else f'Final top-1: {test_stats["acc1"]:.2f}%, best {max_accuracy:.2f}%')
 
 
-def main_or_clean_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """main(); when it fails (an error, or a non-zero exit status) before writing anything into an --output_dir
-    it created, that folder is removed again: a run that never started leaves nothing behind."""
-    try:
-        code = main(args, parser)
-    except BaseException:
-        run_dir.remove_unused_output_dir(args.output_dir)
-        raise
-    if code:
-        run_dir.remove_unused_output_dir(args.output_dir)
-    return code
-
-
 def run(argv: Sequence[str] | None = None) -> int:
     """main.py's entry point: parse the command line, run main() (removing an --output_dir it created when it
-    fails before writing anything), and end as exits.finish says."""
+    fails before writing anything: run_dir.leave_nothing_on_failure), and end as exits.finish says."""
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = cli.get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: main_or_clean_up(args, parser), lambda: (args.num_workers, args.batch_size))
+    return exits.finish(lambda: run_dir.leave_nothing_on_failure(lambda: main(args, parser), args.output_dir),
+                        lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

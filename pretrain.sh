@@ -13,7 +13,7 @@
 # Environment: MODEL (NALAFORMER_XT|T|S|B|L, default T), DATA, OUTPUT, NPROC (processes per node, 8),
 # NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1 on one node; required with NNODES>1), MASTER_PORT (29500),
 # BATCH (per process, 128), AMP (none|bf16|fp16; default none = fp32 with TF32 as the reference trained; bf16 is
-# the fast option), PYTHON (default .venv/bin/python when present), MAX_RESTARTS (torchrun restarts after a
+# the fast option on GPUs with bf16 tensor cores), PYTHON (default .venv/bin/python when present), MAX_RESTARTS (torchrun restarts after a
 # failure, 0), DRY_RUN (1: print the command only). DATA must be an existing folder (checked before launching).
 # Relaunching the same command resumes from $OUTPUT/checkpoint.pth (also after SIGTERM/preemption).
 # Several nodes (NNODES>1) meet in torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT (run id SLURM_JOB_ID,
@@ -35,17 +35,7 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 BATCH=${BATCH:-128}
 AMP=${AMP:-none}
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-
-case "$AMP" in
-    none) AMP_FLAGS=() ;;
-    bf16|fp16) AMP_FLAGS=(--amp "$AMP") ;;
-    *) echo "pretrain.sh: unknown AMP=$AMP (expected none, bf16 or fp16)" >&2; exit 2 ;;
-esac
-
-source tools/rendezvous.sh  # RDZV: torchrun's rendezvous flags for NNODES nodes
+source tools/launch.sh  # PYTHON, AMP_FLAGS and RDZV (torchrun's rendezvous flags for NNODES nodes)
 cmd=("$PYTHON" -m torch.distributed.run
      --nnodes="$NNODES" --nproc_per_node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" "${RDZV[@]}"
      main.py --model "$MODEL" --batch-size "$BATCH" --epochs 300

@@ -5,7 +5,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import distributed
 import metrics
@@ -185,6 +185,20 @@ def make_output_dir(directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     if missing:
         _created_dirs[os.path.abspath(directory)] = missing
+
+
+def leave_nothing_on_failure(body: Callable[[], int], directory: str) -> int:
+    """`body()` (a run's main); when it fails (an error, or a non-zero exit status) before writing anything into
+    an output `directory` it created, that folder is removed again: a run that never started leaves nothing
+    behind."""
+    try:
+        code = body()
+    except BaseException:
+        remove_unused_output_dir(directory)
+        raise
+    if code:
+        remove_unused_output_dir(directory)
+    return code
 
 
 def remove_unused_output_dir(directory: str) -> None:

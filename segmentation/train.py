@@ -418,23 +418,12 @@ class Progress:
         return sum(values) / len(values) if values else None
 
 
-def main_or_clean_up(args, parser) -> int:
-    """main(); an --output_dir it created is removed again when it fails before writing anything."""
-    try:
-        code = main(args, parser)
-    except BaseException:
-        run_dir.remove_unused_output_dir(args.output_dir)
-        raise
-    if code:
-        run_dir.remove_unused_output_dir(args.output_dir)
-    return code
-
-
 def run(argv: list[str] | None = None) -> int:
     """The entry point: parse, run, and end as exits.finish says (one line per error)."""
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: main_or_clean_up(args, parser), lambda: (args.num_workers, args.batch_size))
+    return exits.finish(lambda: run_dir.leave_nothing_on_failure(lambda: main(args, parser), args.output_dir),
+                        lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

@@ -28,19 +28,10 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 BATCH=${BATCH:-2}
 AMP=${AMP:-none}
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-
-case "$AMP" in
-    none) AMP_FLAGS=() ;;
-    bf16|fp16) AMP_FLAGS=(--amp "$AMP") ;;
-    *) echo "train.sh: unknown AMP=$AMP (expected none, bf16 or fp16)" >&2; exit 2 ;;
-esac
 PRETRAINED_FLAGS=()
 if [ -n "${PRETRAINED:-}" ]; then PRETRAINED_FLAGS=(--pretrained "$PRETRAINED"); fi
 
-source tools/rendezvous.sh  # RDZV: torchrun's rendezvous flags for NNODES nodes
+source tools/launch.sh  # PYTHON, AMP_FLAGS and RDZV (torchrun's rendezvous flags for NNODES nodes)
 cmd=("$PYTHON" -m torch.distributed.run
      --nnodes="$NNODES" --nproc_per_node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" "${RDZV[@]}"
      segmentation/train.py --model "$MODEL" --data-path "$DATA" --output_dir "$OUTPUT" --batch-size "$BATCH"
