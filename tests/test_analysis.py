@@ -341,3 +341,14 @@ def test_the_documented_commands_write_where_docs_say_without_overwriting(tmp_pa
         assert files and all(os.path.dirname(f) == folder and os.path.getsize(f) > 0 for f in files), (folder, files)
         written.append(set(files))
     assert not written[0] & written[1]
+
+
+def test_cli_bad_checkpoint_is_one_line(tmp_path):
+    """A missing file, or one without a classifier head, ends the tool with one line naming the file."""
+    missing = tmp_path / 'nothing.pth'
+    with pytest.raises(SystemExit, match=r'analyze_attention: error: checkpoint .*nothing\.pth does not exist'):
+        aa.main(['--model', 'NALAFORMER_XT', '--checkpoint', str(missing), '--images', str(tmp_path)])
+    headless = tmp_path / 'headless.pth'
+    torch.save({'model': {'patch_embed.proj.weight': torch.zeros(1)}}, headless)
+    with pytest.raises(SystemExit, match=r'headless\.pth: no head\.weight; not a NaLaFormer checkpoint'):
+        aa.main(['--model', 'NALAFORMER_XT', '--checkpoint', str(headless), '--images', str(tmp_path)])

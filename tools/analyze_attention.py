@@ -55,6 +55,7 @@ import timm
 import checkpoint
 import checkpoint_io
 import datasets
+import errors
 import image_folder
 import models  # noqa: F401  (registers the variants)
 from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms
@@ -462,7 +463,7 @@ def load_model(name: str, checkpoint_path: str | None = None, weights: str = 'de
     ckpt = checkpoint_io.load_checkpoint_file(checkpoint_path)
     key, state = select_weights(ckpt, checkpoint_path, weights)
     if 'head.weight' not in state:
-        raise checkpoint.CheckpointError(f'{checkpoint_path}: no head.weight; not a NaLaFormer checkpoint')
+        raise errors.CheckpointError(f'{checkpoint_path}: no head.weight; not a NaLaFormer checkpoint')
     model = timm.create_model(name, num_classes=int(state['head.weight'].shape[0]))
     load_weights_into(model, state, name, checkpoint_path)
     meta['weights'] = key or 'state dict'
@@ -569,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.output_dir = default_output_dir(args.checkpoint, args.weights, args.seed)
     try:
         model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
-    except checkpoint.CheckpointError as e:
+    except errors.CheckpointError as e:
         raise SystemExit(f'analyze_attention: error: {e}') from None
     note = datasets.override_note('--input-size', args.input_size, meta.get('input_size'), args.checkpoint)
     if note:
