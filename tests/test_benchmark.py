@@ -294,7 +294,7 @@ def test_compare_in_two_dtypes_ratios_per_dtype_and_speed_ups(no_fvcore, capsys)
     assert [(row[1], row[2]) for row in speedups] == [('NALAFORMER_XT', 'bf16'), ('convnext_atto', 'bf16')]
 
 
-def test_a_process_short_of_cpu_time_warns_that_another_job_shared_the_cores(no_fvcore, monkeypatch, capsys):
+def test_a_process_short_of_cpu_time_warns_and_names_the_cause_by_the_load_average(no_fvcore, monkeypatch, capsys):
     """The process CPU time of the timed steps against their wall time x threads: with the CPU clock
     stood still (as if other jobs had the cores), the run warns; rows that kept their threads busy do not."""
     monkeypatch.setattr(benchmark.time, 'process_time', lambda: 1.0)
@@ -303,6 +303,11 @@ def test_a_process_short_of_cpu_time_warns_that_another_job_shared_the_cores(no_
     assert 'warning: during the timed steps the process used 0% of its 1 threads' in capsys.readouterr().out
     busy = dict(result, cpu_busy=benchmark.CPU_BUSY_MIN)
     assert benchmark.load_warning([busy]) is None and benchmark.load_warning([dict(busy, cpu_busy=None)]) is None
+    # the load average names the cause: above the process's threads another job, else the steps' own idle threads
+    shared = benchmark.load_warning([result], load1=2.0)
+    assert 'load average 2.00: another job was probably on the cores' in shared
+    alone = benchmark.load_warning([result], load1=1.2)
+    assert 'load average 1.20: no other job' in alone and 'another job' not in alone
 
 
 def test_one_allocator_default_for_one_model_compare_and_presets():
