@@ -18,7 +18,7 @@ import distributed
 import metrics
 import run_dir
 from cpu import DEFAULT_NUM_WORKERS
-from errors import CheckpointError, first_line
+from errors import CheckpointError, FlagParser, first_line
 from models.nalaformer import VARIANTS
 from optimizer import OptimizerSettings, build_optimizer
 from schedule import SCHEDULERS, Schedule, build_lr_scheduler
@@ -62,34 +62,15 @@ POSITIVE = ranged(float, 0, lo_open=True)
 POSITIVE_INT = ranged(int, 1)
 
 
-class LauncherArgumentParser(argparse.ArgumentParser):
-    """argparse whose bad command line ends in two lines instead of the page-long usage: a pointer to --help
-    and the error, with the closest flag for a mistyped one (exit status 2, as argparse). Every process of a
-    torchrun or srun job parses the same command line: rank 0 prints the two lines, the others exit silently."""
+class LauncherArgumentParser(FlagParser):
+    """The two-line flag errors of FlagParser for a launched job: every process of a torchrun or srun job parses
+    the same command line, so rank 0 prints the two lines and the others exit silently (status 2)."""
 
     def error(self, message: str):
         rank, world, _, _ = distributed.launch_env()
         if world > 1 and rank != 0:
             self.exit(2)
-        self.exit(2, f'usage: {self.prog} [options]  (--help lists them)\n'
-                     f'{self.prog}: error: {message}{self.did_you_mean(message)}\n')
-
-    def did_you_mean(self, message: str) -> str:
-        """' (did you mean --output_dir?)' when argparse's 'unrecognized arguments' names a flag close to a known
-        one (several: 'did you mean --a for --x, --b for --y?'), else ''."""
-        import difflib
-        if not message.startswith('unrecognized arguments: '):
-            return ''
-        known = [s for a in self._actions for s in a.option_strings if s.startswith('--')]
-        pairs = []
-        for word in message.split(': ', 1)[1].split():
-            flag = word.split('=', 1)[0]
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith('--') else []
-            if close:
-                pairs.append((close[0], flag))
-        if len(pairs) == 1:
-            return f' (did you mean {pairs[0][0]}?)'
-        return f" (did you mean {', '.join(f'{a} for {b}' for a, b in pairs)}?)" if pairs else ''
+        super().error(message)
 
 
 def get_args_parser() -> LauncherArgumentParser:

@@ -1,5 +1,7 @@
 """Errors that end a run with one line and a non-zero exit status (no stack trace), and how that line is
 written (docs/usage.md lists the messages)."""
+import argparse
+import difflib
 import sys
 
 
@@ -50,3 +52,29 @@ def eprint(*a) -> None:
     """Print to stderr on every rank (error lines)."""
     sys.stderr.write(' '.join(str(x) for x in a) + '\n')
     sys.stderr.flush()
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose bad command line ends in two lines instead of the page-long usage: a pointer to --help
+    and the error, with the closest flag for a mistyped one (exit status 2, as argparse). main.py, the
+    segmentation trainer and every tool parse with it."""
+
+    def error(self, message: str):
+        self.exit(2, f'usage: {self.prog} [options]  (--help lists them)\n'
+                     f'{self.prog}: error: {message}{self.did_you_mean(message)}\n')
+
+    def did_you_mean(self, message: str) -> str:
+        """' (did you mean --output_dir?)' when argparse's 'unrecognized arguments' names a flag close to a known
+        one (several: 'did you mean --a for --x, --b for --y?'), else ''."""
+        if not message.startswith('unrecognized arguments: '):
+            return ''
+        known = [s for a in self._actions for s in a.option_strings if s.startswith('--')]
+        pairs = []
+        for word in message.split(': ', 1)[1].split():
+            flag = word.split('=', 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith('--') else []
+            if close:
+                pairs.append((close[0], flag))
+        if len(pairs) == 1:
+            return f' (did you mean {pairs[0][0]}?)'
+        return f" (did you mean {', '.join(f'{a} for {b}' for a, b in pairs)}?)" if pairs else ''

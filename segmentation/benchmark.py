@@ -28,6 +28,7 @@ elif os.path.dirname(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
+from errors import FlagParser  # noqa: E402
 from precision import autocast, set_tf32  # noqa: E402
 from segmentation.backbone import build_segmentor, param_groups  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
@@ -149,7 +150,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p = FlagParser(description=__doc__.split('\n')[0])
     p.add_argument('--models', default=DEFAULT_MODELS,
                    help='timm backbones, comma-separated; the first is the reference')
     p.add_argument('-b', '--batch-size', type=int, default=2)

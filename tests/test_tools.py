@@ -1,10 +1,12 @@
 """Every tool runs both usual ways: `python tools/X.py` (the tools folder first on sys.path, the repository
 root absent) and `python -m tools.X` from the repository root."""
+import importlib
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, 'tools'))
@@ -50,3 +52,35 @@ def test_every_tool_runs_as_a_file_and_as_a_module(tmp_path):
     results = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(results) == 2 * len(TOOLS)
     assert {k: v for k, v in results.items() if v != 0} == {}
+
+
+# each tool's entry point and the arguments it requires, so that only the mistyped flag is wrong
+TYPO_CASES = {
+    'analyze_attention': ('main', ['--images', 'imgs']),
+    'benchmark': ('parse_args', []),
+    'detection_example': ('main', []),
+    'export': ('main', ['--format', 'onnx', '--output', 'x.onnx']),
+    'flops': ('main', []),
+    'plot_log': ('main', ['out']),
+    'predict': ('main', ['imgs', '--checkpoint', 'c.pth']),
+    'profile_ops': ('parse_args', []),
+    'release': ('main', ['c.pth', '--output-dir', 'rel']),
+    'smoke': ('main', []),
+}
+
+
+@pytest.mark.parametrize('tool', sorted(TYPO_CASES))
+def test_a_mistyped_flag_is_two_lines_with_the_closest_flag(tool, capsys):
+    """As main.py: a pointer to --help and the error naming the flag meant, not the page-long usage (exit 2)."""
+    entry, required = TYPO_CASES[tool]
+    module = importlib.import_module('tools.' + tool)
+    with pytest.raises(SystemExit) as ei:
+        getattr(module, entry)(required + ['--hepl'])
+    err = capsys.readouterr().err.splitlines()
+    assert ei.value.code == 2
+    assert len(err) == 2 and err[0].endswith(' [options]  (--help lists them)'), err
+    assert err[1].endswith('error: unrecognized arguments: --hepl (did you mean --help?)'), err
+
+
+def test_every_tool_with_a_command_line_is_in_the_typo_cases():
+    assert set(TOOLS) - {'amp_parity', 'nan_micro_batch', 'published', 'synthetic'} == set(TYPO_CASES)

@@ -58,6 +58,7 @@ import datasets
 import errors
 import image_folder
 import models  # noqa: F401  (registers the variants)
+from errors import FlagParser
 from models.nala import NALA_EPS, NaLaAttention, apply_rope, nala_kernel_terms
 from weights import load_weights_into, select_weights
 
@@ -521,7 +522,7 @@ def parse_query(text: str) -> tuple[float, float]:
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+    p = FlagParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default='NALAFORMER_XT', help='timm name of a NaLaFormer variant')
     p.add_argument('--checkpoint', default=None, help='training checkpoint or state dict (default: untrained)')

@@ -72,6 +72,7 @@ import models  # noqa: F401  (registers the variants)
 import optim_step
 import precision
 from ema import ModelEma
+from errors import FlagParser
 from models import VARIANTS
 from tools.published import published_top1
 
@@ -1172,7 +1173,7 @@ def add_other_args(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=PEAK_NOTE,
+    parser = FlagParser(description=__doc__, epilog=PEAK_NOTE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_args(parser)
     add_compare_args(parser)

@@ -23,6 +23,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import models  # registers the variants
+from errors import FlagParser
 
 
 class NaLaFormerFPN(nn.Module):
@@ -80,7 +81,7 @@ def train_step_and_predict(detector: nn.Module, images: list[torch.Tensor], targ
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', default='NALAFORMER_XT')
     parser.add_argument('--mask', action='store_true', help='Mask R-CNN instead of Faster R-CNN')
     parser.add_argument('--backbone-checkpoint', default=None, help='backbone weights (a classification checkpoint)')

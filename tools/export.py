@@ -32,6 +32,7 @@ from timm.models import load_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
+from errors import FlagParser
 from models import VARIANTS  # importing models registers the variants
 from models.compat import dynamo_onnx_export_error, export_dim, export_program_error
 
@@ -140,7 +141,7 @@ def check_export(model: nn.Module, fmt: str, path: str, input_size: int = 224, d
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', default='NALAFORMER_XT', help='variant (default NALAFORMER_XT)')
     parser.add_argument('--checkpoint', default=None, help='weights: a state dict or a training checkpoint')
     parser.add_argument('--format', required=True, choices=FORMATS)

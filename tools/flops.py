@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import timm
 
 import models  # noqa: F401  (registers the variants)
+from errors import FlagParser
 from models import PAPER_FIGURES, VARIANTS
 from models.flop_count import count_flops, count_params  # count_* re-exported for tools
 
@@ -37,7 +38,7 @@ def format_row(name: str, params: int, flops: float, paper: tuple[float, float, 
 
 
 def main(argv: Sequence[str] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', nargs='*', default=list(VARIANTS),
                         help='variants to count (default: all five)')
     parser.add_argument('--input-size', type=int, nargs='+', default=[224],

@@ -16,6 +16,10 @@ import os
 import sys
 from typing import Any, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
+
+from errors import FlagParser  # noqa: E402
+
 #: (panel title, y label, [(key, line style, legend suffix)])
 PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ('loss', 'loss', [('train_loss', '-', 'train'), ('test_loss', '--', 'test')]),
@@ -120,7 +124,7 @@ def plot_runs(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | N
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+    p = FlagParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('dirs', nargs='+', metavar='OUTPUT_DIR', help='output directory with log.txt (or a log file)')
     p.add_argument('-o', '--output', default=None,

@@ -35,7 +35,7 @@ import checkpoint_io
 import datasets
 import image_folder
 import models  # noqa: F401  (registers the variants)
-from errors import CheckpointError, UserError, first_line
+from errors import CheckpointError, FlagParser, UserError, first_line
 from models.nalaformer import from_reference_layout
 from tools.release import WEIGHT_CHOICES, select_weights
 from weights import describe_mismatch
@@ -188,7 +188,7 @@ def format_results(images: Sequence[str], results: Sequence[Sequence[tuple[int, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('images', nargs='+', help='image files and/or folders')
     parser.add_argument('--checkpoint', required=True, help='training checkpoint (.pth) or release (.safetensors)')
     parser.add_argument('--model', default=None, help='model name (default: the one recorded in the checkpoint)')

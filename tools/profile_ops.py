@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402
+from errors import FlagParser  # noqa: E402
 from tools.benchmark import DTYPES, create_any, make_step  # noqa: E402
 
 STAGES = ('stem', 'stage1', 'stage2', 'stage3', 'stage4', 'head', 'optimizer')
@@ -255,7 +256,7 @@ def format_result(r: dict) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument('--model', default='NALAFORMER_T')
     parser.add_argument('--compare', type=lambda s: [n for n in s.split(',') if n], default=[],
                         help='comma-separated timm models profiled after --model')

@@ -43,7 +43,7 @@ import datasets
 import models  # noqa: F401  (registers the variants)
 from checkpoint import saved_args
 from checkpoint_io import load_checkpoint_file
-from errors import CheckpointError, UserError
+from errors import CheckpointError, FlagParser, UserError
 from models.nalaformer import to_reference_layout
 from weights import describe_mismatch
 from weights import select_weights as select_state_dict
@@ -262,7 +262,7 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('checkpoint', help='training checkpoint (.pth) or a bare state dict')
     parser.add_argument('--output-dir', '--output_dir', dest='output_dir', required=True)
     parser.add_argument('--weights', choices=WEIGHT_CHOICES, default=None,

@@ -31,6 +31,7 @@ from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
+from errors import FlagParser
 from tools.synthetic import write_imagefolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,7 +248,7 @@ def write_report(path: str, results, total_s: float) -> None:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser('python tools/smoke.py', description=__doc__.split('\n\n')[0])
+    p = FlagParser('python tools/smoke.py', description=__doc__.split('\n\n')[0])
     p.add_argument('--quick', action='store_true', help='the CPU subset CI runs (no --compile); implies --device cpu')
     p.add_argument('--all', action='store_true',
                    help='every row, also on a CPU (whose default is the quick set: --compile takes minutes there)')
