@@ -345,10 +345,21 @@ def test_the_documented_commands_write_where_docs_say_without_overwriting(tmp_pa
 
 def test_cli_bad_checkpoint_is_one_line(tmp_path):
     """A missing file, or one without a classifier head, ends the tool with one line naming the file."""
+    _write_images(tmp_path / 'imgs')
     missing = tmp_path / 'nothing.pth'
     with pytest.raises(SystemExit, match=r'analyze_attention: error: checkpoint .*nothing\.pth does not exist'):
-        aa.main(['--model', 'NALAFORMER_XT', '--checkpoint', str(missing), '--images', str(tmp_path)])
+        aa.main(['--model', 'NALAFORMER_XT', '--checkpoint', str(missing), '--images', str(tmp_path / 'imgs')])
     headless = tmp_path / 'headless.pth'
     torch.save({'model': {'patch_embed.proj.weight': torch.zeros(1)}}, headless)
     with pytest.raises(SystemExit, match=r'headless\.pth: no head\.weight; not a NaLaFormer checkpoint'):
-        aa.main(['--model', 'NALAFORMER_XT', '--checkpoint', str(headless), '--images', str(tmp_path)])
+        aa.main(['--model', 'NALAFORMER_XT', '--checkpoint', str(headless), '--images', str(tmp_path / 'imgs')])
+
+
+def test_cli_bad_image_folder_is_one_line(tmp_path):
+    """A missing folder, or one without images, ends the tool with one line naming --images."""
+    with pytest.raises(SystemExit, match=r'analyze_attention: error: --images .*nowhere: no such folder'):
+        aa.main(['--model', 'NALAFORMER_XT', '--images', str(tmp_path / 'nowhere')])
+    (tmp_path / 'empty' / 'sub').mkdir(parents=True)
+    (tmp_path / 'empty' / 'sub' / 'notes.txt').write_text('no images here')
+    with pytest.raises(SystemExit, match=r'--images .*empty: no image files \(.*\) in it or below it'):
+        aa.main(['--model', 'NALAFORMER_XT', '--images', str(tmp_path / 'empty')])

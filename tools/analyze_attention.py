@@ -474,19 +474,25 @@ def load_model(name: str, checkpoint_path: str | None = None, weights: str = 'de
     return model.eval(), meta
 
 
+def image_paths(root: str) -> list[str]:
+    """The image files under ``root`` (recursive, sorted paths); one line naming the flag when there are none."""
+    if not os.path.isdir(root):
+        raise errors.UserError(f'--images {root}: no such folder; pass a folder of images, or --data-set DIGITS')
+    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+                   if f.lower().endswith(image_folder.IMAGE_EXTENSIONS) and not f.startswith('.'))
+    if not paths:
+        raise errors.UserError(f'--images {root}: no image files ({", ".join(image_folder.IMAGE_EXTENSIONS)}) in '
+                               'it or below it')
+    return paths
+
+
 def images_from_dir(root: str, cfg: dict[str, Any], limit: int) -> torch.Tensor:
     """The first ``limit`` images under ``root`` (recursive, sorted paths) through the evaluation
     transform of ``cfg`` (a ``datasets.data_config``, as main.py --eval and tools/predict.py)."""
     from PIL import Image
-    if not os.path.isdir(root):
-        raise ValueError(f'{root}: not a directory')
-    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files
-                   if f.lower().endswith(image_folder.IMAGE_EXTENSIONS) and not f.startswith('.'))
-    if not paths:
-        raise ValueError(f'{root}: no image files ({", ".join(image_folder.IMAGE_EXTENSIONS)})')
     t = datasets.eval_transform(cfg)
     out = []
-    for p in paths[:limit]:
+    for p in image_paths(root)[:limit]:
         with Image.open(p) as im:
             out.append(t(im.convert('RGB')))
     return torch.stack(out)
@@ -567,12 +573,19 @@ def default_output_dir(checkpoint_path: str | None, weights: str = 'default', se
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = get_parser().parse_args(argv)
+    try:
+        return analyse(args)
+    except errors.UserError as e:  # a bad checkpoint or image folder: one line, exit 1
+        raise SystemExit(f'analyze_attention: error: {e}') from None
+
+
+def analyse(args: argparse.Namespace) -> dict[str, Any]:
+    """main() after parsing: the analysis of one stage (and the attention maps) for the parsed ``args``."""
     if args.output_dir is None:
         args.output_dir = default_output_dir(args.checkpoint, args.weights, args.seed)
-    try:
-        model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
-    except errors.CheckpointError as e:
-        raise SystemExit(f'analyze_attention: error: {e}') from None
+    if args.images is not None:
+        image_paths(args.images)  # a bad folder fails before the model is built
+    model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
     note = datasets.override_note('--input-size', args.input_size, meta.get('input_size'), args.checkpoint)
     if note:
         print(note)
