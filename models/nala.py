@@ -241,7 +241,7 @@ def _query_features(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
     guarded divisor n."""
     q = _head_major(q, wide_dtype(q))
     q_norm = torch.linalg.vector_norm(q, dim=-1, keepdim=True)
-    divisor = torch.where(q_norm > 0, q_norm, 1.0)
+    divisor = _safe_norm_divisor(q_norm)
     tanh_n = torch.tanh(q_norm)
     power = 3 * (0.5 + tanh_n)
     u = q / divisor
@@ -332,11 +332,11 @@ class NaLaFastFunction(torch.autograd.Function):
         k = _head_major(k, wide_dtype(v))
         k_feat = _key_features(k)
         grad_v = rotate(k_feat, phases).to(dtype) @ grad_kv
+        del k_feat
         grad_k_feat = rotate_adjoint((_head_major(v, dtype) @ grad_kv.transpose(-2, -1)).to(k.dtype), phases)
         grad_k_feat = grad_k_feat.add_(grad_k_mean.transpose(-2, -1) / n_tokens)
-        d = k.shape[-1]
         # sign(k^3) = sign(k); where k^3 underflows to 0 the factor 3 k^2 is below 1e-25
-        grad_k = _grad_of_relu_and_self(grad_k_feat, k_feat[..., d:]).mul_(k.square()).mul_(3)
+        grad_k = _grad_of_relu_and_self(grad_k_feat, k).mul_(k.square()).mul_(3)
         return grad_q, grad_k.to(dtype), grad_v, None
 
 

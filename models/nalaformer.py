@@ -73,11 +73,11 @@ def conv_residual_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     It runs in x's dtype, also under autocast, so that the result has the dtype of the plain path's
     ``x + conv(x)``: the fp32 residual stream stays fp32 (rounding it to bf16/fp16 at every CPE would
-    change the model's numbers), and the FFN's bf16/fp16 activations stay in theirs. An FX leaf
-    function; TorchScript does not compile it (a scripted model takes the plain path).
+    change the model's numbers). An FX leaf function; TorchScript does not compile it (a scripted model
+    takes the plain path).
     """
     weight, bias = _with_identity(weight, bias, x.dtype)
-    return depthwise_conv_same(x.contiguous(memory_format=torch.channels_last), weight, bias)
+    return depthwise_conv_same(x, weight, bias)
 
 
 def _with_identity(weight: torch.Tensor, bias: torch.Tensor | None,
