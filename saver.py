@@ -13,6 +13,8 @@ import os
 import shutil
 from typing import Any, Sequence
 
+import torch
+
 import distributed
 import metrics
 from checkpoint_io import checksums, copy_atomic, save_atomic
@@ -150,22 +152,25 @@ class CheckpointSaver:
 
     # ---- room
     def estimate_bytes(self, resume_path: str = '') -> int:
-        """Size of one checkpoint: the resumed file's, else weights (+ EMA) + two optimizer buffers per
-        trainable parameter (AdamW's moments; an upper bound for SGD)."""
-        if resume_path and os.path.isfile(resume_path):
-            return os.path.getsize(resume_path)
-        model = self.parts.model
-        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        return weights * (2 if self.parts.model_ema is not None else 1) + 2 * trainable
+        """Size of one of this run's checkpoints (``checkpoint_bytes``)."""
+        return checkpoint_bytes(self.parts.model, self.parts.model_ema is not None, resume_path)
 
     def check_room(self, start_epoch: int, epochs: int, resume_path: str = '') -> None:
         """Before training: room in --output_dir for the peak of the saves to come (checkpoints_at_peak copies of
         about one checkpoint's size), less what checkpoint.pth and best.pth hold already. Copies are counted in
         full, also where the filesystem shares blocks between them (reflinks). Rank 0 checks, every rank stops."""
-        if self.output_dir:
-            check_room(self.output_dir, self.estimate_bytes(resume_path), self.device,
-                       checkpoints_at_peak(self.save_freq, start_epoch, epochs))
+        check_room(self.output_dir, self.estimate_bytes(resume_path), self.device,
+                   checkpoints_at_peak(self.save_freq, start_epoch, epochs))
+
+
+def checkpoint_bytes(model: torch.nn.Module, with_ema: bool = False, resume_path: str = '') -> int:
+    """Size of one checkpoint: the resumed file's, else weights (twice with an EMA) + two optimizer buffers per
+    trainable parameter (AdamW's moments; an upper bound for SGD)."""
+    if resume_path and os.path.isfile(resume_path):
+        return os.path.getsize(resume_path)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return weights * (2 if with_ema else 1) + 2 * trainable
 
 
 def checkpoints_at_peak(save_freq: int, start_epoch: int, epochs: int) -> int:
@@ -191,7 +196,11 @@ def _held_bytes(directory: str) -> int:
 
 def check_room(directory: str, nbytes: int, device: Any, copies: int = 3) -> None:
     """Room in `directory` for `copies` checkpoints of about `nbytes`, less what checkpoint.pth and best.pth hold
-    already; one line naming the MiB missing when there is not. Rank 0 checks, every rank stops."""
+    already; one line naming the MiB missing when there is not. Rank 0 checks, every rank stops. Nothing to
+    check without a directory (a run without --output_dir saves nothing)."""
+    if not directory:
+        return
+
     def check() -> None:
         held = _held_bytes(directory)
         need = max(copies * nbytes - held, 0)

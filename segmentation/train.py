@@ -250,10 +250,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.eval:
         return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype, stop_flag)
     resumed = checkpoints.resume(resume_path)
-    # room for checkpoint.pth, its replacement while it is written and best.pth: weights and AdamW's two moments
-    nbytes = sum(t.numel() * t.element_size() for t in bare.state_dict().values()) + 2 * sum(
-        p.numel() * p.element_size() for p in bare.parameters())
-    saver.check_room(args.output_dir, nbytes, device, copies=3)
+    # room for checkpoint.pth, its replacement while it is written and best.pth
+    saver.check_room(args.output_dir, saver.checkpoint_bytes(bare, resume_path=resume_path), device)
     if resumed.ckpt is not None:
         print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}')
         resumed.ckpt = None

@@ -64,6 +64,13 @@ def _disk(monkeypatch, free_mib):
                         lambda p: shutil._ntuple_diskusage(200 << 20, (200 - free_mib) << 20, free_mib << 20))
 
 
+def test_without_an_output_dir_there_is_no_room_to_check(monkeypatch):
+    """A run without --output_dir (main.py's or segmentation/train.py's) saves nothing: the check passes
+    without looking at any disk."""
+    _disk(monkeypatch, 0)
+    saver.check_room('', 1 << 30, 'cpu')
+
+
 def test_the_space_check_counts_the_peak_of_the_saves(tmp_path, monkeypatch):
     ckpt = 79 << 20
     # a 200 MiB disk holds two checkpoints of 79 MiB, but not the third one the saves need at their peak
