@@ -85,7 +85,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     end_epoch = EpochEnd(data.loader_val, run.eval_model, parts.model, parts.model_ema, run.eval_ema, saver,
                          data.dataset_train, args.log_dir, tb, device, run.amp_dtype, args.channels_last,
                          args.print_freq, bool(args.dist_eval and args.distributed), stop_flag)
-    run_dir.save_args(args.output_dir, checkpoint.args_to_dict(args), device)
+    run_dir.save_args(args.output_dir, saver.run_args, device)
     print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
     for epoch in range(start_epoch, args.epochs):
@@ -403,8 +403,8 @@ def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, run: Tra
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
               f'{first["seen"]} of {len(dataset_val)} images: no accuracy reported')
         return exits.stopped_status(args.launcher, stop_flag, saved=False)
-    extra = [(name, ds, engine.evaluate_models(  # build_loaders: only its validation loader is used
-        loaders.device_loader(loaders.build_loaders(ds, ds, cli.settings(loaders.LoaderSettings, args))[2],
+    extra = [(name, ds, engine.evaluate_models(
+        loaders.device_loader(loaders.build_loaders(None, ds, cli.settings(loaders.LoaderSettings, args))[2],
                               data.cfg, device), runners, device, run.amp_dtype,
         args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks))
         for name, ds in data.extra_sets]

@@ -13,10 +13,8 @@ class StopFlag:
         self.signum = None
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:  # SIGUSR1: some schedulers warn with it before SIGTERM
             signal.signal(sig, self._handler)
-        if hasattr(signal, 'SIGUSR1'):  # some schedulers warn with SIGUSR1 before SIGTERM
-            signal.signal(signal.SIGUSR1, self._handler)
 
     def _handler(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distributed import get_world_size, is_dist_avail_and_initialized
+from distributed import gather_objects
 
 
 @dataclass
@@ -66,13 +66,8 @@ class preserved_rng:
         return False
 
 
-def gather_rng(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's RNG state, in rank order (collective under torch.distributed)."""
-    if not is_dist_avail_and_initialized():
-        return [state]
-    out = [None] * get_world_size()
-    torch.distributed.all_gather_object(out, state)
-    return out
+#: every rank's RNG state, in rank order (collective under torch.distributed)
+gather_rng = gather_objects
 
 
 
