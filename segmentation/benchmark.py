@@ -29,7 +29,7 @@ elif os.path.dirname(_HERE) not in sys.path:
 import torch  # noqa: E402
 
 from errors import FlagParser  # noqa: E402
-from precision import autocast, set_tf32  # noqa: E402
+from precision import amp_dtype, autocast, set_tf32  # noqa: E402
 from segmentation.backbone import build_segmentor, param_groups  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from tools.benchmark import peak_bytes  # noqa: E402
@@ -45,7 +45,7 @@ def make_step(name: str, args: argparse.Namespace, device: torch.device):
     criterion = SegLoss(0.4)
     x = torch.randn(args.batch_size, 3, args.size, args.size, device=device)
     y = torch.randint(0, 150, (args.batch_size, args.size, args.size), device=device)
-    amp = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp)
+    amp = amp_dtype(args.amp)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)

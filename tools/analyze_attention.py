@@ -486,13 +486,14 @@ def image_paths(root: str) -> list[str]:
     return paths
 
 
-def images_from_dir(root: str, cfg: dict[str, Any], limit: int) -> torch.Tensor:
-    """The first ``limit`` images under ``root`` (recursive, sorted paths) through the evaluation
-    transform of ``cfg`` (a ``datasets.data_config``, as main.py --eval and tools/predict.py)."""
+def images_from_dir(root: str, cfg: dict[str, Any], limit: int, paths: list[str] | None = None) -> torch.Tensor:
+    """The first ``limit`` images under ``root`` (recursive, sorted paths; ``paths`` when ``image_paths`` listed
+    them already) through the evaluation transform of ``cfg`` (a ``datasets.data_config``, as main.py --eval
+    and tools/predict.py)."""
     from PIL import Image
     t = datasets.eval_transform(cfg)
     out = []
-    for p in image_paths(root)[:limit]:
+    for p in (paths if paths is not None else image_paths(root))[:limit]:
         with Image.open(p) as im:
             out.append(t(im.convert('RGB')))
     return torch.stack(out)
@@ -583,8 +584,7 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
     """main() after parsing: the analysis of one stage (and the attention maps) for the parsed ``args``."""
     if args.output_dir is None:
         args.output_dir = default_output_dir(args.checkpoint, args.weights, args.seed)
-    if args.images is not None:
-        image_paths(args.images)  # a bad folder fails before the model is built
+    paths = image_paths(args.images) if args.images is not None else None  # a bad folder fails before the model
     model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
     note = datasets.override_note('--input-size', args.input_size, meta.get('input_size'), args.checkpoint)
     if note:
@@ -595,7 +595,7 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 <= args.stage < len(model.layers):
         raise SystemExit(f'analyze_attention: error: --stage {args.stage} out of range 0..{len(model.layers) - 1}')
     images = (digits_images(cfg, args.num_images, args.data_path) if args.data_set
-              else images_from_dir(args.images, cfg, args.num_images))
+              else images_from_dir(args.images, cfg, args.num_images, paths))
     captured = capture(model, images, args.batch_size)
     kinds = {s: stage_kind(model, s) for s in range(len(model.layers))}
 

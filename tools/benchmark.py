@@ -277,10 +277,16 @@ def build_model(name: str, device: torch.device, args: argparse.Namespace,
     """``create_any`` with the flags' memory format and --grad-checkpointing: (model, whether gradient
     checkpointing is on; None when not asked for)."""
     model = create_any(name, device, args.fast_path, input_size)
-    if getattr(args, 'channels_last', False):
+    if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     checkpointing = with_grad_checkpointing(model) if args.grad_checkpointing else None
     return model, checkpointing
+
+
+def benchmark_input(args: argparse.Namespace, height: int, width: int, device: torch.device) -> torch.Tensor:
+    """A random batch in the memory format of the models ``build_model`` makes (--channels-last)."""
+    x = torch.randn(args.batch_size, 3, height, width, device=device)
+    return x.to(memory_format=torch.channels_last) if args.channels_last else x
 
 
 def benchmark_model(args: argparse.Namespace) -> list[dict]:
@@ -288,9 +294,8 @@ def benchmark_model(args: argparse.Namespace) -> list[dict]:
     step right after a GEMM of its dtype (``timed_rounds``). One result dict per dtype, in --dtype order."""
     device = torch.device(args.device)
     height, width = (list(args.input_size) * 2)[:2]
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.manual_seed(0)
-    x = torch.randn(args.batch_size, 3, height, width, device=device).to(memory_format=memory_format)
+    x = benchmark_input(args, height, width, device)
     target = torch.randint(0, 1000, (args.batch_size,), device=device)
     steps, optimizers, statics, checkpointing = {}, {}, {}, None
     for dtype in args.dtypes:
@@ -427,7 +432,7 @@ def compare(args: argparse.Namespace) -> list[dict]:
         macs[name] = model_macs_any(name, (height, width), args.fast_path)
         progress(f'{name:<{width_of_names}}  fvcore count: {macs[name] / 1e9:.3f} GMACs')
     torch.manual_seed(0)
-    x = torch.randn(args.batch_size, 3, height, width, device=device)
+    x = benchmark_input(args, height, width, device)
     target = torch.randint(0, 1000, (args.batch_size,), device=device)
     results = []
     for mode in args.modes:
@@ -478,7 +483,8 @@ def compare_rows(args: argparse.Namespace, mode: str, macs: dict, checkpointing:
             step_s = statistics.median(times[key])
             rows.append(dict(
                 model=name, mode=mode, dtype=dtype, batch_size=args.batch_size, input_size=input_size,
-                fast_path=args.fast_path if name.upper() in VARIANTS else None, compile=args.compile,
+                fast_path=args.fast_path if name.upper() in VARIANTS else None, channels_last=args.channels_last,
+                compile=args.compile,
                 grad_checkpointing=checkpointing[name], tf32=args.tf32_applied, device=str(device), threads=threads,
                 cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None, published_top1=published_top1(name),
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[key],

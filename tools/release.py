@@ -89,13 +89,13 @@ def eval_numbers(ckpt: dict[str, Any], path: str) -> dict[str, Any]:
     return out
 
 
-def recorded_acc1(ckpt: dict[str, Any], path: str) -> dict[str, float]:
+def recorded_acc1(ckpt: dict[str, Any], ev: dict[str, Any]) -> dict[str, float]:
     """The top-1 the checkpoint's epoch recorded for each set of weights ('model', 'model_ema'): its ``acc1``
-    entry, else the epoch's ``test_acc1`` / ``test_ema_acc1`` in the log.txt beside it. Empty when none."""
+    entry, else the epoch's ``test_acc1`` / ``test_ema_acc1`` among its ``eval_numbers`` ``ev`` (the log.txt
+    beside it). Empty when none."""
     acc = ckpt.get('acc1')
     if isinstance(acc, dict):
         return {k: float(v) for k, v in acc.items() if k in ('model', 'model_ema') and isinstance(v, (int, float))}
-    ev = eval_numbers(ckpt, path)
     return {k: float(ev[key]) for k, key in (('model', 'test_acc1'), ('model_ema', 'test_ema_acc1')) if key in ev}
 
 
@@ -214,10 +214,12 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
     if not timm.is_model(model_name):
         raise UserError(f'unknown model {model_name!r}; pass --model with a NaLaFormer variant')
     sd, taken = select_weights(ckpt, weights or 'default', checkpoint)
-    acc = recorded_acc1(ckpt, checkpoint) if isinstance(ckpt, dict) else {}
+    ev = eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {}
+    acc = recorded_acc1(ckpt, ev) if isinstance(ckpt, dict) else {}
     if weights is None:
         check_better(taken, acc, checkpoint)
     classes = ckpt.get('classes') if isinstance(ckpt, dict) else None
+    classes = [str(c) for c in classes] if isinstance(classes, (list, tuple)) else []
     cfg = datasets.data_config(model_name, args.get('input_size'), args.get('eval_crop_ratio'))
     input_size, crop_pct = cfg['input_size'][-1], cfg['crop_pct']
 
@@ -237,8 +239,9 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
                for k, v in (to_reference_layout(sd) if reference_layout else sd).items()}
     meta = {'format': 'pt', 'model': model_name, 'num_classes': str(num_classes), 'input_size': str(input_size),
             'crop_pct': str(crop_pct), 'crop_mode': cfg['crop_mode'], 'source_weights': taken, 'layout': layout}
-    if isinstance(classes, (list, tuple)) and len(classes) == num_classes:
-        meta['classes'] = json.dumps([str(c) for c in classes])
+    classes = classes if len(classes) == num_classes else []
+    if classes:
+        meta['classes'] = json.dumps(classes)
     save_file(tensors, tmp, metadata=meta)
     digest = sha256_file(tmp)
     final = os.path.join(output_dir, f'{name}-{digest[:8]}.safetensors')
@@ -247,9 +250,9 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
     info = dict(name=os.path.basename(final)[:-len('.safetensors')], model=model_name, num_classes=num_classes,
                 input_size=input_size, crop_pct=crop_pct, data_config=cfg,
                 params=sum(p.numel() for p in model.parameters()),
-                gflops=None, eval=eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {},
+                gflops=None, eval=ev,
                 data_set=args.get('data_set'), source=checkpoint, weights=taken, sha256=digest,
-                license=license_line, file=final, layout=layout, classes=json.loads(meta.get('classes', '[]')),
+                license=license_line, file=final, layout=layout, classes=classes,
                 choice=describe_choice(taken, acc, ckpt.get('epoch') if isinstance(ckpt, dict) else None))
     if flops:
         from models.flop_count import count_flops
