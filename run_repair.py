@@ -13,10 +13,10 @@ from metrics import write_log_line
 
 def repair(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     """After a resume from `path` (rank 0): when it is in the run directory `directory`, bring the directory in
-    line with the resumed state (_repair_files) and add its log line when log.txt lacks it (_repair_log)."""
+    line with the resumed state (_repair_files) and add its log line when log.txt lacks it (add_missing_log_line)."""
     if in_directory(path, directory):
         _repair_files(directory, path, ckpt)
-        _repair_log(directory, ckpt.get('log'))
+        add_missing_log_line(directory, ckpt.get('log'))
 
 def _repair_files(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     """Bring the run directory in line with the resumed state: names that are hard links of one file become
@@ -92,10 +92,11 @@ def _trim_log(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     print(f"Note: {what}, older than log.txt's last epoch {max(epochs)}: moved the lines of {span} to "
           f'{side}, so that log.txt ends where the run continues')
 
-def _repair_log(directory: str, record: Any) -> None:
-    """Add the resumed epoch's log line when log.txt lacks it (a crash or a full disk kept it out); a
-    half-written last line is dropped first."""
-    if not isinstance(record, dict) or 'epoch' not in record:
+def add_missing_log_line(directory: str, record: Any, key: str = 'epoch') -> None:
+    """Add the checkpoint's log.txt `record` when log.txt has no line with its `key` (a crash or a full disk kept
+    it out): the epoch for classification, the iteration for segmentation. A half-written last line is dropped
+    first."""
+    if not isinstance(record, dict) or key not in record:
         return
     path = os.path.join(directory, 'log.txt')
     text = ''
@@ -108,16 +109,16 @@ def _repair_log(directory: str, record: Any) -> None:
             f.truncate(len(keep.encode()))
         print(f'Repaired {path}: dropped a half-written last line')
         text = keep
-    epochs = set()
+    seen = set()
     for line in text.splitlines():
         try:
-            epochs.add(json.loads(line).get('epoch'))
+            seen.add(json.loads(line).get(key))
         except (ValueError, AttributeError):
             continue
-    if record['epoch'] not in epochs:
+    if record[key] not in seen:
         write_log_line(directory, record)
-        print(f'Repaired {path}: added the line of epoch {record["epoch"]} from the checkpoint, which '
-              f'log.txt lacked (the run stopped, or could not write, before logging it)')
+        print(f'Repaired {path}: added the line of {"iteration" if key == "iter" else key} {record[key]} from the '
+              f'checkpoint, which log.txt lacked (the run stopped, or could not write, before logging it)')
 
 
 def separate_hard_links(directory: str) -> None:

@@ -1,7 +1,8 @@
 """What a segmentation run's checkpoint holds, how it is written and how a run resumes from it, on the
 classification engine's machinery: the saver's writes (saver.write_state: rank 0 writes atomically with a checksum
-and copies to the other names, every rank agrees on failures) and log.txt lines (saver.append_log), the RNG state
-of every rank (train_state.get_rng_state).
+and copies to the other names, every rank agrees on failures), log.txt lines (saver.append_log) and the line a
+resume adds when log.txt lacks it (run_repair.add_missing_log_line), the RNG state of every rank
+(train_state.get_rng_state).
 
 A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's state dict), ``optimizer``,
 ``scaler`` (fp16's GradScaler or None), ``iter`` (iterations done), ``args``, ``rng_state`` (one per process),
@@ -9,7 +10,6 @@ A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's st
 log.txt record), ``files`` (the names it was written to), ``n_parameters`` and ``checksum``. The learning rate
 is a function of ``iter`` (train.lr_at), so no scheduler state is needed.
 """
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 import distributed
-import metrics
 from checkpoint import saved_args
 from checkpoint_io import (
     checkpoint_identity,
@@ -26,6 +25,7 @@ from checkpoint_io import (
     load_checkpoint_file,
 )
 from errors import CheckpointError, first_line
+from run_repair import add_missing_log_line
 from saver import append_log, write_state
 from segmentation.backbone import TASK
 from train_state import gather_rng, get_rng_state, set_rng_state
@@ -116,26 +116,8 @@ class SegCheckpoints:
             print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "?"} process(es), '
                   f'this run has {world}: random-number state not restored')
         if self.output_dir and in_directory(path, self.output_dir):
-            distributed.on_rank0(lambda: add_missing_log_line(self.output_dir, ckpt.get('log')), self.device,
-                                 f'could not repair {os.path.join(self.output_dir, "log.txt")}')
+            distributed.on_rank0(lambda: add_missing_log_line(self.output_dir, ckpt.get('log'), key='iter'),
+                                 self.device, f'could not repair {os.path.join(self.output_dir, "log.txt")}')
         return Resumed(int(ckpt['iter']), int(ckpt.get('bad_steps', 0)), float(ckpt.get('best_miou', -1.0)),
                        ckpt.get('best_iter'), ckpt)
 
-
-def add_missing_log_line(directory: str, record: Any) -> None:
-    """Append the checkpoint's last evaluation record to log.txt when log.txt lacks it (a stop or a full disk
-    between the save and the append)."""
-    if not isinstance(record, dict) or 'iter' not in record:
-        return
-    path = os.path.join(directory, 'log.txt')
-    seen = set()
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    seen.add(json.loads(line).get('iter'))
-                except (ValueError, AttributeError):
-                    continue
-    if record['iter'] not in seen:
-        metrics.write_log_line(directory, record)
-        print(f'Repaired {path}: added the evaluation of iteration {record["iter"]} from the checkpoint')

@@ -373,3 +373,18 @@ def test_a_checkpoint_names_the_model_flags_it_needs(root, tmp_path, capsys):
             signal.signal(s, h)
     assert code == 1 and f'error: {path} holds a model built with --channels 16; pass the same flags' in \
         capsys.readouterr().err
+
+
+def test_a_resume_adds_the_evaluation_line_log_txt_lacks(tmp_path, capsys):
+    """The segmentation run's log repair is the classification run's, keyed on the iteration: the checkpoint's
+    record is added when log.txt has no line of its iteration, after a half-written last line is dropped."""
+    from run_repair import add_missing_log_line
+    log = tmp_path / 'log.txt'
+    log.write_text('{"iter": 100, "mIoU": 10.0}\n{"iter": 2')
+    record = {'iter': 200, 'mIoU': 20.0}
+    add_missing_log_line(str(tmp_path), record, key='iter')
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [{'iter': 100, 'mIoU': 10.0}, record]
+    out = capsys.readouterr().out
+    assert 'dropped a half-written last line' in out and 'added the line of iteration 200' in out
+    add_missing_log_line(str(tmp_path), record, key='iter')  # present: nothing added
+    assert len(log.read_text().splitlines()) == 2 and 'Repaired' not in capsys.readouterr().out
