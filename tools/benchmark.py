@@ -124,13 +124,17 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def quiet_profiler() -> None:
+    """Silence the profiler's tracing library (kineto), which logs every start and stop to stderr and, on a CPU
+    machine with a CUDA build of torch, an ERROR line about the missing GPU. It reads its level when first used
+    in a process (6: silent); a level the user set stays."""
+    os.environ.setdefault('KINETO_LOG_LEVEL', '6')
+
+
 def cpu_peak_bytes(fn: Callable[[], None]) -> int:
     """Peak tensor memory allocated on the CPU while ``fn`` runs, above the level before it."""
     from torch.profiler import ProfilerActivity, profile
-    # the profiler's tracing library (kineto) logs every start and stop to stderr, and on a CPU machine with a
-    # CUDA build of torch an ERROR line about the missing GPU; it reads this level when first used (6: silent).
-    # A level the user set stays.
-    os.environ.setdefault('KINETO_LOG_LEVEL', '6')
+    quiet_profiler()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     deltas = []

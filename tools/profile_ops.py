@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402
 from errors import FlagParser  # noqa: E402
-from tools.benchmark import DTYPES, create_any, make_step  # noqa: E402
+from tools.benchmark import DTYPES, create_any, make_step, quiet_profiler  # noqa: E402
 
 STAGES = ('stem', 'stage1', 'stage2', 'stage3', 'stage4', 'head', 'optimizer')
 FAMILIES = ('nala_core', 'softmax_attn', 'dwconv', 'conv', 'linear', 'ffn', 'norm', 'copies', 'other', 'optimizer')
@@ -194,9 +194,7 @@ def attribute(events) -> dict[str, dict[str, float]]:
 
 def profile_step(step: Callable[[], None], steps: int = 1) -> tuple[dict[str, dict[str, float]], float]:
     """Cells of ``steps`` profiled calls of ``step`` (per call), and the profiled wall seconds per call."""
-    # as tools/benchmark.py: the profiler's tracing library reads its log level when first used in a process
-    # (6: silent, no start/stop lines on stderr); a level the user set stays
-    os.environ.setdefault('KINETO_LOG_LEVEL', '6')
+    quiet_profiler()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
