@@ -55,7 +55,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run, as its recipe: the flags checked and the processes joined, the data, the model and what trains it,
     the checkpoint it resumes (or evaluates), then epoch after epoch of training, each ended the same way on every
     rank, and the end. Returns the exit status."""
-    device, stop_flag, resume_path, train_mode = start(args, parser)
+    device, stop_flag, resume_path, recorded, train_mode = start(args, parser)
     data = build_data(args, device)
     run = build_training(args, data, device, train_mode)
     # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
@@ -63,7 +63,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                             run.n_parameters, device,
                             classes=datasets.data_classes(data.dataset_val if args.eval else data.dataset_train),
                             n_train_images=len(data.dataset_train) if data.dataset_train is not None else None)
-    resumed = resume(resume_path, saver, cli.settings(ResumeSettings, args), eval_only=args.eval)
+    resumed = resume(resume_path, saver, cli.settings(ResumeSettings, args), recorded, eval_only=args.eval)
+    if resumed.training:
+        saver.repair(resume_path, resumed.ckpt)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
     if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
         saver.check_room(start_epoch, args.epochs, resume_path)
@@ -112,10 +114,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # --------------------------------------------------------------------------------------------------
 # The start: flags, processes, device, output directory
 # --------------------------------------------------------------------------------------------------
-def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[torch.device, Any, str, str]:
+def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[torch.device, Any, str, dict, str]:
     """Check the flags, join the processes, take the device, install the stop flag, say what runs, seed and
-    prepare --output_dir: (device, stop flag, the checkpoint to resume or evaluate ('' for none), the train-mode
-    line)."""
+    prepare --output_dir: (device, stop flag, the checkpoint to resume or evaluate ('' for none), the command
+    line it records, the train-mode line)."""
     cli.validate_args(args, parser)
     train_mode = cli.resolve_train_mode(args)
     want_cuda = str(args.device).startswith('cuda')
@@ -150,7 +152,7 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
         torch.backends.cudnn.benchmark = True
     precision.set_tf32(device, args.tf32)
     run_dir.prepare_output_dir(output, device)
-    return device, stop_flag, resume_path, train_mode
+    return device, stop_flag, resume_path, recorded, train_mode
 
 
 def print_lines(*lines: str) -> None:

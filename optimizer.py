@@ -76,8 +76,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError) as e:
-        raise CheckpointError(f'the optimizer state in {path} does not fit this run ({first_line(e)}); '
-                              f'were --opt/--attn-only different? use --finetune to start from its weights') from e
+        raise CheckpointError(f'the optimizer state in {path} does not fit this run ({first_line(e)}); were '
+                              f'--model/--opt/--attn-only different? use --finetune to start from its weights') from e
     changed: dict[str, list[tuple[Any, Any]]] = {}
     for group, want in zip(optimizer.param_groups, fresh):
         for k in FOLLOWED_OPTIMIZER_KEYS:

@@ -1,8 +1,9 @@
 """Resuming a training run from a checkpoint, and evaluating one: every rank loads the file rank 0 chose and
-checks that it read the same state, the data are checked against the classes it was trained on, then the
-weights, the optimizer state (with the command line's settings), the LR schedule, the EMA, the fp16 scaler, the
-best accuracy and where training stands (epoch, step, random-number state) are restored, and the run directory
-is repaired where a crash between two writes left it behind. What changed since the checkpoint is said in notes.
+checks that it read the same state, the data are checked against the classes it was trained on, and what to
+restore is decided (the LR schedule unless the command line changed it, where training stands: epoch, step,
+random-number state), with a note for each thing that changed since the checkpoint. The saver then loads the
+state into the parts it saves (CheckpointSaver.restore) and, after a training resume, brings the run directory
+in line with it (CheckpointSaver.repair, which main.py calls).
 """
 import math
 import os
@@ -10,16 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import distributed
-import run_repair
-from checkpoint import comparable, saved_args
+from checkpoint import comparable
 from checkpoint_io import checkpoint_identity, describe_identity, load_checkpoint_file
 from ema import ema_decay
 from errors import CheckpointError, UserError, first_line
-from optimizer import load_optimizer_state
-from saver import CheckpointSaver
+from saver import CheckpointSaver, TrainingRestore
 from schedule import SCHEDULE_FLAGS
-from train_state import SKIP_COUNTS_KEY, EpochState, set_rng_state
-from weights import load_weights_into, select_weights
+from train_state import SKIP_COUNTS_KEY, EpochState
 
 
 @dataclass(frozen=True)
@@ -34,18 +32,22 @@ class ResumeSettings:
 @dataclass
 class Resume:
     """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), the
-    checkpoint it was read from (None when the run starts fresh), and the line that announces it (main.py
-    prints it once --output_dir is known to take the run's checkpoints)."""
+    checkpoint it was read from (None when the run starts fresh), whether its training state was restored (not
+    only its weights), and the line that announces it (main.py prints it once --output_dir is known to take the
+    run's checkpoints)."""
     start_epoch: int = 0
     state: EpochState = field(default_factory=EpochState)
     ckpt: Any = None
+    training: bool = False
     message: str = ''
 
 
-def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, eval_only: bool = False) -> Resume:
+def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, recorded: dict[str, Any],
+           eval_only: bool = False) -> Resume:
     """Load `path` into the parts `saver` saves: the model weights always; for training also the optimizer (with
-    the command line's settings), schedule, EMA, scaler, best accuracy, epoch/step and RNG state. '' starts
-    afresh at --start_epoch."""
+    the command line's settings), schedule, EMA, scaler, best accuracy, epoch/step and RNG state. `recorded` is
+    the command line the checkpoint records, as the start-up read it (checkpoint.recorded_args). What to restore
+    is decided first, with its notes; the saver then loads it into the parts. '' starts afresh at --start_epoch."""
     if not path:
         return Resume(settings.start_epoch)
     ckpt = load_agreed(path, saver.device)
@@ -53,24 +55,17 @@ def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, eval_onl
         k in ckpt for k in ('optimizer', 'lr_scheduler', 'epoch'))
     if training or eval_only:  # before the weights: other classes are the likelier cause of a head mismatch
         check_classes(ckpt, path, saver.classes, saver.n_train_images, settings.data_path, eval_only)
-    parts = saver.parts
-    load_weights_into(parts.model, select_weights(ckpt, path, 'model')[1], settings.model, path)
-    if not training:
-        print(f'Loaded weights from {path}')
-        return Resume(settings.start_epoch, ckpt=ckpt)
-    saved = saved_args(ckpt)  # the command line of the run that wrote it
-    load_optimizer_state(parts.optimizer, ckpt['optimizer'], path, saved.get('opt'), settings.opt)
+    r, restore = Resume(settings.start_epoch), None
+    if training:
+        schedule = _schedule_kept(ckpt, recorded, saver.parts.lr_scheduler, saver.run_args, settings.data_path)
+        r, rng = _where_training_stands(ckpt, recorded, saver.run_args, saver.n_train_images)
+        restore = TrainingRestore(settings.opt, recorded.get('opt'), schedule, rng)
+    saver.restore(ckpt, path, settings.model, restore)
     print(f'Loaded weights from {path}')  # after the checks that may refuse the resume
-    _restore_schedule(ckpt, saved, parts.lr_scheduler, saver.run_args, settings.data_path)
-    _restore_ema_and_scaler(ckpt, path, parts, settings.model)
-    saver.restore_best(ckpt)
-    r = _where_training_stands(ckpt, saved, saver.run_args, saver.n_train_images)
-    r.ckpt = ckpt
-    if saver.output_dir:
-        distributed.on_rank0(lambda: run_repair.repair(saver.output_dir, path, ckpt), saver.device,
-                             f'could not repair the files of {saver.output_dir} from {path}')
-    where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
-    r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {saver.max_accuracy:.2f}%'
+    r.ckpt, r.training = ckpt, training
+    if training:
+        where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
+        r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {saver.max_accuracy:.2f}%'
     return r
 
 
@@ -137,11 +132,11 @@ def _first_difference(saved: list[str], classes: list[str]) -> str:
     return f'the checkpoint has {len(saved)} classes, the data {len(classes)} (class {i} {longer[i]!r} only in {name})'
 
 
-def _restore_schedule(ckpt: dict[str, Any], saved_args: dict[str, Any], lr_scheduler: Any, now: dict[str, Any],
-                      data_path: str | None) -> None:
-    """The LR schedule's state, unless the command line `now` changed it against the checkpoint's `saved_args`
-    (then the command line's, with a note naming what changed: the flags, or without a recorded command line the
-    schedule's own fields); a note when the data moved."""
+def _schedule_kept(ckpt: dict[str, Any], saved_args: dict[str, Any], lr_scheduler: Any, now: dict[str, Any],
+                   data_path: str | None) -> bool:
+    """Whether the checkpoint's LR schedule state is restored: yes unless the command line `now` changed it
+    against the checkpoint's `saved_args` (then the command line's, with a note naming what changed: the flags,
+    or without a recorded command line the schedule's own fields); a note when the data moved."""
     saved, fresh = ckpt['lr_scheduler'], lr_scheduler.state_dict()
     changed = sorted(k for k in fresh if k in saved and saved[k] != fresh[k])
     was = data_path_change(saved_args, data_path)
@@ -155,27 +150,15 @@ def _restore_schedule(ckpt: dict[str, Any], saved_args: dict[str, Any], lr_sched
     elif changed:
         print('Note: the LR schedule changed since the checkpoint ('
               + ', '.join(f'{k}: {saved[k]} -> {fresh[k]}' for k in changed[:4]) + '); following the command line')
-    if not changed:
-        lr_scheduler.load_state_dict(saved)
-
-
-def _restore_ema_and_scaler(ckpt: dict[str, Any], path: str, parts: Any, model_name: str) -> None:
-    """The EMA weights (from the model's when the checkpoint has none, with a warning) and the fp16 loss scale."""
-    if parts.model_ema is not None:
-        if isinstance(ckpt.get('model_ema'), dict):
-            load_weights_into(parts.model_ema.module, select_weights(ckpt, path, 'model_ema')[1], model_name, path)
-        else:
-            print('Warning: the checkpoint has no EMA weights; the EMA restarts from the model weights')
-            parts.model_ema.module.load_state_dict(parts.model.state_dict())
-    if parts.loss_scaler is not None and ckpt.get('scaler'):
-        parts.loss_scaler.load_state_dict(ckpt['scaler'])
+    return not changed
 
 
 def _where_training_stands(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
-                           n_train_images: int | None) -> Resume:
+                           n_train_images: int | None) -> tuple[Resume, dict | None]:
     """The epoch and EpochState the run continues from: after the checkpoint's epoch, or at the step inside it
     where a stop saved it, with every rank's random-number state when the same number of processes resumes and
-    the data order of the epoch can be replayed (else the epoch restarts, with a note)."""
+    the data order of the epoch can be replayed (else the epoch restarts, with a note). Also this process's
+    random-number state to set before the next epoch (None: not restored, or the EpochState holds it)."""
     # consecutive skipped steps survive epochs and resumes; the epoch's own count only a mid-epoch resume
     skip_counts = ckpt.get(SKIP_COUNTS_KEY) or {}
     bad_steps = int(skip_counts.get('bad_steps', 0))
@@ -200,15 +183,14 @@ def _where_training_stands(ckpt: dict[str, Any], saved: dict[str, Any], now: dic
             print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "?"} '
                   f'process(es), this run has {world}: random-number state not restored')
     elif isinstance(rng, list) and len(rng) == world:
-        if r.state.step:
-            r.state.rng_state, r.state.epoch_rng_state = rng[rank], ckpt['epoch_rng_state'][rank]
-        else:
-            set_rng_state(rng[rank])
+        if not r.state.step:
+            return r, rng[rank]
+        r.state.rng_state, r.state.epoch_rng_state = rng[rank], ckpt['epoch_rng_state'][rank]
     else:
         writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
         print(f'Note: the checkpoint was written by {writers} '
               f'process(es), this run has {world}: random-number state not restored')
-    return r
+    return r, None
 
 
 # --------------------------------------------------------------------------------------------------

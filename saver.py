@@ -11,15 +11,19 @@ place), leaves the others as they were. Rank 0 writes; whatever stops it stops e
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 import distributed
 import metrics
+import run_repair
 from checkpoint_io import checksums, copy_atomic, save_atomic
 from errors import CheckpointWriteError, UserError, first_line
-from train_state import TrainingParts
+from optimizer import load_optimizer_state
+from train_state import TrainingParts, set_rng_state
+from weights import load_weights_into, select_weights
 
 LAST = 'checkpoint.pth'  # the run's latest state: what the same command resumes from
 BEST = 'best.pth'        # the state of the epoch with the best accuracy so far
@@ -57,13 +61,23 @@ def append_log(directory: str, record: dict[str, Any], device: Any) -> None:
                              f'could not append to {os.path.join(directory, "log.txt")}')
 
 
+@dataclass(frozen=True)
+class TrainingRestore:
+    """What a training resume restores besides the weights, as resume.py decided it."""
+    opt: str                  # this run's --opt: the optimizer state must be of its kind
+    saved_opt: Any            # the --opt the checkpoint records (None where it records none)
+    schedule: bool            # the checkpoint's LR schedule state (False: the command line changed the schedule)
+    rng_state: dict | None    # this process's random-number state to set now (None: not restored here)
+
+
 class CheckpointSaver:
     """Saves the checkpoints of one training run (classification) and keeps its best accuracy.
 
     ``record_accuracy`` notes an epoch's accuracies and says whether they beat the best so far; ``save_epoch``
     writes the state after an epoch to checkpoint.pth, best.pth and the --save-freq backup as they apply;
     ``save_stop`` writes a stop inside an epoch to checkpoint.pth; ``check_room`` refuses a start without room
-    for the saves to come. Nothing is written without an --output_dir."""
+    for the saves to come. Nothing is written without an --output_dir. ``restore`` is the inverse of ``state``:
+    it loads a checkpoint into the parts; ``repair`` brings the run directory in line after a resume."""
 
     def __init__(self, output_dir: str, save_freq: int, parts: TrainingParts, run_args: dict[str, Any],
                  n_parameters: int, device: Any, classes: Sequence[str] | None = None,
@@ -90,10 +104,40 @@ class CheckpointSaver:
         self.best = {'best_weights': 'model_ema' if use_ema else 'model', 'best_epoch': epoch, 'best_acc1': acc}
         return True
 
-    def restore_best(self, ckpt: dict[str, Any]) -> None:
-        """The best accuracy so far, and which weights gave it, as the checkpoint `ckpt` records them."""
-        self.max_accuracy = float(ckpt.get('max_accuracy', 0.0))
-        self.best = {k: ckpt.get(k) for k in self.best}
+    # ---- reading back
+    def restore(self, ckpt: dict[str, Any], path: str, model_name: str, training: TrainingRestore | None) -> None:
+        """Load the checkpoint `ckpt` (read from `path`) into the parts, the inverse of `state`: with `training`
+        the optimizer state (refused when of another kind than --opt; then the command line's settings), the LR
+        schedule, the fp16 loss scale, the best accuracy and the random-number state as `training` says, and
+        the EMA weights (from the model's when the checkpoint has none, with a warning); always the model
+        weights of `model_name` (one-line errors on a mismatch)."""
+        parts, ema = self.parts, None
+        if training is not None:
+            load_optimizer_state(parts.optimizer, ckpt['optimizer'], path, training.saved_opt, training.opt)
+            if training.schedule:
+                parts.lr_scheduler.load_state_dict(ckpt['lr_scheduler'])
+            if parts.loss_scaler is not None and ckpt.get('scaler'):
+                parts.loss_scaler.load_state_dict(ckpt['scaler'])
+            self.max_accuracy = float(ckpt.get('max_accuracy', 0.0))
+            self.best = {k: ckpt.get(k) for k in self.best}
+            if training.rng_state is not None:
+                set_rng_state(training.rng_state)
+            ema = parts.model_ema
+        weights = [(parts.model, 'model')]
+        if ema is not None and isinstance(ckpt.get('model_ema'), dict):
+            weights.append((ema.module, 'model_ema'))
+        for module, key in weights:
+            load_weights_into(module, select_weights(ckpt, path, key)[1], model_name, path)
+        if ema is not None and len(weights) == 1:
+            print('Warning: the checkpoint has no EMA weights; the EMA restarts from the model weights')
+            ema.module.load_state_dict(parts.model.state_dict())
+
+    def repair(self, path: str, ckpt: dict[str, Any]) -> None:
+        """After a training resume from `path` (its loaded checkpoint `ckpt`): bring --output_dir in line with the
+        resumed state when `path` is one of its files (run_repair.repair; rank 0, a failure stops every rank)."""
+        if self.output_dir:
+            distributed.on_rank0(lambda: run_repair.repair(self.output_dir, path, ckpt), self.device,
+                                 f'could not repair the files of {self.output_dir} from {path}')
 
     # ---- names
     def names(self, epoch: int, improved: bool) -> list[str]:

@@ -79,7 +79,12 @@ class TrainingRun:
         self.saver.classes = value
 
     def resume(self, path, eval_only=False):
-        return resume.resume(path, self.saver, cli.settings(resume.ResumeSettings, self.args), eval_only)
+        """main.py's resume: the checkpoint's recorded command line read first, the run directory repaired after."""
+        recorded = checkpoint.recorded_args(path) if path else {}
+        r = resume.resume(path, self.saver, cli.settings(resume.ResumeSettings, self.args), recorded, eval_only)
+        if r.training:
+            self.saver.repair(path, r.ckpt)
+        return r
 
 
 def run_dir_of(args):

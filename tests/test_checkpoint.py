@@ -41,6 +41,11 @@ class _Tiny(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(3)
 
 
+def _tiny(seed):
+    torch.manual_seed(seed)
+    return _Tiny()
+
+
 def _run(tmp_path, argv=(), model=None, with_state=False):
     """A TrainingRun for a tiny model and the optimizer/schedule main.py builds from `argv`."""
     from timm.optim import create_optimizer_v2
@@ -296,6 +301,44 @@ def test_resume_on_other_classes_is_refused_before_anything_is_loaded(tmp_path, 
     run.classes = ['a', 'b', 'c']
     run.resume(str(tmp_path / 'checkpoint.pth'))
     assert f"Loaded weights from {tmp_path / 'checkpoint.pth'}" in capsys.readouterr().out
+
+
+def test_restore_reads_back_what_the_saver_wrote(tmp_path):
+    """CheckpointSaver.restore is the inverse of CheckpointSaver.state: another run's parts (other weights, EMA,
+    no optimizer moments, a fresh schedule and best accuracy) come back to the saved run's, and saving them
+    again gives the same entries."""
+    from ema import ModelEma
+
+    def run_of(seed):
+        run = _run(tmp_path, with_state=seed == 0, model=_tiny(seed))
+        run.saver.parts.model_ema = ModelEma(run.model)
+        return run
+
+    saved = run_of(0)
+    saved.saver.parts.lr_scheduler.step(2)
+    saved.record_accuracy(1, 40.0, 45.0)
+    saved.save(1, {'rng_state': [train_state.get_rng_state()]}, ['checkpoint.pth'])
+    other = run_of(1)
+    assert not _same(other.model.state_dict(), saved.model.state_dict())
+    other.resume(str(tmp_path / 'checkpoint.pth'))
+    a, b = saved.saver.state(1, ['x'], {}), other.saver.state(1, ['x'], {})
+    for key in ('model', 'model_ema'):
+        assert _same(a[key], b[key]), key
+    assert a['lr_scheduler'] == b['lr_scheduler']
+    assert all(_same(a['optimizer']['state'][i], b['optimizer']['state'][i]) for i in a['optimizer']['state'])
+    assert a['optimizer']['param_groups'] == b['optimizer']['param_groups']
+    assert (b['max_accuracy'], b['best_weights'], b['best_epoch']) == (45.0, 'model_ema', 1)
+
+
+def test_a_refused_resume_leaves_the_parts_as_they_were(tmp_path, capsys):
+    """Everything that may refuse a resume is checked before the saver loads anything into the run: after a
+    refusal the model, optimizer and best accuracy are this run's own."""
+    _write_state(tmp_path)
+    run = _run(tmp_path, ['--opt', 'sgd'], model=_tiny(5))
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    with pytest.raises(errors.CheckpointError, match='this run has --opt sgd'):
+        run.resume(str(tmp_path / 'checkpoint.pth'))
+    assert _same(run.model.state_dict(), before) and not run.optimizer.state and run.max_accuracy == 0.0
 
 
 # ------------------------------------------------------------------------------------------ where training stands
