@@ -330,15 +330,20 @@ def test_restore_reads_back_what_the_saver_wrote(tmp_path):
     assert (b['max_accuracy'], b['best_weights'], b['best_epoch']) == (45.0, 'model_ema', 1)
 
 
-def test_a_refused_resume_leaves_the_parts_as_they_were(tmp_path, capsys):
-    """Everything that may refuse a resume is checked before the saver loads anything into the run: after a
-    refusal the model, optimizer and best accuracy are this run's own."""
-    _write_state(tmp_path)
+def test_a_refused_resume_leaves_the_parts_and_the_run_directory_as_they_were(tmp_path, capsys):
+    """The classes and the optimizer's kind are checked before the saver loads anything into the run, and the
+    run directory is repaired only after a resume that went through: after a refusal the model, optimizer and
+    best accuracy are this run's own, and a missing best.pth is still missing."""
+    _run(tmp_path, with_state=True).save(0, {}, ['checkpoint.pth', 'best.pth'])
+    os.remove(tmp_path / 'best.pth')
     run = _run(tmp_path, ['--opt', 'sgd'], model=_tiny(5))
     before = {k: v.clone() for k, v in run.model.state_dict().items()}
     with pytest.raises(errors.CheckpointError, match='this run has --opt sgd'):
         run.resume(str(tmp_path / 'checkpoint.pth'))
     assert _same(run.model.state_dict(), before) and not run.optimizer.state and run.max_accuracy == 0.0
+    assert not os.path.exists(tmp_path / 'best.pth')
+    _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
+    assert os.path.exists(tmp_path / 'best.pth') and 'Repaired' in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------ where training stands
