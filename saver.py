@@ -111,7 +111,7 @@ class CheckpointSaver:
         schedule, the fp16 loss scale, the best accuracy and the random-number state as `training` says, and
         the EMA weights (from the model's when the checkpoint has none, with a warning); always the model
         weights of `model_name` (one-line errors on a mismatch)."""
-        parts, ema = self.parts, None
+        parts = self.parts
         if training is not None:
             load_optimizer_state(parts.optimizer, ckpt['optimizer'], path, training.saved_opt, training.opt)
             if training.schedule:
@@ -122,13 +122,11 @@ class CheckpointSaver:
             self.best = {k: ckpt.get(k) for k in self.best}
             if training.rng_state is not None:
                 set_rng_state(training.rng_state)
-            ema = parts.model_ema
-        weights = [(parts.model, 'model')]
-        if ema is not None and isinstance(ckpt.get('model_ema'), dict):
-            weights.append((ema.module, 'model_ema'))
-        for module, key in weights:
+        ema = parts.model_ema if training is not None else None
+        ema_saved = ema is not None and isinstance(ckpt.get('model_ema'), dict)
+        for module, key in [(parts.model, 'model')] + ([(ema.module, 'model_ema')] if ema_saved else []):
             load_weights_into(module, select_weights(ckpt, path, key)[1], model_name, path)
-        if ema is not None and len(weights) == 1:
+        if ema is not None and not ema_saved:
             print('Warning: the checkpoint has no EMA weights; the EMA restarts from the model weights')
             ema.module.load_state_dict(parts.model.state_dict())
 

@@ -33,8 +33,6 @@ import shlex
 import sys
 from typing import Any, Sequence
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import timm
@@ -45,21 +43,13 @@ from checkpoint import saved_args
 from checkpoint_io import load_checkpoint_file
 from errors import CheckpointError, FlagParser, UserError
 from models.nalaformer import to_reference_layout
-from weights import describe_mismatch
-from weights import select_weights as select_state_dict
+from weights import describe_mismatch, select_weights
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 #: The model card's line for each key layout a release can have.
 LAYOUTS = {'nalaformer': "this repository's (each stage holds the downsample that feeds it)",
            'reference': "the reference implementation's (each stage holds the downsample that runs after it); "
                         "this repository's loaders read it too"}
-
-
-def select_weights(ckpt: Any, which: str, path: str) -> tuple[dict[str, torch.Tensor], str]:
-    """The state dict to release and the checkpoint entry it came from, by the repo's one loader rule
-    (weights.select_weights): ``default`` takes the EMA weights when the checkpoint has them."""
-    key, sd = select_state_dict(ckpt, path, which)
-    return sd, key or 'state dict'
 
 
 def sha256_file(path: str) -> str:
@@ -213,7 +203,8 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
         raise UserError(f'{checkpoint} does not record its model (no args.model); pass --model NAME')
     if not timm.is_model(model_name):
         raise UserError(f'unknown model {model_name!r}; pass --model with a NaLaFormer variant')
-    sd, taken = select_weights(ckpt, weights or 'default', checkpoint)
+    key, sd = select_weights(ckpt, checkpoint, weights or 'default')
+    taken = key or 'state dict'  # '': the file is a bare state dict
     ev = eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {}
     acc = recorded_acc1(ckpt, ev) if isinstance(ckpt, dict) else {}
     if weights is None:
