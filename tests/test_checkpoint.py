@@ -330,6 +330,17 @@ def test_restore_reads_back_what_the_saver_wrote(tmp_path):
     assert (b['max_accuracy'], b['best_weights'], b['best_epoch']) == (45.0, 'model_ema', 1)
 
 
+def test_a_checkpoint_without_ema_weights_restarts_the_ema_from_the_model(tmp_path, capsys):
+    from ema import ModelEma
+    _write_state(tmp_path)  # a run without --model-ema
+    run = _run(tmp_path, model=_tiny(3))
+    run.saver.parts.model_ema = ModelEma(_tiny(4))
+    run.resume(str(tmp_path / 'checkpoint.pth'))
+    assert 'the checkpoint has no EMA weights; the EMA restarts from the model weights' in capsys.readouterr().out
+    assert _same(run.saver.parts.model_ema.module.state_dict(), run.model.state_dict())
+    assert _same(run.model.state_dict(), torch.load(tmp_path / 'checkpoint.pth', weights_only=True)['model'])
+
+
 def test_a_refused_resume_leaves_the_parts_and_the_run_directory_as_they_were(tmp_path, capsys):
     """The classes and the optimizer's kind are checked before the saver loads anything into the run, and the
     run directory is repaired only after a resume that went through: after a refusal the model, optimizer and
