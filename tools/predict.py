@@ -37,8 +37,8 @@ import image_folder
 import models  # noqa: F401  (registers the variants)
 from errors import CheckpointError, FlagParser, UserError, first_line
 from models.nalaformer import from_reference_layout
-from tools.release import WEIGHT_CHOICES, select_weights
-from weights import describe_mismatch
+from tools.release import WEIGHT_CHOICES
+from weights import describe_mismatch, select_weights
 
 
 def list_images(paths: Sequence[str]) -> list[str]:
@@ -100,7 +100,7 @@ def load_weights(path: str, weights: str = 'default') -> tuple[dict[str, torch.T
             raise CheckpointError(f'{path} is not a readable safetensors file ({first_line(e)})') from e
         return sd, _run_info(meta, 'crop_pct', _metadata_classes(meta))
     ckpt = checkpoint_io.load_checkpoint_file(path)
-    sd, _ = select_weights(ckpt, weights, path)
+    _, sd = select_weights(ckpt, path, weights)
     classes = ckpt.get('classes') if isinstance(ckpt, dict) else None
     return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio', classes)
 
