@@ -23,7 +23,7 @@ from checkpoint_io import checksums, copy_atomic, save_atomic
 from errors import CheckpointWriteError, UserError, first_line
 from optimizer import load_optimizer_state
 from train_state import TrainingParts, set_rng_state
-from weights import load_weights_into, select_weights
+from weights import check_weights, select_weights
 
 LAST = 'checkpoint.pth'  # the run's latest state: what the same command resumes from
 BEST = 'best.pth'        # the state of the epoch with the best accuracy so far
@@ -110,8 +110,16 @@ class CheckpointSaver:
         the optimizer state (refused when of another kind than --opt; then the command line's settings), the LR
         schedule, the fp16 loss scale, the best accuracy and the random-number state as `training` says, and
         the EMA weights (from the model's when the checkpoint has none, with a warning); always the model
-        weights of `model_name` (one-line errors on a mismatch)."""
+        weights of `model_name`. The weights and the optimizer's kind are checked before anything is loaded:
+        a refusal (one line) leaves every part as it was."""
         parts = self.parts
+        ema = parts.model_ema if training is not None else None
+        ema_saved = ema is not None and isinstance(ckpt.get('model_ema'), dict)
+        weights = [(parts.model, select_weights(ckpt, path, 'model')[1])]
+        if ema_saved:
+            weights.append((ema.module, select_weights(ckpt, path, 'model_ema')[1]))
+        for module, sd in weights:  # checked before anything loads: a refusal leaves every part as it was
+            check_weights(module, sd, model_name, path)
         if training is not None:
             load_optimizer_state(parts.optimizer, ckpt['optimizer'], path, training.saved_opt, training.opt)
             if training.schedule:
@@ -122,10 +130,8 @@ class CheckpointSaver:
             self.best = {k: ckpt.get(k) for k in self.best}
             if training.rng_state is not None:
                 set_rng_state(training.rng_state)
-        ema = parts.model_ema if training is not None else None
-        ema_saved = ema is not None and isinstance(ckpt.get('model_ema'), dict)
-        for module, key in [(parts.model, 'model')] + ([(ema.module, 'model_ema')] if ema_saved else []):
-            load_weights_into(module, select_weights(ckpt, path, key)[1], model_name, path)
+        for module, sd in weights:
+            module.load_state_dict(sd, strict=True)
         if ema is not None and not ema_saved:
             print('Warning: the checkpoint has no EMA weights; the EMA restarts from the model weights')
             ema.module.load_state_dict(parts.model.state_dict())

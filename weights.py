@@ -132,11 +132,16 @@ def describe_mismatch(model: torch.nn.Module, sd: dict[str, torch.Tensor], model
     return f'{path} does not match {model_name}: ' + ', '.join(detail)
 
 
-def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_name: str, path: str) -> None:
-    """load_state_dict(strict=True) with a one-line CheckpointError naming the mismatch."""
+def check_weights(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_name: str, path: str) -> None:
+    """Raise a one-line CheckpointError naming the mismatch when `sd` would not load into `model` strictly."""
     msg = describe_mismatch(model, sd, model_name, path)
     if msg:
         raise CheckpointError(msg)
+
+
+def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], model_name: str, path: str) -> None:
+    """load_state_dict(strict=True) after check_weights."""
+    check_weights(model, sd, model_name, path)
     model.load_state_dict(sd, strict=True)
 
 

@@ -357,6 +357,23 @@ def test_a_refused_resume_leaves_the_parts_and_the_run_directory_as_they_were(tm
     assert os.path.exists(tmp_path / 'best.pth') and 'Repaired' in capsys.readouterr().out
 
 
+class _TinyWithBuffer(_Tiny):
+    """_Tiny's parameters (so its optimizer state fits) and one more tensor in its state dict."""
+    def __init__(self):
+        super().__init__()
+        self.register_buffer('scale', torch.ones(3))
+
+
+def test_weights_that_do_not_fit_are_refused_before_the_optimizer_state_loads(tmp_path):
+    _run(tmp_path, with_state=True).save(0, {}, ['checkpoint.pth'])
+    torch.manual_seed(5)
+    run = _run(tmp_path, model=_TinyWithBuffer())
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    with pytest.raises(errors.CheckpointError, match=r'does not match .*1 missing keys \(e\.g\. scale\)'):
+        run.resume(str(tmp_path / 'checkpoint.pth'))
+    assert _same(run.model.state_dict(), before) and not run.optimizer.state and run.max_accuracy == 0.0
+
+
 # ------------------------------------------------------------------------------------------ where training stands
 def _draws(rng_state):
     """What the random streams give after `rng_state` is restored."""

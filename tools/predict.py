@@ -38,7 +38,7 @@ import models  # noqa: F401  (registers the variants)
 from errors import CheckpointError, FlagParser, UserError, first_line
 from models.nalaformer import from_reference_layout
 from tools.release import WEIGHT_CHOICES
-from weights import describe_mismatch, select_weights
+from weights import check_weights, select_weights
 
 
 def list_images(paths: Sequence[str]) -> list[str]:
@@ -112,9 +112,7 @@ def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torc
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
     model = timm.create_model(model_name, num_classes=num_classes)
-    msg = describe_mismatch(model, sd, model_name, path)
-    if msg:
-        raise CheckpointError(msg)
+    check_weights(model, sd, model_name, path)
     model.load_state_dict(sd, strict=True)
     return model.eval()
 

@@ -41,9 +41,9 @@ import datasets
 import models  # noqa: F401  (registers the variants)
 from checkpoint import saved_args
 from checkpoint_io import load_checkpoint_file
-from errors import CheckpointError, FlagParser, UserError
+from errors import FlagParser, UserError
 from models.nalaformer import to_reference_layout
-from weights import describe_mismatch, select_weights
+from weights import check_weights, select_weights
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 #: The model card's line for each key layout a release can have.
@@ -217,9 +217,7 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
     clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
     num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
     model = timm.create_model(model_name, num_classes=num_classes)
-    msg = describe_mismatch(model, sd, model_name, checkpoint)
-    if msg:
-        raise CheckpointError(msg)
+    check_weights(model, sd, model_name, checkpoint)
     model.load_state_dict(sd, strict=True)
 
     os.makedirs(output_dir, exist_ok=True)
