@@ -297,9 +297,9 @@ def test_train_sh_runs_dry_and_its_command_parses(tmp_path):
 
 
 def test_the_benchmark_prints_a_row_per_model(tmp_path, capsys, one_thread):
-    from segmentation import benchmark
+    from segmentation import upernet_benchmark
     out = tmp_path / 'b.jsonl'
-    assert benchmark.main(['--models', 'NALAFORMER_XT,convnext_atto', '--size', '32', '-b', '2', '--steps', '1',
+    assert upernet_benchmark.main(['--models', 'NALAFORMER_XT,convnext_atto', '--size', '32', '-b', '2', '--steps', '1',
                            '--warmup', '0', '--channels', '16', '--output', str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r['model'] for r in rows] == ['NALAFORMER_XT', 'convnext_atto']
@@ -309,18 +309,18 @@ def test_the_benchmark_prints_a_row_per_model(tmp_path, capsys, one_thread):
 
 
 def test_the_benchmark_times_the_pipeline(capsys):
-    from segmentation import benchmark
+    from segmentation import upernet_benchmark
     threads = torch.get_num_threads()
     try:
-        assert benchmark.main(['--pipeline', '2']) == 0
+        assert upernet_benchmark.main(['--pipeline', '2']) == 0
     finally:
         torch.set_num_threads(threads)
     assert re.search(r'2 512x683 JPEGs: training pipeline [\d.]+ img/s', capsys.readouterr().out)
 
 
 def test_the_benchmark_counts_macs_of_backbone_and_head(capsys, one_thread):
-    from segmentation import benchmark
-    assert benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '64', '--channels', '16']) == 0
+    from segmentation import upernet_benchmark
+    assert upernet_benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '64', '--channels', '16']) == 0
     m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 64x64 \(backbone ([\d.]+), UperNet head ([\d.]+)\)',
                   capsys.readouterr().out)
     assert m and float(m.group(2)) > 0 and float(m.group(3)) > 0

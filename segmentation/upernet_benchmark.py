@@ -2,11 +2,11 @@
 process (what segmentation/train.py runs: UperNet with 512 channels, the auxiliary FCN head, AdamW, the
 loss of both heads), so that load changes on a shared machine hit every model alike.
 
-    python segmentation/benchmark.py --models NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny \\
+    python segmentation/upernet_benchmark.py --models NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny \\
         -b 2 --device cpu --threads 2
-    python segmentation/benchmark.py -b 8 --device cuda --amp bf16 --steps 20     # one GPU
-    python segmentation/benchmark.py --pipeline 32    # the data pipeline alone: img/s of one loader process
-    python segmentation/benchmark.py --macs           # fvcore multiply-adds of each model, backbone and head
+    python segmentation/upernet_benchmark.py -b 8 --device cuda --amp bf16 --steps 20     # one GPU
+    python segmentation/upernet_benchmark.py --pipeline 32    # the data pipeline alone: img/s of one loader process
+    python segmentation/upernet_benchmark.py --macs           # fvcore multiply-adds of each model, backbone and head
 
 Per model: parameters, the median of the timed steps as img/s, its ratio to the first model, and the peak
 tensor memory of one step above what was live before it (tools/benchmark.py's measure: the CUDA allocator's
