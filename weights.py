@@ -11,7 +11,7 @@ import re
 from typing import Any, Sequence
 
 import torch
-from timm.models import clean_state_dict
+from timm.models import clean_state_dict, create_model, get_pretrained_cfg
 
 from checkpoint_io import load_checkpoint_file
 from errors import CheckpointError
@@ -143,6 +143,16 @@ def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], model
     """load_state_dict(strict=True) after check_weights."""
     check_weights(model, sd, model_name, path)
     model.load_state_dict(sd, strict=True)
+
+
+def model_for_weights(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+    """timm's `model_name` with the classifier size of the state dict `sd` (of file `path`; no classifier when
+    `sd` has none), its weights loaded strictly (load_weights_into)."""
+    clf = getattr(get_pretrained_cfg(model_name), 'classifier', None) or 'head'
+    num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
+    model = create_model(model_name, num_classes=num_classes)
+    load_weights_into(model, sd, model_name, path)
+    return model
 
 
 def load_model_weights(model: torch.nn.Module, path: str, model_name: str) -> Any:

@@ -38,7 +38,7 @@ import models  # noqa: F401  (registers the variants)
 from errors import CheckpointError, FlagParser, UserError, first_line
 from models.nalaformer import from_reference_layout
 from tools.release import WEIGHT_CHOICES
-from weights import check_weights, select_weights
+from weights import model_for_weights, select_weights
 
 
 def list_images(paths: Sequence[str]) -> list[str]:
@@ -109,12 +109,7 @@ def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torc
     """``model_name`` with the classifier size of ``sd``, loaded strictly, in eval mode."""
     if not timm.is_model(model_name):
         raise UserError(f"unknown model '{model_name}'; known: {', '.join(timm.list_models('NALAFORMER_*'))}")
-    clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
-    num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
-    model = timm.create_model(model_name, num_classes=num_classes)
-    check_weights(model, sd, model_name, path)
-    model.load_state_dict(sd, strict=True)
-    return model.eval()
+    return model_for_weights(model_name, sd, path).eval()
 
 
 def class_names_for(args: argparse.Namespace, recorded: dict[str, Any], num_classes: int) -> tuple[list | None, str]:

@@ -43,7 +43,7 @@ from checkpoint import saved_args
 from checkpoint_io import load_checkpoint_file
 from errors import FlagParser, UserError
 from models.nalaformer import to_reference_layout
-from weights import check_weights, select_weights
+from weights import model_for_weights, select_weights
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 #: The model card's line for each key layout a release can have.
@@ -214,11 +214,8 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
     cfg = datasets.data_config(model_name, args.get('input_size'), args.get('eval_crop_ratio'))
     input_size, crop_pct = cfg['input_size'][-1], cfg['crop_pct']
 
-    clf = getattr(timm.models.get_pretrained_cfg(model_name), 'classifier', None) or 'head'
-    num_classes = int(sd[f'{clf}.weight'].shape[0]) if f'{clf}.weight' in sd else 0
-    model = timm.create_model(model_name, num_classes=num_classes)
-    check_weights(model, sd, model_name, checkpoint)
-    model.load_state_dict(sd, strict=True)
+    model = model_for_weights(model_name, sd, checkpoint)
+    num_classes = model.num_classes
 
     os.makedirs(output_dir, exist_ok=True)
     name = name or f'{model_name.lower()}_{input_size}' + ('_reference' if reference_layout else '')
