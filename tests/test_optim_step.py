@@ -325,6 +325,8 @@ def _ddp_rank(rank, init_file, out):
             monkeypatch.undo()
     out.put((rank, reduced_at, res.stats['skipped_steps'], (reads[6] - reads[2]) / 4,
              distributed.state_digest(dict(ddp.module.named_parameters()))))  # BatchNorm statistics are per rank
+    out.close()
+    out.join_thread()  # the result is in the pipe before the process group is torn down
     dist.destroy_process_group()
 
 
@@ -333,7 +335,7 @@ def test_two_ranks_skip_a_window_alike_with_one_gradient_all_reduce_per_step(tmp
     all-reduces its gradients exactly once (a skipped window leaves no DDP reduction armed for the next one),
     both ranks end with the same weights, and an optimizer step reads one value back per rank."""
     import multiprocessing as mp
-    ctx = mp.get_context('fork')
+    ctx = mp.get_context('spawn')  # a fork of the test process would inherit the locks its threads hold
     out = ctx.Queue()
     procs = [ctx.Process(target=_ddp_rank, args=(r, str(tmp_path / 'init'), out)) for r in range(2)]
     for p in procs:
