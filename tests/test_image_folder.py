@@ -68,6 +68,8 @@ def _rank_finds_bad(rank, root, trunc, init_file, out):
         if rank == 1:
             ds[len(ds) - 1]  # and only rank 1 meets a second one
     out.put((rank, IF.bad_sample_count(ds), IF.bad_sample_count_all_ranks(ds)))
+    out.close()
+    out.join_thread()  # the result is in the pipe before the process group is torn down
     dist.destroy_process_group()
 
 
@@ -76,7 +78,7 @@ def test_bad_count_across_ranks_counts_each_file_once(tmp_path):
     root, trunc, _ = corrupt_folder(tmp_path)
     with open(os.path.join(root, 'train', 'dog', '2.jpg'), 'wb') as f:
         f.write(b'garbage')
-    ctx = mp.get_context('fork')
+    ctx = mp.get_context('spawn')  # a fork of the test process would inherit the locks its threads hold
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank_finds_bad, args=(r, root, trunc, str(tmp_path / 'init'), out))
              for r in range(2)]
