@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -40,18 +41,35 @@ def _dead_loader_worker(e: BaseException) -> str:
     return ''
 
 
+def _broken_connection(e: BaseException) -> bool:
+    """Whether `e` is, or was raised from, a connection that broke (a reset, a broken pipe, an end of file) as
+    one does when the process at its other end dies."""
+    return any(isinstance(c, (ConnectionError, EOFError)) for c in exception_chain(e))
+
+
+#: how long a report waits for the kernel to show a worker whose connection broke as dead
+WORKER_DEATH_WAIT_S = 5.0
+
+
 def _dead_loader_worker_after(e: BaseException) -> str:
     """_dead_loader_worker for the error `e` that ended a run, also when a worker's death showed first as
     another error (a connection reset while a batch was received from it). A DataLoader's SIGCHLD handler
     raises its RuntimeError at whatever line runs when a worker dies, even while this error is reported:
-    it is switched off here, and torch's own check of the workers asked directly."""
+    it is switched off here, and torch's own check of the workers asked directly. A killed worker closes its
+    connections before the kernel records its exit, so after a broken connection the check is repeated for
+    up to WORKER_DEATH_WAIT_S seconds (on a loaded machine that gap is long enough to miss)."""
     try:
         if hasattr(signal, 'SIGCHLD'):
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         found = _dead_loader_worker(e)
         if not found:
             from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
-            _error_if_any_worker_fails()
+            deadline = time.monotonic() + (WORKER_DEATH_WAIT_S if _broken_connection(e) else 0.0)
+            while True:
+                _error_if_any_worker_fails()
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
     except RuntimeError as late:  # the handler fired first, or the check found a dead worker
         return _dead_loader_worker(late)
     return found

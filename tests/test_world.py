@@ -217,6 +217,29 @@ def test_a_dead_worker_that_first_shows_as_a_reset_connection_is_still_named(mon
     assert exits._dead_loader_worker_after(ValueError('a bug')) == ''
 
 
+def test_a_worker_whose_death_shows_after_its_connection_broke_is_still_named(monkeypatch):
+    """A killed worker closes its connection before the kernel records its exit: the check finds no dead
+    worker at first, and the report asks again until it does (a wait only after a broken connection)."""
+    import torch.utils.data._utils.signal_handling as handling
+    calls = []
+
+    def dead_on_third_call():
+        calls.append(1)
+        if len(calls) >= 3:
+            raise RuntimeError('DataLoader worker (pid 812) is killed by signal: Killed. ')
+
+    monkeypatch.setattr(handling, '_error_if_any_worker_fails', dead_on_third_call)
+    previous = signal.getsignal(signal.SIGCHLD)
+    try:
+        assert exits._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
+            == 'a data-loader worker (pid 812) was killed by signal Killed'
+        calls.clear()
+        assert exits._dead_loader_worker_after(ValueError('a bug')) == ''
+        assert len(calls) == 1  # no broken connection: asked once, no wait
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 # ------------------------------------------------------------------------------ notes in flag terms
 def test_resume_notes_name_the_flags_and_what_they_change():
     saved = checkpoint.args_to_dict(parse('--batch-size', '4', '--accum-steps', '2', '--epochs', '2'))
