@@ -13,8 +13,7 @@ from conftest import REPO
 
 import optim_step
 import precision
-from tools import benchmark, block_sweep, ema_speed, gpu_benchmark, loader_speed, paper_throughput, synthetic
-from tools.timing import create_any
+from tools import benchmark, block_sweep, ema_speed, gpu_benchmark, loader_speed, paper_throughput, synthetic, timing
 
 TINY = ['--model', 'NALAFORMER_XT', '--batch-size', '2', '--input-size', '32', '48', '--steps', '2',
         '--warmup', '1', '--gemm-size', '256', '--device', 'cpu']
@@ -308,12 +307,12 @@ def test_a_process_short_of_cpu_time_warns_and_names_the_cause_by_the_load_avera
     result = benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'])
     assert result['cpu_busy'] == 0.0
     assert 'warning: during the timed steps the process used 0% of its 1 threads' in capsys.readouterr().out
-    busy = dict(result, cpu_busy=benchmark.CPU_BUSY_MIN)
-    assert benchmark.load_warning([busy]) is None and benchmark.load_warning([dict(busy, cpu_busy=None)]) is None
+    busy = dict(result, cpu_busy=timing.CPU_BUSY_MIN)
+    assert timing.load_warning([busy]) is None and timing.load_warning([dict(busy, cpu_busy=None)]) is None
     # the load average names the cause: above the process's threads another job, else the steps' own idle threads
-    shared = benchmark.load_warning([result], load1=2.0)
+    shared = timing.load_warning([result], load1=2.0)
     assert 'load average 2.00: another job was probably on the cores' in shared
-    alone = benchmark.load_warning([result], load1=1.2)
+    alone = timing.load_warning([result], load1=1.2)
     assert 'load average 1.20: no other job' in alone and 'another job' not in alone
 
 
@@ -412,9 +411,9 @@ def test_every_benchmark_command_in_the_docs_parses(capsys):
 def test_grad_checkpointing_is_turned_on_where_supported_and_named_where_not(no_fvcore, capsys):
     """--grad-checkpointing reaches every stage of NaLaFormer; dla46_c, whose timm class refuses it, runs
     without and the table's header says so."""
-    xt = create_any('NALAFORMER_XT', torch.device('cpu'), True)
+    xt = timing.create_any('NALAFORMER_XT', torch.device('cpu'), True)
     assert benchmark.with_grad_checkpointing(xt) and all(stage.grad_checkpointing for stage in xt.layers)
-    assert not benchmark.with_grad_checkpointing(create_any('dla46_c', torch.device('cpu'), True))
+    assert not benchmark.with_grad_checkpointing(timing.create_any('dla46_c', torch.device('cpu'), True))
     results = benchmark.main(['--model', 'NALAFORMER_XT', '--compare', 'dla46_c', '--input-size', '32',
                               '--batch-size', '2', '--steps', '1', '--warmup', '0', '--gemm-size', '128',
                               '--device', 'cpu', '--modes', 'train', '--grad-checkpointing'])

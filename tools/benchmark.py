@@ -81,10 +81,6 @@ PEAK_NOTE = ('peak MiB: the most tensor memory live at once during one step abov
              "and every temporary, the optimizer step's included; in inference the forward's live activations. "
              'Parameters, buffers and optimizer state, live before the step, are not in it.')
 
-#: below this share of its threads' time, the process was probably sharing its cores during the timed steps
-CPU_BUSY_MIN = 0.8
-
-
 def step_peak_bytes(step: Callable[[], None], optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:
     """``peak_bytes`` of one step (PEAK_NOTE), the last step's gradients freed first: the measured step
     allocates its own, and blocks allocated before profiling and freed during it only draw a warning from
@@ -114,33 +110,6 @@ def timed_rounds(steps: dict, dtypes: dict, args: argparse.Namespace, device: to
         if after_round is not None:
             after_round(i + 1)
     return times, cpu_times, gemms
-
-
-def cpu_busy(cpu_times: Sequence[float], times: Sequence[float], threads: int) -> float:
-    """The share of ``threads`` threads' time the process spent on the CPU during the timed steps: process
-    CPU seconds over wall seconds x threads (1.0: every thread busy all the time)."""
-    return sum(cpu_times) / max(sum(times) * threads, 1e-12)
-
-
-def load_warning(rows: Sequence[dict], load1: float | None = None) -> str | None:
-    """A warning line when the timed steps of ``rows`` kept fewer than CPU_BUSY_MIN of their threads busy; None
-    on a GPU or when all were busy enough. The 1-minute load average (``os.getloadavg``, or ``load1``) tells
-    the two causes apart: above the threads this process runs, another job shared the cores (wall-time
-    figures are low); at or below them, the model's own steps left threads idle (small or single-threaded
-    operations), which the wall-time figures rightly include."""
-    low = [r for r in rows if r.get('cpu_busy') is not None and r['cpu_busy'] < CPU_BUSY_MIN]
-    if not low:
-        return None
-    worst = min(low, key=lambda r: r['cpu_busy'])
-    load1 = os.getloadavg()[0] if load1 is None else load1
-    head = (f"warning: during the timed steps the process used {100 * worst['cpu_busy']:.0f}% of its "
-            f"{worst['threads']} threads' time ({worst['model']} {worst['mode']} {worst['dtype']}; "
-            f'{len(low)} of {len(rows)} rows below {100 * CPU_BUSY_MIN:.0f}%); 1-minute load average {load1:.2f}: ')
-    if load1 > worst['threads'] + 0.5:
-        return head + ('another job was probably on the cores, so wall-time figures are low; the CPU-time '
-                       'figures are less affected')
-    return head + ('no other job, so the steps themselves left threads idle (small or single-threaded '
-                   'operations); the figures hold')
 
 
 def with_grad_checkpointing(model: nn.Module) -> bool:
@@ -209,7 +178,7 @@ def benchmark_model(args: argparse.Namespace) -> list[dict]:
             threads=threads, cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None,
             step_s_median=step_time, step_s_all=times[dtype], img_s=args.batch_size / step_time,
             cpu_s_median=statistics.median(cpu_times[dtype]), cpu_s_all=cpu_times[dtype],
-            cpu_busy=cpu_busy(cpu_times[dtype], times[dtype], threads) if device.type == 'cpu' else None,
+            cpu_busy=timing.cpu_busy(cpu_times[dtype], times[dtype], threads) if device.type == 'cpu' else None,
             gmacs_per_image=macs_per_image / 1e9, achieved_gmac_s=macs_per_image * args.batch_size / step_time / 1e9,
             gemm_gmac_s=statistics.median(gemms[dtype]) / 1e9, gemm_gmac_s_all=[g / 1e9 for g in gemms[dtype]],
             efficiency=statistics.median(macs_per_image * args.batch_size / t / g
@@ -274,7 +243,7 @@ def print_results(results: Sequence[dict]) -> None:
     for r in results:
         print_result(r)
     print(PEAK_NOTE)
-    warning = load_warning(results)
+    warning = timing.load_warning(results)
     if warning:
         print(warning)
 
@@ -358,7 +327,7 @@ def compare_rows(args: argparse.Namespace, mode: str, macs: dict, checkpointing:
                 cpu_malloc=args.cpu_malloc if device.type == 'cpu' else None, published_top1=published_top1(name),
                 gmacs_per_image=macs[name] / 1e9, step_s_median=step_s, step_s_all=times[key],
                 cpu_s_median=statistics.median(cpu_times[key]), cpu_s_all=cpu_times[key],
-                cpu_busy=cpu_busy(cpu_times[key], times[key], threads) if device.type == 'cpu' else None,
+                cpu_busy=timing.cpu_busy(cpu_times[key], times[key], threads) if device.type == 'cpu' else None,
                 img_s=args.batch_size / step_s, peak_step_mib=peaks[key] / 2 ** 20,
                 gemm_gmac_s=gemm / 1e9, gemm_gmac_s_all=[g / 1e9 for g in all_gemms],
                 efficiency=macs[name] * (3 if mode == 'train' else 1) * args.batch_size / step_s / gemm))
@@ -426,7 +395,7 @@ def print_compare(results: list[dict]) -> None:
     print('top-1: published ImageNet-1k top-1 % at 224 px (sources in tools/published.py; - where none is listed)')
     print(PEAK_NOTE)
     print_speedups(results)
-    warning = load_warning(results)
+    warning = timing.load_warning(results)
     if warning:
         print(warning)
 
@@ -479,12 +448,16 @@ def print_size_table(results: list[dict]) -> None:
 
 
 # ---- the command line -------------------------------------------------------------------------------
-#: the measurements that are programs of their own, by the flag that chose them here, in the order that
-#: flag took precedence when several were given; and whether the flag stays on the new command line
-MOVED = (('--sweep', 'tools/block_sweep.py', False), ('--ema-update', 'tools/ema_speed.py', False),
-         ('--make-jpegs', 'tools/loader_speed.py', True), ('--make-photos', 'tools/loader_speed.py', True),
-         ('--data-loading', 'tools/loader_speed.py', True))
-PRESETS = {'gpu': 'tools/gpu_benchmark.py', 'paper': 'tools/paper_throughput.py'}
+#: the measurements that are programs of their own, by the flag that chose them here (in the order that
+#: flag took precedence when several were given): what it measures, its program, and whether the flag stays
+#: on that program's command line
+MOVED = (('--sweep', 'the block sweep', 'tools/block_sweep.py', False),
+         ('--ema-update', 'the EMA update timing', 'tools/ema_speed.py', False),
+         ('--make-jpegs', 'the data-loading benchmark', 'tools/loader_speed.py', True),
+         ('--make-photos', 'the data-loading benchmark', 'tools/loader_speed.py', True),
+         ('--data-loading', 'the data-loading benchmark', 'tools/loader_speed.py', True))
+PRESETS = {'gpu': ('the GPU comparison', 'tools/gpu_benchmark.py'),
+           'paper': ('the paper throughput table', 'tools/paper_throughput.py')}
 
 
 def moved_command(argv: Sequence[str]) -> str | None:
@@ -501,18 +474,18 @@ def moved_command(argv: Sequence[str]) -> str | None:
             preset = a.split('=', 1)[1] if '=' in a else (argv[i + 1] if i + 1 < len(argv) else '')
             del rest[i:i + (1 if '=' in a else 2)]
             break
-    chosen = next(((flag, program, keep) for flag, program, keep in MOVED if given(flag)), None)
+    chosen = next((entry for entry in MOVED if given(entry[0])), None)
     if chosen is None and preset is None:
         return None
     if chosen is None:
         if preset not in PRESETS:
             return (f'--preset {preset}: each preset is a program of its own: python tools/paper_throughput.py '
                     '(paper), python tools/gpu_benchmark.py (gpu)')
-        what, program = f'--preset {preset}', PRESETS[preset]
+        flag, (label, program) = f'--preset {preset}', PRESETS[preset]
     else:
-        what, program, keep = chosen
-        rest = [a for a in rest if keep or not (a == what or a.startswith(what + '='))]
-    return f'{what} is a program of its own: python {program}' + (f' {shlex.join(rest)}' if rest else '')
+        flag, label, program, keep = chosen
+        rest = [a for a in rest if keep or not (a == flag or a.startswith(flag + '='))]
+    return f'{label} ({flag}) is a program of its own: python {program}' + (f' {shlex.join(rest)}' if rest else '')
 
 
 def add_step_args(parser: argparse.ArgumentParser) -> None:

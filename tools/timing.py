@@ -1,5 +1,6 @@
-"""What the benchmark programs share: timers, peak memory, the GEMM reference rate, the models and the one
-step they time, the recipe's train transform, the flags of the machine and the JSON lines.
+"""What the benchmark programs share: timers, peak memory, the GEMM reference rate, whether the CPU was shared
+during the timed steps, the models and the one step they time, the recipe's train transform, the flags of the
+machine and the JSON lines.
 
 The programs, each named for what it measures: ``tools/benchmark.py`` (one model, or against timm models),
 ``tools/paper_throughput.py``, ``tools/gpu_benchmark.py``, ``tools/loader_speed.py``, ``tools/ema_speed.py``,
@@ -106,6 +107,38 @@ def peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
         synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
     return cpu_peak_bytes(fn)
+
+
+# ---- was the CPU shared during the timed steps? ----------------------------------------------------
+#: below this share of its threads' time, the process was probably sharing its cores during the timed steps
+CPU_BUSY_MIN = 0.8
+
+
+def cpu_busy(cpu_times: Sequence[float], times: Sequence[float], threads: int) -> float:
+    """The share of ``threads`` threads' time the process spent on the CPU during the timed steps: process
+    CPU seconds over wall seconds x threads (1.0: every thread busy all the time)."""
+    return sum(cpu_times) / max(sum(times) * threads, 1e-12)
+
+
+def load_warning(rows: Sequence[dict], load1: float | None = None) -> str | None:
+    """A warning line when the timed steps of ``rows`` kept fewer than CPU_BUSY_MIN of their threads busy; None
+    on a GPU or when all were busy enough. The 1-minute load average (``os.getloadavg``, or ``load1``) tells
+    the two causes apart: above the threads this process runs, another job shared the cores (wall-time
+    figures are low); at or below them, the model's own steps left threads idle (small or single-threaded
+    operations), which the wall-time figures rightly include."""
+    low = [r for r in rows if r.get('cpu_busy') is not None and r['cpu_busy'] < CPU_BUSY_MIN]
+    if not low:
+        return None
+    worst = min(low, key=lambda r: r['cpu_busy'])
+    load1 = os.getloadavg()[0] if load1 is None else load1
+    head = (f"warning: during the timed steps the process used {100 * worst['cpu_busy']:.0f}% of its "
+            f"{worst['threads']} threads' time ({worst['model']} {worst['mode']} {worst['dtype']}; "
+            f'{len(low)} of {len(rows)} rows below {100 * CPU_BUSY_MIN:.0f}%); 1-minute load average {load1:.2f}: ')
+    if load1 > worst['threads'] + 0.5:
+        return head + ('another job was probably on the cores, so wall-time figures are low; the CPU-time '
+                       'figures are less affected')
+    return head + ('no other job, so the steps themselves left threads idle (small or single-threaded '
+                   'operations); the figures hold')
 
 
 # ---- what is timed: a model and one step of it ------------------------------------------------------
