@@ -211,8 +211,8 @@ def add_machine_args(parser: argparse.ArgumentParser, *, tf32: bool = True, cpu_
                                  'default (--no-tf32: full fp32, as main.py --no-tf32)')
     if cpu_malloc:
         parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default='system',
-                            help="CPU allocator: system (default, for every benchmark program alike: a plain "
-                                 "process, as a user's own code and timm's train.py run) or retain, main.py's "
+                            help="CPU allocator: system (the default of every benchmark program that takes it: a "
+                                 "plain process, as a user's own code and timm's train.py run) or retain, main.py's "
                                  'default (cpu.retain_freed_cpu_memory); the output says which was used')
 
 
