@@ -9,9 +9,10 @@ loss of both heads), so that load changes on a shared machine hit every model al
     python segmentation/upernet_benchmark.py --macs           # fvcore multiply-adds of each model, backbone and head
 
 Per model: parameters, the median of the timed steps as img/s, its ratio to the first model, and the peak
-tensor memory of one step above what was live before it (tools/benchmark.py's measure: the CUDA allocator's
-peak on a GPU, the profiler's allocation record on a CPU). Backbones are timm's features_only models (Swin is
-built for the crop size), without pretrained weights; the speed does not depend on the weights.
+tensor memory of one step above what was live before it (``tools.timing.peak_bytes``, the measure of the
+tools/ benchmarks: the CUDA allocator's peak on a GPU, the profiler's allocation record on a CPU). Backbones
+are timm's features_only models (Swin is built for the crop size), without pretrained weights; the speed does
+not depend on the weights.
 """
 import argparse
 import json
@@ -32,12 +33,12 @@ from errors import FlagParser  # noqa: E402
 from precision import amp_dtype, autocast, set_tf32  # noqa: E402
 from segmentation.backbone import build_segmentor, param_groups  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
-from tools.benchmark import peak_bytes  # noqa: E402
+from tools.timing import peak_bytes, time_call  # noqa: E402
 
 DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny'
 
 
-def make_step(name: str, args: argparse.Namespace, device: torch.device):
+def upernet_step(name: str, args: argparse.Namespace, device: torch.device):
     """A training step of UperNet over `name` on one fixed batch (optimizer included), and its parameters."""
     torch.manual_seed(0)
     model = build_segmentor(name, 150, channels=args.channels, img_size=args.size).to(device).train()
@@ -57,31 +58,20 @@ def make_step(name: str, args: argparse.Namespace, device: torch.device):
     return step, optimizer, sum(p.numel() for p in model.parameters())
 
 
-def timed(step, device: torch.device) -> float:
-    """Seconds of one call of `step`, the device's queue drained before and after."""
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    step()
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
 def measure(args: argparse.Namespace) -> list[dict]:
     """One result per model: img/s of the median step, parameters, peak step memory."""
     device = torch.device(args.device)
     names = args.models.split(',')
     steps, optimizers, params = {}, {}, {}
     for name in names:
-        steps[name], optimizers[name], params[name] = make_step(name, args, device)
+        steps[name], optimizers[name], params[name] = upernet_step(name, args, device)
         for _ in range(args.warmup):
             steps[name]()
         print(f'{name}: built, {args.warmup} warm-up step(s)', flush=True)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(args.steps):
         for name in names[i % len(names):] + names[:i % len(names)]:  # a rotating order
-            times[name].append(timed(steps[name], device))
+            times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
         print(f'round {i + 1} of {args.steps}: ' + ', '.join(f'{n} {times[n][-1]:.2f}s' for n in names), flush=True)
     rows = []
     for name in names:

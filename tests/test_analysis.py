@@ -1,4 +1,5 @@
-"""Numbers of tools/analyze_attention.py and tools/plot_log.py against hand-computed cases."""
+"""Numbers of tools/analyze_attention.py (with its attention rules, tools/attention_rules.py) and tools/plot_log.py
+against hand-computed cases."""
 import json
 import math
 import os
@@ -15,23 +16,24 @@ import errors
 import models  # noqa: F401
 from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain
 from tools import analyze_attention as aa
+from tools import attention_rules as rules
 from tools import plot_log as pl
 
 
 # ------------------------------------------------------------------------------------ entropy
 def test_entropy_hand_cases():
     n = 7
-    assert aa.entropy(torch.full((n,), 1 / n)).item() == pytest.approx(math.log(n), abs=1e-6)
-    assert aa.entropy(F.one_hot(torch.tensor(3), 5).float()).item() == 0.0
-    assert aa.entropy(torch.tensor([0.5, 0.25, 0.25, 0.0])).item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
+    assert rules.entropy(torch.full((n,), 1 / n)).item() == pytest.approx(math.log(n), abs=1e-6)
+    assert rules.entropy(F.one_hot(torch.tensor(3), 5).float()).item() == 0.0
+    assert rules.entropy(torch.tensor([0.5, 0.25, 0.25, 0.0])).item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
 
 
 def test_zero_rows_are_excluded_not_uniform():
-    rows, valid = aa.normalise_rows(torch.tensor([[1.0, 3.0], [0.0, 0.0]]))
+    rows, valid = rules.normalise_rows(torch.tensor([[1.0, 3.0], [0.0, 0.0]]))
     assert valid.tolist() == [True, False]
     assert rows.tolist() == [[0.25, 0.75], [0.0, 0.0]]
     # ReLU attention: an all-negative query has no distribution at all
-    _, valid = aa.relu_rows(torch.tensor([[-1.0, -2.0], [1.0, 0.0]]), torch.tensor([[1.0, 1.0], [2.0, 0.0]]))
+    _, valid = rules.relu_rows(torch.tensor([[-1.0, -2.0], [1.0, 0.0]]), torch.tensor([[1.0, 1.0], [2.0, 0.0]]))
     assert valid.tolist() == [False, True]
 
 
@@ -40,10 +42,10 @@ def test_nala_rows_hand_case():
     (1 : 8), a negative query only the negative one (one-hot): opposite signs are inhibited."""
     k = torch.tensor([[1.0, 0.0], [2.0, 0.0], [-1.0, 0.0]])
     q = torch.tensor([[1.0, 0.0], [-2.0, 0.0]])
-    rows, valid = aa.nala_rows(q, k)
+    rows, valid = rules.nala_rows(q, k)
     assert valid.all()
     torch.testing.assert_close(rows, torch.tensor([[1 / 9, 8 / 9, 0.0], [0.0, 0.0, 1.0]]))
-    ent = aa.entropy(rows)
+    ent = rules.entropy(rows)
     assert ent[0].item() == pytest.approx(-(1 / 9) * math.log(1 / 9) - (8 / 9) * math.log(8 / 9), abs=1e-6)
     assert ent[1].item() == 0.0
 
@@ -51,7 +53,7 @@ def test_nala_rows_hand_case():
 def test_nala_rows_equal_explicit_pairwise_kernel():
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 3, 9, 8, generator=g), torch.randn(2, 3, 9, 8, generator=g)
-    rows, _ = aa.nala_rows(q, k)
+    rows, _ = rules.nala_rows(q, k)
     qf, kf = nala_kernel_terms(q, k)
     for b in range(2):
         for h in range(3):
@@ -65,28 +67,28 @@ def test_model_weights_reproduce_the_attention_cores():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(3))
     sin, cos = RoPE(16, 2)((4, 5))
-    torch.testing.assert_close(aa.nala_model_weights(q, k, sin, cos) @ v, nala_attention_plain(q, k, v, sin, cos),
+    torch.testing.assert_close(rules.nala_model_weights(q, k, sin, cos) @ v, nala_attention_plain(q, k, v, sin, cos),
                                rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(aa.softmax_model_weights(q, k, sin, cos) @ v,
+    torch.testing.assert_close(rules.softmax_model_weights(q, k, sin, cos) @ v,
                                softmax_attention_plain(q, k, v, sin, cos), rtol=1e-4, atol=1e-5)
     # without RoPE the model's NaLa weights are the tool's rows (up to the 1e-6 in the normaliser)
     ones, zeros = torch.ones(20, 8), torch.zeros(20, 8)
-    torch.testing.assert_close(aa.nala_model_weights(q, k, zeros, ones), aa.nala_rows(q, k)[0],
+    torch.testing.assert_close(rules.nala_model_weights(q, k, zeros, ones), rules.nala_rows(q, k)[0],
                                rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------- correlations
 def test_rank_and_correlations():
-    assert aa.rankdata(np.array([3.0, 1.0, 2.0, 2.0])).tolist() == [4.0, 1.0, 2.5, 2.5]
+    assert rules.rankdata(np.array([3.0, 1.0, 2.0, 2.0])).tolist() == [4.0, 1.0, 2.5, 2.5]
     x = np.linspace(0.1, 2, 30)
-    assert aa.pearson(x, -2 * x + 1) == pytest.approx(-1.0)
-    assert aa.spearman(x, x ** 3) == pytest.approx(1.0)
-    assert aa.pearson(x, np.ones_like(x)) != aa.pearson(x, np.ones_like(x))  # NaN for a constant
-    assert aa.pearson([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert rules.pearson(x, -2 * x + 1) == pytest.approx(-1.0)
+    assert rules.spearman(x, x ** 3) == pytest.approx(1.0)
+    assert rules.pearson(x, np.ones_like(x)) != rules.pearson(x, np.ones_like(x))  # NaN for a constant
+    assert rules.pearson([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     scipy_stats = pytest.importorskip('scipy.stats')
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 5, 50).astype(float), rng.normal(size=50)
-    assert aa.spearman(a, b) == pytest.approx(scipy_stats.spearmanr(a, b).statistic)
+    assert rules.spearman(a, b) == pytest.approx(scipy_stats.spearmanr(a, b).statistic)
 
 
 def test_constructed_case_signs():
@@ -182,7 +184,7 @@ def test_query_token_and_maps(tiny_model, images):
     kinds = {s: aa.stage_kind(tiny_model, s) for s in range(4)}
     maps = aa.attention_maps(captured, kinds, 1, (0.0, 0.0))
     assert [m['hw'] for m in maps] == [(8, 8), (4, 4), (2, 2), (1, 1)]
-    rows = aa.softmax_rows(captured[(2, 1)]['q'][1], captured[(2, 1)]['k'][1])[0][:, 0]   # token 0
+    rows = rules.softmax_rows(captured[(2, 1)]['q'][1], captured[(2, 1)]['k'][1])[0][:, 0]   # token 0
     torch.testing.assert_close(maps[2]['weights'].ravel(), rows.mean(0))
     for m in maps:
         assert m['weights'].sum().item() == pytest.approx(1.0, abs=1e-5)
@@ -215,8 +217,8 @@ def test_cli_with_checkpoint_and_images(tmp_path, capsys):
     assert saved['methods']['softmax']['pearson'] == pytest.approx(res['methods']['softmax']['pearson'])
     # the printed table carries the JSON's numbers
     printed = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
-               if line.split() and line.split()[0] in aa.METHODS}
-    for m in aa.METHODS:
+               if line.split() and line.split()[0] in rules.METHODS}
+    for m in rules.METHODS:
         s = saved['methods'][m]
         assert [float(v) for v in printed[m][:5]] == pytest.approx(
             [s['pearson'], s['spearman'], s['within_layer_pearson'], s['within_layer_spearman'],
@@ -254,7 +256,7 @@ def test_cli_digits_smoke(tmp_path):
     res = aa.main(['--data-set', 'DIGITS', '--data-path', str(tmp_path / 'digits'), '--input-size', '32',
                    '--num-images', '2', '--output-dir', str(tmp_path / 'out')])
     assert res['n_images'] == 2 and res['kind'] == 'nala' and res['hw'] == [8, 8]
-    assert all(res['methods'][m]['n_queries'] + res['methods'][m]['n_excluded'] == 2 * 2 * 64 for m in aa.METHODS)
+    assert all(res['methods'][m]['n_queries'] + res['methods'][m]['n_excluded'] == 2 * 2 * 64 for m in rules.METHODS)
     assert (tmp_path / 'out' / 'entropy_stage0.png').stat().st_size > 0
 
 

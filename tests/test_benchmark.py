@@ -1,11 +1,19 @@
-"""Smoke test of tools/benchmark.py at tiny sizes: both modes, the JSON line, and the sweep's files."""
+"""The benchmark programs at tiny sizes: tools/benchmark.py (one model, --compare, --sizes, its figures, flags
+and the line that points an old command to its program), tools/block_sweep.py, paper_throughput.py,
+gpu_benchmark.py, loader_speed.py and ema_speed.py, and every command of theirs that the docs show parses."""
+import glob
 import json
+import os
+import re
+import shlex
 
 import pytest
+import torch
+from conftest import REPO
 
 import optim_step
 import precision
-from tools import benchmark
+from tools import benchmark, block_sweep, ema_speed, gpu_benchmark, loader_speed, paper_throughput, synthetic, timing
 
 TINY = ['--model', 'NALAFORMER_XT', '--batch-size', '2', '--input-size', '32', '48', '--steps', '2',
         '--warmup', '1', '--gemm-size', '256', '--device', 'cpu']
@@ -32,9 +40,8 @@ def test_train_and_inference_report_throughput_memory_and_efficiency(tmp_path, c
 
 def test_sweep_writes_json_and_png(tmp_path):
     out = tmp_path / 'sweep'
-    results = benchmark.main(['--sweep', '--model', 'NALAFORMER_XT', '--sweep-sizes', '64', '96', '--steps', '1',
-                              '--warmup', '0', '--out', str(out), '--device', 'cpu',
-                              '--sweep-min-seconds', '0'])
+    results = block_sweep.main(['--model', 'NALAFORMER_XT', '--sweep-sizes', '64', '96', '--steps', '1',
+                                '--warmup', '0', '--out', str(out), '--device', 'cpu', '--sweep-min-seconds', '0'])
     assert (tmp_path / 'sweep.png').stat().st_size > 0
     saved = json.loads((tmp_path / 'sweep.json').read_text())
     assert saved['sizes'] == [64, 96] == results['sizes'] and saved['batch_size'] == 1
@@ -99,7 +106,7 @@ def test_compare_rejects_an_unknown_model(capsys):
 
 def test_paper_preset_tiny_prints_a_table_per_variant_and_size(tmp_path, capsys):
     log = tmp_path / 'paper.jsonl'
-    results = benchmark.main(['--preset', 'paper', '--tiny', '--device', 'cpu', '--json', str(log)])
+    results = paper_throughput.main(['--tiny', '--device', 'cpu', '--json', str(log)])
     assert [(r['model'], r['input_size'][0]) for r in results] == [
         ('NALAFORMER_XT', 32), ('NALAFORMER_XT', 48), ('NALAFORMER_T', 32), ('NALAFORMER_T', 48)]
     assert all(r['img_s'] > 0 and r['batch_size'] == 2 and r['dtype'] == 'fp32' for r in results)
@@ -109,18 +116,18 @@ def test_paper_preset_tiny_prints_a_table_per_variant_and_size(tmp_path, capsys)
 
 
 def test_paper_preset_defaults():
-    cpu = benchmark.parse_args(['--preset', 'paper', '--device', 'cpu'])
+    cpu = paper_throughput.parse_args(['--device', 'cpu'])
     assert (cpu.batch_size, cpu.dtype, cpu.preset_models, cpu.cpu_malloc) == (64, 'fp32', None, 'system')
-    gpu = benchmark.parse_args(['--preset', 'paper', '--device', 'cuda'])
+    gpu = paper_throughput.parse_args(['--device', 'cuda'])
     assert (gpu.batch_size, gpu.dtype) == (128, 'fp16')
-    assert benchmark.parse_args(['--preset', 'paper', '--device', 'cuda', '--dtype', 'bf16']).dtype == 'bf16'
+    assert paper_throughput.parse_args(['--device', 'cuda', '--dtype', 'bf16']).dtype == 'bf16'
 
 
 def test_data_loading_times_the_train_transform_per_worker(tmp_path):
-    benchmark.make_jpegs(str(tmp_path / 'data'), count=8, size=(64, 48))
+    synthetic.make_jpegs(str(tmp_path / 'data'), count=8, size=(64, 48))
     assert len(list((tmp_path / 'data').rglob('*.jpg'))) == 8
-    result = benchmark.main(['--data-loading', str(tmp_path / 'data'), '--data-workers', '0', '--batch-size', '4',
-                             '--input-size', '32', '--json', str(tmp_path / 'data.jsonl')])
+    result = loader_speed.main(['--data-loading', str(tmp_path / 'data'), '--data-workers', '0', '--batch-size', '4',
+                                '--input-size', '32', '--json', str(tmp_path / 'data.jsonl')])
     assert result['images'] == 8 and result['input_size'] == 32
     assert result['one_worker_img_s_wall'] > 0 and result['one_worker_img_s_cpu'] > 0
     cpu_ms = result['image_cpu_ms']
@@ -133,7 +140,7 @@ def test_data_loading_times_the_train_transform_per_worker(tmp_path):
 
 def test_photo_jpegs_are_cut_from_real_photos_at_imagenet_sizes(tmp_path):
     from PIL import Image
-    benchmark.make_photo_jpegs(str(tmp_path), count=12)
+    synthetic.make_photo_jpegs(str(tmp_path), count=12)
     sizes = [Image.open(p).size for p in sorted(tmp_path.rglob('*.jpg'))]
     assert len(sizes) == 12 and all(max(s) == 500 and 333 <= min(s) <= 400 for s in sizes)
     assert any(w < h for w, h in sizes) and any(w > h for w, h in sizes)  # portrait and landscape
@@ -189,20 +196,20 @@ def test_compare_reports_each_phase_as_it_goes_without_library_noise_and_aligns_
 
 
 def test_ema_update_times_timms_update_and_mains(tmp_path):
-    results = benchmark.main(['--ema-update', '--preset-models', 'NALAFORMER_XT', '--steps', '1', '--warmup', '0',
+    results = ema_speed.main(['--preset-models', 'NALAFORMER_XT', '--steps', '1', '--warmup', '0',
                               '--device', 'cpu', '--json', str(tmp_path / 'ema.jsonl')])
     assert [r['model'] for r in results] == ['NALAFORMER_XT'] and results[0]['tensors'] > 100
     assert results[0]['timm ModelEmaV3 ms'] > 0 and results[0]['ema.ModelEma ms'] > 0
 
 
-def test_gpu_preset_runs_every_part_at_a_tiny_size_on_the_cpu(tmp_path, capsys):
-    """--preset gpu with the CPU standing in for the GPU: two models (ours on both paths, one peer), eager
+def test_gpu_benchmark_runs_every_part_at_a_tiny_size_on_the_cpu(tmp_path, capsys):
+    """tools/gpu_benchmark.py with the CPU standing in for the GPU: two models (ours on both paths, one peer), eager
     only, one step each; the engine's step against forward+backward; the loader against the step."""
     log = tmp_path / 'gpu.jsonl'
-    rows = benchmark.main(['--preset', 'gpu', '--device', 'cpu', '--dtype', 'fp32', '--input-size', '32', '-b', '2',
-                           '--steps', '1', '--warmup', '0', '--preset-models', 'NALAFORMER_XT', '--compare',
-                           'convnext_atto', '--preset-eager-only', '--loader-images', '4', '--data-workers', '0',
-                           '--json', str(log)])
+    rows = gpu_benchmark.main(['--device', 'cpu', '--dtype', 'fp32', '--input-size', '32', '-b', '2',
+                               '--steps', '1', '--warmup', '0', '--preset-models', 'NALAFORMER_XT', '--compare',
+                               'convnext_atto', '--preset-eager-only', '--loader-images', '4', '--data-workers', '0',
+                               '--json', str(log)])
     models = [(r['model'], r['compile']) for r in rows if r['part'] == 'model']
     assert models == [('NALAFORMER_XT', False), ('NALAFORMER_XT (plain path)', False), ('convnext_atto', False)]
     assert all(r['train_img_s'] > 0 and r['inference_img_s'] > 0 and r['train_peak_mib'] > 0
@@ -216,8 +223,8 @@ def test_gpu_preset_runs_every_part_at_a_tiny_size_on_the_cpu(tmp_path, capsys):
     assert '| NALAFORMER_XT (plain path) | eager |' in out and 'host syncs per step' in out
 
 
-def test_gpu_preset_defaults():
-    gpu = benchmark.parse_args(['--preset', 'gpu', '--device', 'cuda'])
+def test_gpu_benchmark_defaults():
+    gpu = gpu_benchmark.parse_args(['--device', 'cuda'])
     assert (gpu.batch_size, gpu.dtype, gpu.budget, gpu.input_size) == (128, 'bf16', 330.0, [224])
 
 
@@ -225,8 +232,6 @@ def test_host_syncs_per_step_counts_the_sync_warnings_of_one_step(monkeypatch):
     """The CUDA sync debug mode warns at every synchronising call; with the CPU standing in (a warning at
     every read of a tensor's value while the mode is on), the engine's step counts one."""
     import warnings
-
-    import torch
 
     import engine
     mode = {'on': False}
@@ -248,8 +253,9 @@ def test_host_syncs_per_step_counts_the_sync_warnings_of_one_step(monkeypatch):
 
     def epoch(n):
         engine.train_one_epoch(model, lambda s, o, t: torch.nn.functional.cross_entropy(o, t),
-                               benchmark.BatchList([batch] * n, 4), step, 0, engine.TrainSettings(print_freq=10 ** 9))
-    assert benchmark.host_syncs_per_step(epoch, 3) == 1.0
+                               gpu_benchmark.BatchList([batch] * n, 4), step, 0,
+                               engine.TrainSettings(print_freq=10 ** 9))
+    assert gpu_benchmark.host_syncs_per_step(epoch, 3) == 1.0
 
 
 # ---- several dtypes, CPU time, the load warning, the allocator, the peak figure, gradient checkpointing ----
@@ -301,18 +307,20 @@ def test_a_process_short_of_cpu_time_warns_and_names_the_cause_by_the_load_avera
     result = benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'])
     assert result['cpu_busy'] == 0.0
     assert 'warning: during the timed steps the process used 0% of its 1 threads' in capsys.readouterr().out
-    busy = dict(result, cpu_busy=benchmark.CPU_BUSY_MIN)
-    assert benchmark.load_warning([busy]) is None and benchmark.load_warning([dict(busy, cpu_busy=None)]) is None
+    busy = dict(result, cpu_busy=timing.CPU_BUSY_MIN)
+    assert timing.load_warning([busy]) is None and timing.load_warning([dict(busy, cpu_busy=None)]) is None
     # the load average names the cause: above the process's threads another job, else the steps' own idle threads
-    shared = benchmark.load_warning([result], load1=2.0)
+    shared = timing.load_warning([result], load1=2.0)
     assert 'load average 2.00: another job was probably on the cores' in shared
-    alone = benchmark.load_warning([result], load1=1.2)
+    alone = timing.load_warning([result], load1=1.2)
     assert 'load average 1.20: no other job' in alone and 'another job' not in alone
 
 
-def test_one_allocator_default_for_one_model_compare_and_presets():
-    for argv in ([], ['--compare', 'convnext_atto'], ['--preset', 'paper', '--device', 'cpu']):
+def test_one_allocator_default_for_one_model_compare_and_the_other_programs():
+    for argv in ([], ['--compare', 'convnext_atto']):
         assert benchmark.parse_args(argv).cpu_malloc == 'system'
+    for program in (paper_throughput, gpu_benchmark, block_sweep):
+        assert program.parse_args(['--device', 'cpu']).cpu_malloc == 'system'
     assert benchmark.parse_args(['--cpu-malloc', 'retain']).cpu_malloc == 'retain'
 
 
@@ -323,26 +331,114 @@ def test_help_says_what_the_peak_memory_figure_holds(capsys):
     assert ' '.join(benchmark.PEAK_NOTE.split()) in out and '--grad-checkpointing' in out
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--dtype', 'fp32,int8'], "--dtype: unknown dtype(s) ['int8']"),
-    (['--dtype', 'fp32,bf16', '--sweep'], '--sweep takes one --dtype'),
-    (['--grad-checkpointing', '--preset', 'paper'], '--grad-checkpointing goes with one model or --compare'),
+@pytest.mark.parametrize('program, argv, message', [
+    (benchmark, ['--dtype', 'fp32,int8'], "--dtype: unknown dtype(s) ['int8']"),
+    (block_sweep, ['--dtype', 'fp32,bf16'], 'tools/block_sweep.py takes one --dtype'),
+    (paper_throughput, ['--dtype', 'bf16,fp32'], 'tools/paper_throughput.py takes one --dtype'),
+    (gpu_benchmark, ['--dtype', 'fp16', '--device', 'cpu'], 'fp16 needs a GPU'),
+    (paper_throughput, ['--grad-checkpointing'], 'unrecognized arguments: --grad-checkpointing'),
+    (loader_speed, [], 'give --data-loading DIR'),
 ])
-def test_dtype_list_and_grad_checkpointing_refuse_what_they_do_not_fit(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        benchmark.parse_args(argv)
-    assert message in capsys.readouterr().err
+def test_dtype_list_and_grad_checkpointing_refuse_what_they_do_not_fit(program, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        program.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, program, flags', [
+    (['--preset', 'gpu', '--budget', '100', '--json', 'g.jsonl'], gpu_benchmark,
+     ['--budget', '100', '--json', 'g.jsonl']),
+    (['--preset=paper', '--tiny', '--device', 'cpu'], paper_throughput, ['--tiny', '--device', 'cpu']),
+    (['--model', 'NALAFORMER_T', '--sweep', '--out', 'docs/results/sweep'], block_sweep,
+     ['--model', 'NALAFORMER_T', '--out', 'docs/results/sweep']),
+    (['--ema-update', '--device', 'cpu', '--threads', '1'], ema_speed, ['--device', 'cpu', '--threads', '1']),
+    (['--make-photos', '/tmp/my photos', '--data-loading', '/tmp/my photos', '--data-workers', '0', '1'], loader_speed,
+     ['--make-photos', '/tmp/my photos', '--data-loading', '/tmp/my photos', '--data-workers', '0', '1']),
+])
+def test_an_old_command_of_another_measurement_names_its_program_in_one_line(argv, program, flags, capsys):
+    """A command of a measurement that is a program of its own (from notes and scripts) stops with one line:
+    that program with the same flags (exit 2, nothing run); the line is a command that program accepts."""
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(argv)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == '' and len(err.splitlines()) == 1, err
+    path = f'tools/{program.__name__.rsplit(".", 1)[1]}.py'
+    command = shlex.split(err.split(': python ', 1)[1])
+    assert command == [path] + flags, err
+    program.parse_args(command[1:])
+
+
+def test_an_unknown_preset_names_both_preset_programs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.parse_args(['--preset', 'cpu'])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert 'tools/paper_throughput.py (paper)' in err and 'tools/gpu_benchmark.py (gpu)' in err
+
+
+PROGRAMS = {m.__name__.rsplit('.', 1)[1]: m
+            for m in (benchmark, block_sweep, ema_speed, gpu_benchmark, loader_speed, paper_throughput)}
+
+
+def doc_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, program, flags) of every benchmark program command in a bash block of README.md and docs/ (not
+    docs/results/, which keeps what ran on its date); optional flags in [brackets] count as given."""
+    pages = glob.glob(os.path.join('docs', '**', '*.md'), root_dir=REPO, recursive=True)
+    pages = ['README.md'] + sorted(p for p in pages if not p.startswith(os.path.join('docs', 'results', '')))
+    found = []
+    for page in pages:
+        with open(os.path.join(REPO, page)) as f:
+            blocks = re.findall(r'```bash\n(.*?)```', f.read(), re.S)
+        for line in '\n'.join(blocks).replace('\\\n', ' ').splitlines():
+            m = re.search(r'python tools/(\w+)\.py(.*)', line)
+            if m and m.group(1) in PROGRAMS:
+                flags = re.split(r' #|2>&1|\|', m.group(2))[0].replace('[', ' ').replace(']', ' ')
+                found.append((page, m.group(1), shlex.split(flags)))
+    return found
+
+
+def test_every_benchmark_command_in_the_docs_parses(capsys):
+    """The docs show every benchmark program, each command as its program accepts it."""
+    commands = doc_commands()
+    assert set(PROGRAMS) == {program for _, program, _ in commands}, commands
+    for page, program, flags in commands:
+        try:
+            PROGRAMS[program].parse_args(flags)
+        except SystemExit:
+            pytest.fail(f'{page}: tools/{program}.py {shlex.join(flags)}: {capsys.readouterr().err}')
 
 
 def test_grad_checkpointing_is_turned_on_where_supported_and_named_where_not(no_fvcore, capsys):
     """--grad-checkpointing reaches every stage of NaLaFormer; dla46_c, whose timm class refuses it, runs
     without and the table's header says so."""
-    xt = benchmark.create_any('NALAFORMER_XT', benchmark.torch.device('cpu'), True)
+    xt = timing.create_any('NALAFORMER_XT', torch.device('cpu'), True)
     assert benchmark.with_grad_checkpointing(xt) and all(stage.grad_checkpointing for stage in xt.layers)
-    assert not benchmark.with_grad_checkpointing(benchmark.create_any('dla46_c', benchmark.torch.device('cpu'), True))
+    assert not benchmark.with_grad_checkpointing(timing.create_any('dla46_c', torch.device('cpu'), True))
     results = benchmark.main(['--model', 'NALAFORMER_XT', '--compare', 'dla46_c', '--input-size', '32',
                               '--batch-size', '2', '--steps', '1', '--warmup', '0', '--gemm-size', '128',
                               '--device', 'cpu', '--modes', 'train', '--grad-checkpointing'])
     assert [(r['model'], r['grad_checkpointing']) for r in results] == [('NALAFORMER_XT', True), ('dla46_c', False)]
     assert ('gradient checkpointing: on for NALAFORMER_XT (not supported by dla46_c: run without)'
             in capsys.readouterr().out)
+
+
+def test_tasks_import_only_the_shared_timing_module_of_tools_and_it_imports_no_program():
+    """segmentation/ (and any task) times its steps with tools/timing.py, never a tool program's internals;
+    tools/timing.py imports neither a tool program nor a task, so the arrows point one way."""
+    import ast
+
+    def imported(path: str) -> set[str]:
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read())
+        names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module} | {f'{node.module}.{a.name}' for a in node.names}
+        return names
+    tasks = [p for task in ('segmentation', 'detection') for p in glob.glob(f'{task}/*.py', root_dir=REPO)]
+    assert 'segmentation/upernet_benchmark.py' in tasks
+    for path in tasks:
+        from_tools = {n for n in imported(path) if n.split('.')[0] == 'tools'}
+        assert from_tools <= {'tools.timing', 'tools.timing.peak_bytes', 'tools.timing.time_call'}, (path, from_tools)
+    timing_imports = imported('tools/timing.py')
+    assert not {n for n in timing_imports if n.split('.')[0] in ('tools', 'segmentation', 'detection')}, timing_imports

@@ -7,7 +7,7 @@ import torch
 
 import models.nala as nala
 from tools import profile_ops
-from tools.benchmark import create_any, make_step
+from tools.timing import create_any, make_step
 
 pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
@@ -46,7 +46,7 @@ def test_labels_are_removed_after_profiling():
     model = create_any('NALAFORMER_XT', torch.device('cpu'), True, (32, 32))
     x = torch.randn(1, 3, 32, 32)
     step, _ = make_step(model, x, torch.zeros(1, dtype=torch.long), 'inference', torch.float32,
-                        torch.device('cpu'), False)
+                        torch.device('cpu'))
     originals = [getattr(owner, attr) for owner, attr, _ in profile_ops.FAST_PATH_FUNCTIONS]
     with profile_ops.labelled(model):
         assert nala.lepe_fast is not originals[0]

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402
 from errors import FlagParser  # noqa: E402
-from tools.benchmark import DTYPES, create_any, make_step, quiet_profiler  # noqa: E402
+from tools.timing import DTYPES, create_any, make_step, quiet_profiler  # noqa: E402
 
 STAGES = ('stem', 'stage1', 'stage2', 'stage3', 'stage4', 'head', 'optimizer')
 FAMILIES = ('nala_core', 'softmax_attn', 'dwconv', 'conv', 'linear', 'ffn', 'norm', 'copies', 'other', 'optimizer')
@@ -219,7 +219,7 @@ def run(model_name: str, size: int, batch_size: int, mode: str, steps: int, warm
     x = torch.randn(batch_size, 3, size, size)
     target = torch.randint(0, 1000, (batch_size,))
     model = create_any(model_name, device, fast_path, (size, size))
-    step, _ = make_step(model, x, target, mode, DTYPES[dtype], device, False)
+    step, _ = make_step(model, x, target, mode, DTYPES[dtype], device)
     for _ in range(warmup):
         step()
     plain = []

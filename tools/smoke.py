@@ -119,7 +119,7 @@ ROWS = [
         expect=r'Resumed from .*checkpoint\.pth: continuing at epoch 1'),
     Row('accum-nan', 'accumulation with a NaN micro-batch on rank 1 of 2: both skip the window alike',
         ['--accum-steps', '2', '--batch-size', '2', '--mixup', '0', '--cutmix', '0'], torchrun=True, nproc=2,
-        module='tools.nan_micro_batch', check=same_backward_passes,
+        module='tests.helpers.nan_micro_batch', check=same_backward_passes,
         not_quick='tests/integration/test_faults.py runs it on gloo'),
     Row('compile-ddp', '--compile under DDP, 2 processes (BatchNorm per process)', ['--compile'], torchrun=True,
         nproc=2, needs='cuda', expect=r'BatchNorm: per-process statistics under --compile'),

@@ -295,7 +295,7 @@ def test_a_non_finite_micro_batch_on_one_rank_is_skipped_by_all_ranks_in_step(da
     args = BASE[:-1] + ['1', '--batch-size', '2', '--accum-steps', '2', '--num_workers', '0', '--no-model-ema',
                         '--data-path', data, '--dist-timeout', '60']
     cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}',
-                      '-m', 'tools.nan_micro_batch']  # main.py, rank 1's first loss NaN
+                      '-m', 'tests.helpers.nan_micro_batch']  # main.py, rank 1's first loss NaN
     proc = subprocess.Popen(cmd + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

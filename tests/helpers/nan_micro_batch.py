@@ -3,12 +3,14 @@ accumulation window. Every rank reports its backward passes on exit, which must 
 (a rank that skips a backward the others run would leave SyncBatchNorm's collectives out of order): every
 micro-batch runs its backward, the NaN one too, and the window is skipped at its optimizer step.
 
-    torchrun --nproc_per_node=2 tools/nan_micro_batch.py --accum-steps 2 ...main.py flags...
+    torchrun --nproc_per_node=2 -m tests.helpers.nan_micro_batch --accum-steps 2 ...main.py flags...
+
+It runs from the repository root (tests/integration/test_faults.py, and the accum-nan row of tools/smoke.py).
 """
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the root
 
 import main
 import optim_step
