@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import distributed
-from checkpoint import saved_args
+from checkpoint import comparable, saved_args
 from checkpoint_io import (
     checkpoint_identity,
     describe_identity,
@@ -33,6 +33,61 @@ from weights import load_weights_into
 
 #: the flags that shape the model: a checkpoint loads only into a model built with the same
 MODEL_FLAGS = ('model', 'num_classes', 'channels', 'aux_weight')
+#: the flags an evaluation or a resume takes from the checkpoint when the command line does not give them: the
+#: model, the data pipeline's sizes and the evaluation protocol (their parser default is None: not given)
+RECORDED_FLAGS = (*MODEL_FLAGS, 'drop_path', 'crop_size', 'img_scale', 'ratio_range', 'cat_max_ratio', 'eval_mode',
+                  'slide_stride')
+
+
+def check_task(ckpt: Any, path: str) -> None:
+    """One line for a file that is not a segmentation checkpoint."""
+    if not isinstance(ckpt, dict) or ckpt.get('task') != TASK:
+        raise CheckpointError(f'{path} is not a segmentation checkpoint (a classification checkpoint or '
+                              f'release?): start from its backbone with --pretrained {path}')
+
+
+def _flag(key: str, value: Any) -> str:
+    """'--img-scale 128 64': a flag as typed."""
+    shown = ' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    return f'--{key.replace("_", "-")} {shown}'
+
+
+def _same_model(key: str, given: Any, saved: Any) -> bool:
+    """Whether a model flag's two values build the same model (the aux weight: a head or none)."""
+    if key == 'model':
+        return str(given).upper() == str(saved).upper()
+    if key == 'aux_weight':
+        return bool(given) == bool(saved)
+    return given == saved
+
+
+def take_recorded_flags(args: Any, path: str, recipe: dict[str, Any]) -> None:
+    """Fill in the flags of RECORDED_FLAGS the command line did not give (None): the value the checkpoint `path`
+    (the one --eval measures or a run resumes; '' for none) records, else the recipe's default. Prints one line
+    naming the recorded values taken that differ from the recipe, and one line naming the given values that differ
+    from the recorded ones (the command line wins); a given model flag the checkpoint's weights cannot load into
+    is one line (CheckpointError)."""
+    recorded: dict[str, Any] = {}
+    if path:
+        ckpt = load_checkpoint_file(path, verify=False, mmap=True)  # the command line only: tensors not read
+        check_task(ckpt, path)
+        recorded = saved_args(ckpt)
+    taken, overridden = [], []
+    for key in RECORDED_FLAGS:
+        given, saved = comparable(getattr(args, key)), comparable(recorded.get(key, recipe[key]))
+        if given is None:
+            setattr(args, key, saved)
+            if key in recorded and saved != comparable(recipe[key]):
+                taken.append(_flag(key, saved))
+        elif key in recorded and given != saved:
+            if key in MODEL_FLAGS and not _same_model(key, given, saved):
+                raise CheckpointError(f'{path} holds a model built with {_flag(key, saved)}, this command passes '
+                                      f'{_flag(key, given)}: leave the flag out (the checkpoint gives it)')
+            overridden.append(f'{_flag(key, given)} (the checkpoint: {_flag(key, saved)})')
+    if taken:
+        print(f'{" ".join(taken)}: as recorded in {path} (pass a flag to choose another value)')
+    if overridden:
+        print(f'Note: {"; ".join(overridden)}: the command line differs from {path}; using the command line')
 
 
 @dataclass
@@ -78,9 +133,7 @@ class SegCheckpoints:
         ckpt = distributed.on_every_rank(lambda: load_checkpoint_file(path), self.device, f'--resume {path}')
         distributed.check_same_everywhere({'checkpoint': describe_identity(checkpoint_identity(ckpt, path))},
                                           self.device, 'every node must see the same --output_dir and --resume file')
-        if not isinstance(ckpt, dict) or ckpt.get('task') != TASK:
-            raise CheckpointError(f'{path} is not a segmentation checkpoint (a classification checkpoint or '
-                                  f'release?): start from its backbone with --pretrained {path}')
+        check_task(ckpt, path)
         saved = saved_args(ckpt)
         other = [f'--{k.replace("_", "-")} {saved[k]}' for k in MODEL_FLAGS
                  if k in saved and saved[k] != self.run_args.get(k)
@@ -105,7 +158,7 @@ class SegCheckpoints:
             self.scaler.load_state_dict(ckpt['scaler'])
         saved = saved_args(ckpt)
         changed = [f'--{k.replace("_", "-")} {saved[k]} -> {self.run_args.get(k)}'
-                   for k in ('batch_size', 'world_size', 'iters', 'lr', 'seed', 'crop_size')
+                   for k in ('batch_size', 'world_size', 'iters', 'lr', 'seed')
                    if k in saved and saved[k] != self.run_args.get(k)]
         if changed:
             print('Note: changed since the checkpoint: ' + '; '.join(changed) + '; following the command line')

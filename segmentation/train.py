@@ -44,17 +44,33 @@ from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from train_state import preserved_rng  # noqa: E402
 
+#: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
+#: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
+RECIPE = {'model': 'NALAFORMER_T', 'num_classes': 150, 'channels': 512, 'aux_weight': 0.4, 'drop_path': None,
+          'crop_size': 512, 'img_scale': (2048, 512), 'ratio_range': (0.5, 2.0), 'cat_max_ratio': 0.75,
+          'eval_mode': 'whole', 'slide_stride': 341}
+RECORDED = 'with a checkpoint to evaluate or resume, {}, when not given, take the values it records'
+
+
+def _default(key: str) -> str:
+    """'(default: 512)' for --help."""
+    value = RECIPE[key]
+    return f"(default: {' '.join(map(str, value)) if isinstance(value, tuple) else value})"
+
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line; the defaults are the recipe (docs/segmentation.md)."""
     p = cli.LauncherArgumentParser('segmentation/train.py', description=__doc__.split('\n')[0], add_help=True)
-    g = p.add_argument_group('Model')
-    g.add_argument('--model', default='NALAFORMER_T', help='backbone: a NaLaFormer variant (any timm model builds)')
+    g = p.add_argument_group('Model', RECORDED.format(
+        '--model, --drop-path, --channels, --aux-weight and --num-classes'))
+    g.add_argument('--model', default=None, help=f'backbone: a NaLaFormer variant (any timm model builds) '
+                                                  f'{_default("model")}')
     g.add_argument('--pretrained', default='', help='classification checkpoint or release to start the backbone from')
     g.add_argument('--drop-path', type=cli.RATE, default=None, help="backbone drop path (default: the variant's)")
-    g.add_argument('--channels', type=cli.POSITIVE_INT, default=512, help='UperNet channels')
-    g.add_argument('--aux-weight', type=cli.NON_NEGATIVE, default=0.4, help='auxiliary FCN head loss weight (0: none)')
-    g.add_argument('--num-classes', type=cli.POSITIVE_INT, default=150)
+    g.add_argument('--channels', type=cli.POSITIVE_INT, default=None, help=f'UperNet channels {_default("channels")}')
+    g.add_argument('--aux-weight', type=cli.NON_NEGATIVE, default=None,
+                   help=f'auxiliary FCN head loss weight (0: none) {_default("aux_weight")}')
+    g.add_argument('--num-classes', type=cli.POSITIVE_INT, default=None, help=_default('num_classes'))
     g = p.add_argument_group('Schedule')
     g.add_argument('--iters', type=cli.POSITIVE_INT, default=160000)
     g.add_argument('--batch-size', type=cli.POSITIVE_INT, default=2, help='per process (8 x 2 = 16)')
@@ -66,18 +82,22 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--min-lr', type=cli.NON_NEGATIVE, default=0.0)
     g.add_argument('--clip-grad', type=cli.POSITIVE, default=None)
     g.add_argument('--max-bad-steps', type=cli.NON_NEGATIVE_INT, default=20)
-    g = p.add_argument_group('Data')
+    g = p.add_argument_group('Data', RECORDED.format('--crop-size, --img-scale, --ratio-range and --cat-max-ratio'))
     g.add_argument('--data-path', default=None, help='the ADEChallengeData2016 folder')
-    g.add_argument('--crop-size', type=cli.ranged(int, 32), default=512)
-    g.add_argument('--img-scale', type=cli.POSITIVE_INT, nargs=2, default=(2048, 512), metavar=('LONG', 'SHORT'))
-    g.add_argument('--ratio-range', type=cli.POSITIVE, nargs=2, default=(0.5, 2.0), metavar=('MIN', 'MAX'))
-    g.add_argument('--cat-max-ratio', type=cli.ranged(float, 0, 1, lo_open=True), default=0.75)
+    g.add_argument('--crop-size', type=cli.ranged(int, 32), default=None, help=_default('crop_size'))
+    g.add_argument('--img-scale', type=cli.POSITIVE_INT, nargs=2, default=None, metavar=('LONG', 'SHORT'),
+                   help=_default('img_scale'))
+    g.add_argument('--ratio-range', type=cli.POSITIVE, nargs=2, default=None, metavar=('MIN', 'MAX'),
+                   help=_default('ratio_range'))
+    g.add_argument('--cat-max-ratio', type=cli.ranged(float, 0, 1, lo_open=True), default=None,
+                   help=_default('cat_max_ratio'))
     g.add_argument('--num_workers', '--num-workers', dest='num_workers', type=cli.NON_NEGATIVE_INT, default=None)
     g.add_argument('--pin-mem', action=argparse.BooleanOptionalAction, default=True)
-    g = p.add_argument_group('Evaluation')
+    g = p.add_argument_group('Evaluation', RECORDED.format('--eval-mode and --slide-stride'))
     g.add_argument('--eval', action='store_true', help='evaluate --resume (or --output_dir/checkpoint.pth) only')
-    g.add_argument('--eval-mode', choices=['whole', 'slide'], default='whole')
-    g.add_argument('--slide-stride', type=cli.POSITIVE_INT, default=341, help='slide mode: stride of the crops')
+    g.add_argument('--eval-mode', choices=['whole', 'slide'], default=None, help=_default('eval_mode'))
+    g.add_argument('--slide-stride', type=cli.POSITIVE_INT, default=None,
+                   help=f'slide mode: stride of the crops {_default("slide_stride")}')
     g.add_argument('--eval-interval', type=cli.POSITIVE_INT, default=16000)
     g.add_argument('--eval-at-start', action='store_true', help='also evaluate the model before training')
     g.add_argument('--dist-eval', action=argparse.BooleanOptionalAction, default=None)
@@ -103,7 +123,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Flags that cannot work together: argparse's two lines (exit 2) before anything starts."""
-    if not timm.is_model(args.model):
+    if args.model is not None and not timm.is_model(args.model):
         parser.error(f"unknown model '{args.model}' (a NaLaFormer variant, e.g. NALAFORMER_T)")
     if not args.data_path:
         parser.error('--data-path is required: the ADEChallengeData2016 folder (images/ and annotations/)')
@@ -116,7 +136,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f'{flag} {path}: no such file')
     if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
-    if args.ratio_range[0] > args.ratio_range[1]:
+    if args.ratio_range is not None and args.ratio_range[0] > args.ratio_range[1]:
         parser.error(f'--ratio-range {args.ratio_range[0]} {args.ratio_range[1]}: MIN above MAX')
     if args.batch_size == 1 and not args.eval and not (world > 1 and str(args.device).startswith('cuda')
                                                        and args.sync_bn and torch.cuda.is_available()):
@@ -224,6 +244,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
     output = cli.settings(run_dir.RunDirSettings, args)
     resume_path = run_dir.agree_on_resume_path(output, device)
+    # the flags the command line leaves out: the checkpoint's (its command line only is read), else the recipe's
+    distributed.on_every_rank(lambda: state.take_recorded_flags(args, resume_path, RECIPE), device,
+                              f'--resume {resume_path}')
     timm.utils.random_seed(args.seed, rank)
     precision.set_tf32(device, args.tf32)
     run_dir.prepare_output_dir(output, device)
