@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or '.') == _HERE:  # `python segmentation/train.py`: the root's modules
@@ -441,6 +442,8 @@ class Progress:
 
 def run(argv: list[str] | None = None) -> int:
     """The entry point: parse, run, and end as exits.finish says (one line per error)."""
+    # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
+    warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
     return exits.finish(lambda: run_dir.leave_nothing_on_failure(lambda: main(args, parser), args.output_dir),
