@@ -1,16 +1,17 @@
 """What a segmentation run's checkpoint holds, how it is written and how a run resumes from it, on the
 classification engine's machinery: the saver's writes (saver.write_state: rank 0 writes atomically with a checksum
-and copies to the other names, every rank agrees on failures), log.txt lines (saver.append_log) and the line a
-resume adds when log.txt lacks it (run_repair.add_missing_log_line), the RNG state of every rank
-(train_state.get_rng_state).
+and copies to the other names, every rank agrees on failures), log.txt lines (saver.append_log), the repairs of a
+resume (run_repair.repair: the names a stop between two writes left behind, log.txt's missing line), the RNG state
+of every rank (train_state.get_rng_state).
 
 A checkpoint is a dict: ``task`` ('segmentation'), ``model`` (the Segmentor's state dict), ``optimizer``,
 ``scaler`` (fp16's GradScaler or None), ``iter`` (iterations done), ``args``, ``rng_state`` (one per process),
-``bad_steps`` (consecutive skipped steps), ``best_miou`` and ``best_iter``, ``log`` (the last evaluation's
-log.txt record), ``files`` (the names it was written to), ``n_parameters`` and ``checksum``. The learning rate
-is a function of ``iter`` (train.lr_at), so no scheduler state is needed.
+``bad_steps`` (consecutive skipped steps), ``best_miou`` and ``best_iter``, ``eval_due`` (the evaluation of
+``iter`` is still to be done: the run stopped before it was saved), ``progress`` (the training losses not yet in
+a log line), ``log`` (the last evaluation's log.txt record), ``files`` (the names it was written to),
+``n_parameters`` and ``checksum``. The learning rate is a function of ``iter`` (train.lr_at), so no scheduler
+state is needed.
 """
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from checkpoint_io import (
     load_checkpoint_file,
 )
 from errors import CheckpointError, first_line
-from run_repair import add_missing_log_line
+from run_repair import repair
 from saver import append_log, write_state
 from segmentation.backbone import TASK
 from train_state import gather_rng, get_rng_state, set_rng_state
@@ -98,6 +99,8 @@ class Resumed:
     bad_steps: int = 0
     best_miou: float = -1.0
     best_iter: int | None = None
+    eval_due: bool = False  # the evaluation of start_iter is still to be done
+    progress: dict | None = None  # train.Progress's state
     ckpt: Any = None
 
 
@@ -169,8 +172,8 @@ class SegCheckpoints:
             print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "?"} process(es), '
                   f'this run has {world}: random-number state not restored')
         if self.output_dir and in_directory(path, self.output_dir):
-            distributed.on_rank0(lambda: add_missing_log_line(self.output_dir, ckpt.get('log'), key='iter'),
-                                 self.device, f'could not repair {os.path.join(self.output_dir, "log.txt")}')
+            distributed.on_rank0(lambda: repair(self.output_dir, path, ckpt, key='iter'), self.device,
+                                 f'could not repair the files of {self.output_dir} from {path}')
         return Resumed(int(ckpt['iter']), int(ckpt.get('bad_steps', 0)), float(ckpt.get('best_miou', -1.0)),
-                       ckpt.get('best_iter'), ckpt)
+                       ckpt.get('best_iter'), bool(ckpt.get('eval_due')), ckpt.get('progress'), ckpt)
 

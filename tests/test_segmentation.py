@@ -393,6 +393,56 @@ def test_eval_takes_the_flags_its_checkpoint_records_unless_given(root, tmp_path
             f'flag out (the checkpoint gives it)') in capsys.readouterr().err
 
 
+def _bad_val_label(data, pixels):
+    """Replace the second validation label map by `pixels` (uint8, its image's size or not)."""
+    _, label = ade.scan(data, 'validation')[1]
+    Image.fromarray(pixels).save(label)
+    return label
+
+
+def test_a_bad_validation_label_map_ends_the_run_before_training(root, tmp_path, capsys):
+    """The validation label maps are checked before the first training step, as an evaluation reads them:
+    their size and classes (ade.check_labels); the run ends with the one line and leaves nothing."""
+    data = _copy(root, tmp_path)
+    argv = ['--data-path', data, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--channels', '16', '--iters',
+            '1', '--batch-size', '2', '--crop-size', '32', '--img-scale', '64', '32', '--output_dir',
+            str(tmp_path / 'out')]
+    for pixels, line in ((np.ones((20, 24), np.uint8), r'the label map is 24x20 but its image .* is 48x40'),
+                         (np.full((40, 48), 9, np.uint8), r'holds label 9, above the 5 classes of --num-classes 5')):
+        label = _bad_val_label(data, pixels)
+        assert _run(argv) == 1
+        captured = capsys.readouterr()
+        assert re.search(f'^error: {re.escape(label)}: {line}', captured.err, re.M), captured.err
+        assert 'Model:' not in captured.out and 'Iter [' not in captured.out
+        assert not os.path.exists(tmp_path / 'out')
+    pairs = ade.scan(root, 'validation')
+    assert ade.check_labels(pairs, 5) == sum(int((ade.read_pair(*pair, 5)[1] != 255).sum()) for pair in pairs)
+
+
+def test_a_validation_set_without_a_labelled_pixel_is_refused(root, tmp_path, capsys):
+    data = _copy(root, tmp_path)
+    for _, label in ade.scan(data, 'validation'):
+        Image.fromarray(np.full((40, 48), 255 if label.endswith('1.png') else 0, np.uint8)).save(label)
+    assert _run(['--data-path', data, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--iters', '1']) == 1
+    assert (f'error: --data-path {data}: no validation label map holds a class (every pixel is 0, "other", or 255, '
+            f'both ignored), so there is no mIoU to measure') in capsys.readouterr().err
+
+
+def test_training_batches_without_a_labelled_pixel_get_a_note(root, tmp_path, capsys, one_thread):
+    data = _copy(root, tmp_path)
+    for _, label in ade.scan(data, 'training'):
+        Image.fromarray(np.zeros((40, 48), np.uint8)).save(label)
+    assert _run(['--data-path', data, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--channels', '8',
+                 '--iters', '2', '--batch-size', '2', '--crop-size', '32', '--img-scale', '64', '32',
+                 '--print-freq', '1', '--warmup-iters', '0']) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r'^Iter \[\d/2\].*loss: (\S+)', out, re.M) == ['0.0000', '0.0000']
+    notes = [line for line in out.splitlines() if 'no labelled pixel' in line]
+    assert notes == ['Note: the training batches of iterations 1..1 hold no labelled pixel (every label is 0, '
+                     '"other", or 255, both ignored): their loss is 0 and nothing is learnt; label maps hold the '
+                     'classes as 1..5'], out
+
+
 def test_a_resume_adds_the_evaluation_line_log_txt_lacks(tmp_path, capsys):
     """The segmentation run's log repair is the classification run's, keyed on the iteration: the checkpoint's
     record is added when log.txt has no line of its iteration, after a half-written last line is dropped."""
