@@ -10,23 +10,27 @@ from checkpoint_io import copy_atomic, in_directory, load_checkpoint_file, run_c
 from errors import CheckpointError, CheckpointWriteError
 from metrics import write_log_line
 
+#: the words of a checkpoint's position key in the lines below
+_WORDS = {'epoch': ('epoch', 'epochs'), 'iter': ('iteration', 'iterations')}
 
-def repair(directory: str, path: str, ckpt: dict[str, Any]) -> None:
+
+def repair(directory: str, path: str, ckpt: dict[str, Any], key: str = 'epoch') -> None:
     """After a resume from `path` (rank 0): when it is in the run directory `directory`, bring the directory in
-    line with the resumed state (_repair_files) and add its log line when log.txt lacks it (add_missing_log_line)."""
+    line with the resumed state (_repair_files) and add its log line when log.txt lacks it (add_missing_log_line).
+    `key` is the checkpoint's position and log.txt's key: 'epoch' for classification, 'iter' for segmentation."""
     if in_directory(path, directory):
-        _repair_files(directory, path, ckpt)
-        add_missing_log_line(directory, ckpt.get('log'))
+        _repair_files(directory, path, ckpt, key)
+        add_missing_log_line(directory, ckpt.get('log'), key)
 
-def _repair_files(directory: str, path: str, ckpt: dict[str, Any]) -> None:
+def _repair_files(directory: str, path: str, ckpt: dict[str, Any], key: str = 'epoch') -> None:
     """Bring the run directory in line with the resumed state: names that are hard links of one file become
-    independent files, log.txt's lines of later epochs are moved aside (a resume from an
+    independent files, log.txt's lines of later epochs (iterations) are moved aside (a resume from an
     older checkpoint), and the other names this state was saved under (best.pth, checkpoint_NNNN.pth) get a
     copy of it when they are missing, unreadable, or hold an older state that a stop between the writes
     left there. An older file written after the resumed one was put there by hand: it is left alone."""
     separate_hard_links(directory)
-    _trim_log(directory, path, ckpt)
-    epoch = ckpt.get('epoch')
+    _trim_log(directory, path, ckpt, key)
+    epoch, word = ckpt.get(key), _WORDS[key][0]
     for name in ckpt.get('files') or []:
         target = os.path.join(directory, name)
         if os.path.exists(target) and os.path.samefile(target, path):
@@ -40,28 +44,29 @@ def _repair_files(directory: str, path: str, ckpt: dict[str, Any]) -> None:
             except CheckpointError:
                 reason = 'unreadable (truncated or damaged after it was written)'
             else:
-                was = other.get('epoch', '?') if isinstance(other, dict) else '?'
+                was = other.get(key, '?') if isinstance(other, dict) else '?'
                 if not isinstance(other, dict) or (other.get('checksum') != ckpt.get('checksum')
-                                                   and _order(other) < _order(ckpt)):
+                                                   and _order(other, key) < _order(ckpt, key)):
                     if os.path.getmtime(target) <= os.path.getmtime(path):
-                        reason = f'older (epoch {was}: the run stopped between writing {path} and it)'
+                        reason = f'older ({word} {was}: the run stopped between writing {path} and it)'
                     else:
-                        print(f'Note: {target} holds an older state (epoch {was}) than {path} (epoch {epoch}), '
+                        print(f'Note: {target} holds an older state ({word} {was}) than {path} ({word} {epoch}), '
                               f'which was also saved under that name, but was written after it (put there by '
                               f'hand?): left as it is')
         if reason:
             copy_atomic(path, target)
-            print(f'Repaired {target}: it was {reason}; copied the state of epoch {epoch} there from {path}, '
+            print(f'Repaired {target}: it was {reason}; copied the state of {word} {epoch} there from {path}, '
                   f'which was saved under both names')
 
-def _trim_log(directory: str, path: str, ckpt: dict[str, Any]) -> None:
-    """Move log.txt's lines of the epochs after the resumed state (a resume from an older checkpoint, e.g.
-    --resume best.pth) to a side file next to it, so that log.txt ends where the run continues and the
-    rerun epochs are not listed twice. Nothing is deleted."""
+def _trim_log(directory: str, path: str, ckpt: dict[str, Any], key: str = 'epoch') -> None:
+    """Move log.txt's lines of the epochs (iterations) after the resumed state (a resume from an older
+    checkpoint, e.g. --resume best.pth) to a side file next to it, so that log.txt ends where the run continues
+    and the rerun epochs are not listed twice. Nothing is deleted."""
     log = os.path.join(directory, 'log.txt')
-    if not isinstance(ckpt.get('epoch'), int) or not os.path.isfile(log):
+    if not isinstance(ckpt.get(key), int) or not os.path.isfile(log):
         return
-    done = ckpt['epoch'] - (1 if ckpt.get('step') else 0)  # the last finished epoch
+    inside = key == 'epoch' and ckpt.get('step')  # stopped inside an epoch
+    done = ckpt[key] - (1 if inside else 0)  # the last finished epoch (iteration)
     with open(log) as f:
         lines = f.readlines()
     keep: list[str] = []
@@ -69,7 +74,7 @@ def _trim_log(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     epochs = []
     for line in lines:
         try:
-            e = json.loads(line).get('epoch')
+            e = json.loads(line).get(key)
         except (ValueError, AttributeError):
             e = None
         if isinstance(e, int) and e > done:
@@ -86,10 +91,10 @@ def _trim_log(directory: str, path: str, ckpt: dict[str, Any]) -> None:
     with open(side, 'w') as f:
         f.writelines(later)
     write_atomic(log, lambda f: f.write(''.join(keep).encode()))
-    what = (f'{path} stopped inside epoch {ckpt["epoch"]}' if ckpt.get('step')
-            else f'resumed from epoch {done} ({path})')
-    span = f'epoch {done + 1}' if max(epochs) == done + 1 else f'epochs {done + 1}..{max(epochs)}'
-    print(f"Note: {what}, older than log.txt's last epoch {max(epochs)}: moved the lines of {span} to "
+    word, words = _WORDS[key]
+    what = f'{path} stopped inside epoch {ckpt["epoch"]}' if inside else f'resumed from {word} {done} ({path})'
+    span = f'{word} {done + 1}' if max(epochs) == done + 1 else f'{words} {done + 1}..{max(epochs)}'
+    print(f"Note: {what}, older than log.txt's last {word} {max(epochs)}: moved the lines of {span} to "
           f'{side}, so that log.txt ends where the run continues')
 
 def add_missing_log_line(directory: str, record: Any, key: str = 'epoch') -> None:
@@ -117,7 +122,7 @@ def add_missing_log_line(directory: str, record: Any, key: str = 'epoch') -> Non
             continue
     if record[key] not in seen:
         write_log_line(directory, record)
-        print(f'Repaired {path}: added the line of {"iteration" if key == "iter" else key} {record[key]} from the '
+        print(f'Repaired {path}: added the line of {_WORDS[key][0]} {record[key]} from the '
               f'checkpoint, which log.txt lacked (the run stopped, or could not write, before logging it)')
 
 
@@ -146,6 +151,8 @@ def separate_hard_links(directory: str) -> None:
                   f'file of its own, so that writing to one name leaves the other as it was')
 
 
-def _order(ckpt: dict[str, Any]) -> tuple[int, float]:
-    """(epoch, step) of a checkpoint, a finished epoch after every step inside it."""
-    return int(ckpt.get('epoch', -1)), float(ckpt['step']) if ckpt.get('step') else float('inf')
+def _order(ckpt: dict[str, Any], key: str = 'epoch') -> tuple[int, float]:
+    """(epoch, step) of a checkpoint, a finished epoch after every step inside it; (iteration, inf) with `key`
+    'iter'."""
+    step = ckpt.get('step') if key == 'epoch' else None
+    return int(ckpt.get(key, -1)), float(step) if step else float('inf')

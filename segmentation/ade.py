@@ -3,7 +3,8 @@
 Layout: ``images/{training,validation}/*.jpg`` and ``annotations/{training,validation}/*.png`` of the same
 names; a label map holds 0 ("other", ignored) and the classes 1..150, which become 255 and 0..149 (mmseg's
 ``reduce_zero_label``). A wrong layout, a missing label map, a label map of another size than its image or a
-label above the number of classes is one line naming the file and the fix (``LabelError``).
+label above the number of classes is one line naming the file and the fix (``LabelError``); ``check_labels``
+checks a split's label maps without decoding the images (the validation split, before training).
 
 Training (``TrainPipeline``, mmseg's ``train_pipeline``): rescale to ``img_scale`` (2048, 512) times a ratio in
 0.5..2.0 keeping the aspect ratio, a random crop (512²) that no class fills more than 75% of (10 tries), a
@@ -76,8 +77,19 @@ def read_pair(image_path: str, label_path: str, num_classes: int) -> tuple[np.nd
         with Image.open(image_path) as im:
             image = np.array(im.convert('RGB'))
     except OSError as e:
-        raise LabelError(f'{image_path}: cannot be decoded ({first_line(e)}); replace it from the ADE20K archive, '
-                         f'or move it and its label map out of the data set') from e
+        raise LabelError(_undecodable_image(image_path, e)) from e
+    return image, checked_label(label_path, image_path, image.shape[:2], num_classes)
+
+
+def _undecodable_image(image_path: str, e: BaseException) -> str:
+    return (f'{image_path}: cannot be decoded ({first_line(e)}); replace it from the ADE20K archive, or move it and '
+            f'its label map out of the data set')
+
+
+def checked_label(label_path: str, image_path: str, image_size: tuple[int, int], num_classes: int) -> np.ndarray:
+    """The label map of the image `image_path` of `image_size` (height, width), reduced (255 ignored, classes
+    0..num_classes-1) and checked: one single-channel 8-bit map of the image's size, no class above
+    `num_classes`."""
     try:
         with Image.open(label_path) as lm:
             if lm.mode not in ('L', 'P'):
@@ -87,9 +99,9 @@ def read_pair(image_path: str, label_path: str, num_classes: int) -> tuple[np.nd
     except OSError as e:
         raise LabelError(f'{label_path}: cannot be decoded ({first_line(e)}); replace it from the ADE20K archive') \
             from e
-    if label.shape != image.shape[:2]:
+    if label.shape != tuple(image_size):
         raise LabelError(f'{label_path}: the label map is {label.shape[1]}x{label.shape[0]} but its image '
-                         f"{image_path} is {image.shape[1]}x{image.shape[0]}; a label map must have its image's "
+                         f"{image_path} is {image_size[1]}x{image_size[0]}; a label map must have its image's "
                          f'size: restore both from the ADE20K archive (or resize the label map with '
                          f'nearest-neighbour interpolation)')
     label = label - np.uint8(1)  # mmseg's reduce_zero_label: 0 ("other") -> 255, class k -> k - 1
@@ -98,7 +110,22 @@ def read_pair(image_path: str, label_path: str, num_classes: int) -> tuple[np.nd
     if top >= num_classes:
         raise LabelError(f'{label_path}: holds label {top + 1}, above the {num_classes} classes of --num-classes '
                          f'{num_classes}; pass the number of classes of this data set')
-    return image, label
+    return label
+
+
+def check_labels(pairs: list[tuple[str, str]], num_classes: int) -> int:
+    """Check the label maps of the (image, label map) `pairs` as loading them does (checked_label), each image's
+    size read from its header (the image is not decoded); returns the number of labelled pixels (neither "other"
+    nor 255)."""
+    labelled = 0
+    for image_path, label_path in pairs:
+        try:
+            with Image.open(image_path) as im:
+                width, height = im.size
+        except OSError as e:
+            raise LabelError(_undecodable_image(image_path, e)) from e
+        labelled += int((checked_label(label_path, image_path, (height, width), num_classes) != IGNORE_INDEX).sum())
+    return labelled
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or '.') == _HERE:  # `python segmentation/train.py`: the root's modules
@@ -44,17 +45,33 @@ from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from train_state import preserved_rng  # noqa: E402
 
+#: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
+#: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
+RECIPE = {'model': 'NALAFORMER_T', 'num_classes': 150, 'channels': 512, 'aux_weight': 0.4, 'drop_path': None,
+          'crop_size': 512, 'img_scale': (2048, 512), 'ratio_range': (0.5, 2.0), 'cat_max_ratio': 0.75,
+          'eval_mode': 'whole', 'slide_stride': 341}
+RECORDED = 'with a checkpoint to evaluate or resume, {}, when not given, take the values it records'
+
+
+def _default(key: str) -> str:
+    """'(default: 512)' for --help."""
+    value = RECIPE[key]
+    return f"(default: {' '.join(map(str, value)) if isinstance(value, tuple) else value})"
+
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line; the defaults are the recipe (docs/segmentation.md)."""
     p = cli.LauncherArgumentParser('segmentation/train.py', description=__doc__.split('\n')[0], add_help=True)
-    g = p.add_argument_group('Model')
-    g.add_argument('--model', default='NALAFORMER_T', help='backbone: a NaLaFormer variant (any timm model builds)')
+    g = p.add_argument_group('Model', RECORDED.format(
+        '--model, --drop-path, --channels, --aux-weight and --num-classes'))
+    g.add_argument('--model', default=None, help=f'backbone: a NaLaFormer variant (any timm model builds) '
+                                                  f'{_default("model")}')
     g.add_argument('--pretrained', default='', help='classification checkpoint or release to start the backbone from')
     g.add_argument('--drop-path', type=cli.RATE, default=None, help="backbone drop path (default: the variant's)")
-    g.add_argument('--channels', type=cli.POSITIVE_INT, default=512, help='UperNet channels')
-    g.add_argument('--aux-weight', type=cli.NON_NEGATIVE, default=0.4, help='auxiliary FCN head loss weight (0: none)')
-    g.add_argument('--num-classes', type=cli.POSITIVE_INT, default=150)
+    g.add_argument('--channels', type=cli.POSITIVE_INT, default=None, help=f'UperNet channels {_default("channels")}')
+    g.add_argument('--aux-weight', type=cli.NON_NEGATIVE, default=None,
+                   help=f'auxiliary FCN head loss weight (0: none) {_default("aux_weight")}')
+    g.add_argument('--num-classes', type=cli.POSITIVE_INT, default=None, help=_default('num_classes'))
     g = p.add_argument_group('Schedule')
     g.add_argument('--iters', type=cli.POSITIVE_INT, default=160000)
     g.add_argument('--batch-size', type=cli.POSITIVE_INT, default=2, help='per process (8 x 2 = 16)')
@@ -66,18 +83,22 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--min-lr', type=cli.NON_NEGATIVE, default=0.0)
     g.add_argument('--clip-grad', type=cli.POSITIVE, default=None)
     g.add_argument('--max-bad-steps', type=cli.NON_NEGATIVE_INT, default=20)
-    g = p.add_argument_group('Data')
+    g = p.add_argument_group('Data', RECORDED.format('--crop-size, --img-scale, --ratio-range and --cat-max-ratio'))
     g.add_argument('--data-path', default=None, help='the ADEChallengeData2016 folder')
-    g.add_argument('--crop-size', type=cli.ranged(int, 32), default=512)
-    g.add_argument('--img-scale', type=cli.POSITIVE_INT, nargs=2, default=(2048, 512), metavar=('LONG', 'SHORT'))
-    g.add_argument('--ratio-range', type=cli.POSITIVE, nargs=2, default=(0.5, 2.0), metavar=('MIN', 'MAX'))
-    g.add_argument('--cat-max-ratio', type=cli.ranged(float, 0, 1, lo_open=True), default=0.75)
+    g.add_argument('--crop-size', type=cli.ranged(int, 32), default=None, help=_default('crop_size'))
+    g.add_argument('--img-scale', type=cli.POSITIVE_INT, nargs=2, default=None, metavar=('LONG', 'SHORT'),
+                   help=_default('img_scale'))
+    g.add_argument('--ratio-range', type=cli.POSITIVE, nargs=2, default=None, metavar=('MIN', 'MAX'),
+                   help=_default('ratio_range'))
+    g.add_argument('--cat-max-ratio', type=cli.ranged(float, 0, 1, lo_open=True), default=None,
+                   help=_default('cat_max_ratio'))
     g.add_argument('--num_workers', '--num-workers', dest='num_workers', type=cli.NON_NEGATIVE_INT, default=None)
     g.add_argument('--pin-mem', action=argparse.BooleanOptionalAction, default=True)
-    g = p.add_argument_group('Evaluation')
+    g = p.add_argument_group('Evaluation', RECORDED.format('--eval-mode and --slide-stride'))
     g.add_argument('--eval', action='store_true', help='evaluate --resume (or --output_dir/checkpoint.pth) only')
-    g.add_argument('--eval-mode', choices=['whole', 'slide'], default='whole')
-    g.add_argument('--slide-stride', type=cli.POSITIVE_INT, default=341, help='slide mode: stride of the crops')
+    g.add_argument('--eval-mode', choices=['whole', 'slide'], default=None, help=_default('eval_mode'))
+    g.add_argument('--slide-stride', type=cli.POSITIVE_INT, default=None,
+                   help=f'slide mode: stride of the crops {_default("slide_stride")}')
     g.add_argument('--eval-interval', type=cli.POSITIVE_INT, default=16000)
     g.add_argument('--eval-at-start', action='store_true', help='also evaluate the model before training')
     g.add_argument('--dist-eval', action=argparse.BooleanOptionalAction, default=None)
@@ -103,7 +124,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Flags that cannot work together: argparse's two lines (exit 2) before anything starts."""
-    if not timm.is_model(args.model):
+    if args.model is not None and not timm.is_model(args.model):
         parser.error(f"unknown model '{args.model}' (a NaLaFormer variant, e.g. NALAFORMER_T)")
     if not args.data_path:
         parser.error('--data-path is required: the ADEChallengeData2016 folder (images/ and annotations/)')
@@ -116,7 +137,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f'{flag} {path}: no such file')
     if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
-    if args.ratio_range[0] > args.ratio_range[1]:
+    if args.ratio_range is not None and args.ratio_range[0] > args.ratio_range[1]:
         parser.error(f'--ratio-range {args.ratio_range[0]} {args.ratio_range[1]}: MIN above MAX')
     if args.batch_size == 1 and not args.eval and not (world > 1 and str(args.device).startswith('cuda')
                                                        and args.sync_bn and torch.cuda.is_available()):
@@ -224,12 +245,17 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
     output = cli.settings(run_dir.RunDirSettings, args)
     resume_path = run_dir.agree_on_resume_path(output, device)
+    # the flags the command line leaves out: the checkpoint's (its command line only is read), else the recipe's
+    distributed.on_every_rank(lambda: state.take_recorded_flags(args, resume_path, RECIPE), device,
+                              f'--resume {resume_path}')
     timm.utils.random_seed(args.seed, rank)
     precision.set_tf32(device, args.tf32)
     run_dir.prepare_output_dir(output, device)
     train_set, val_set = build_data(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '
           f'{args.num_classes} classes')
+    if train_set is not None:
+        check_validation_labels(args, val_set, device)
 
     model = backbone.build_segmentor(args.model, args.num_classes, args.channels, args.aux_weight > 0,
                                      args.drop_path, args.crop_size)
@@ -253,12 +279,32 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # room for checkpoint.pth, its replacement while it is written and best.pth
     saver.check_room(args.output_dir, saver.checkpoint_bytes(bare, resume_path=resume_path), device)
     if resumed.ckpt is not None:
-        print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}')
+        due = '; its evaluation, which the stop left due, comes first' if resumed.eval_due else ''
+        print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}{due}')
         resumed.ckpt = None
     train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype, scaler, args.clip_grad)
     run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag)
-    return train(run, optimizer, resumed.start_iter, train_loader)
+    return train(run, optimizer, resumed.start_iter, train_loader, resumed.eval_due)
+
+
+def check_validation_labels(args, val_set, device) -> None:
+    """Every validation label map checked before training as the evaluations will read it (its image's size, its
+    values: ade.check_labels), each process a share: a bad one ends the run with its one line now, not at the
+    first evaluation; so does a validation set without one labelled pixel (there would be no mIoU to measure)."""
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+
+    def check() -> int:
+        try:
+            return ade.check_labels(val_set.pairs[rank::world], args.num_classes)
+        except ade.LabelError as e:
+            raise UserError(ade.error_line(e)) from e
+
+    labelled = distributed.on_every_rank(check, device, 'checking the validation label maps')
+    if distributed.all_reduce_max([float(labelled > 0)], device)[0] == 0:
+        raise UserError(f'--data-path {args.data_path}: no validation label map holds a class (every pixel is 0, '
+                        f'"other", or 255, both ignored), so there is no mIoU to measure; label maps hold the '
+                        f'classes as 1..{args.num_classes}')
 
 
 def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dtype, stop_flag) -> int:
@@ -274,6 +320,18 @@ def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dty
     return 0
 
 
+class StopRequest:
+    """What the optimizer step reads as this process's stop request (`requested`, agreed over the processes by
+    the step): a stop signal, or a training batch this process could not read (`error`, its one line)."""
+
+    def __init__(self, stop_flag):
+        self.stop_flag, self.error = stop_flag, None
+
+    @property
+    def requested(self) -> bool:
+        return self.stop_flag.requested or self.error is not None
+
+
 class Run:
     """What the training loop works with: the flags, the model as trained (DDP) and as saved (bare), the optimizer
     step, the checkpoints, the loaders, the device and precision, the stop flag, and the best mIoU so far."""
@@ -281,19 +339,44 @@ class Run:
     def __init__(self, args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag):
         self.args, self.train_model, self.bare, self.step = args, train_model, bare, step
         self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, device
-        self.amp_dtype, self.stop_flag = amp_dtype, stop_flag
+        self.amp_dtype, self.stop_flag, self.request = amp_dtype, stop_flag, StopRequest(stop_flag)
         self.best, self.best_iter, self.bad = resumed.best_miou, resumed.best_iter, resumed.bad_steps
-        self.progress = Progress(args, resumed.start_iter)
+        self.progress = Progress(args, resumed.start_iter, resumed.progress)
 
-    def extra(self) -> dict:
-        """The checkpoint entries of the loop's own state."""
-        return {'bad_steps': self.bad, 'best_miou': self.best, 'best_iter': self.best_iter}
+    def extra(self, eval_due: bool = False) -> dict:
+        """The checkpoint entries of the loop's own state; `eval_due`: the evaluation of the saved iteration is
+        still to be done (the resumed run does it first)."""
+        return {'bad_steps': self.bad, 'best_miou': self.best, 'best_iter': self.best_iter, 'eval_due': eval_due,
+                'progress': self.progress.state()}
 
-    def stopped(self, done: int) -> int:
+    def save(self, done: int, eval_due: bool = False) -> None:
+        """checkpoint.pth after `done` iterations."""
+        self.checkpoints.save(done, [saver.LAST], self.extra(eval_due))
+
+    def stopped(self, done: int, eval_due: bool = False) -> int:
         """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
+        due = f' (its evaluation of iteration {done} is still due: the resumed run does it first)' if eval_due else ''
         print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
-              f'checkpoint saved; run the same command again to resume')
+              f'checkpoint saved{due}; run the same command again to resume')
         return exits.stopped_status(self.args.launcher, self.stop_flag)
+
+    def next_batch(self, batches):
+        """The next training batch, or None when this process cannot read it: its one line is then kept for the
+        next optimizer step to agree on as on a stop (every process ends after that step, its work saved)."""
+        try:
+            return next(batches)
+        except ade.LabelError as e:
+            self.request.error = ade.error_line(e)
+            return None
+
+    def raise_data_error(self, done: int, saved: bool) -> None:
+        """Collective: when a process could not read its batch, end every process with that line (after `done`
+        iterations, saved to checkpoint.pth when `saved`)."""
+        line = next((e for e in distributed.gather_objects(self.request.error) if e), None)
+        if line:
+            kept = (f'; checkpoint.pth holds the {done} iterations done: replace the file and run the same command '
+                    f'again to resume' if saved and self.args.output_dir else '')
+            raise UserError(line + kept)
 
     def count_bad(self, out, it: int) -> None:
         """Consecutive skipped steps (a non-finite loss, an fp16 overflow); too many end the run."""
@@ -306,61 +389,69 @@ class Run:
                                      f'--max-bad-steps {self.args.max_bad_steps}); stopped, the last checkpoint '
                                      f'is kept')
 
-    def evaluate_and_save(self, done: int) -> bool:
-        """Evaluate after `done` iterations, save checkpoint.pth (and best.pth when the mIoU improved), log the
-        scores; True when a stop signal cut the evaluation short or arrived meanwhile, on any process."""
+    def evaluate_and_save(self, done: int) -> int | None:
+        """Save checkpoint.pth with the evaluation of `done` iterations due (a stop or a failure while it runs
+        loses neither the training nor the evaluation), evaluate, save checkpoint.pth again with the scores (and
+        best.pth when the mIoU improved), log them. Returns the exit status when a stop signal on any process cut
+        the evaluation short (its checkpoint keeps it due) or arrived meanwhile, else None."""
         _sync_bn_buffers(self.args, self.bare)
+        self.save(done, eval_due=True)
         result = evaluate(self.args, self.bare, self.val_loader, self.device, self.amp_dtype, self.stop_flag)
         self.train_model.train()
         # every process takes the same path below (log.txt's line is written in a collective)
         aborted, stop = (v > 0 for v in distributed.all_reduce_max(
             [float(result['aborted']), float(self.stop_flag.requested)], self.device))
-        names, extra = ['checkpoint.pth'], self.extra()
-        if not aborted:
-            print(f'Iteration {done}: ' + miou.summary_line(result, self.args.eval_mode))
-            record = eval_record(result, self.args, iter=done, train_loss=self.progress.take_mean(),
-                                 lr=lr_at(done - 1, self.args))
-            if result['mIoU'] > self.best:
-                self.best, self.best_iter = result['mIoU'], done
-                names.append('best.pth')
-            extra.update(best_miou=self.best, best_iter=self.best_iter, log=record)
-        self.checkpoints.save(done, names, extra)
-        if not aborted:
-            self.checkpoints.append_log(extra['log'])
-        return aborted or stop
+        if aborted:
+            return self.stopped(done, eval_due=True)
+        print(f'Iteration {done}: ' + miou.summary_line(result, self.args.eval_mode))
+        record = eval_record(result, self.args, iter=done, train_loss=self.progress.take_mean(),
+                             lr=lr_at(done - 1, self.args))
+        names = [saver.LAST]
+        if result['mIoU'] > self.best:
+            self.best, self.best_iter = result['mIoU'], done
+            names.append(saver.BEST)
+        self.checkpoints.save(done, names, {**self.extra(), 'log': record})
+        self.checkpoints.append_log(record)
+        return self.stopped(done) if stop else None
 
 
-def train(run: Run, optimizer, start: int, train_loader) -> int:
-    """Iterations `start` .. --iters: one optimizer step each, an evaluation and a checkpoint every
-    --eval-interval, a checkpoint every --save-interval, and at a stop signal, which ends the run."""
+def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False) -> int:
+    """Iterations `start` .. --iters (after the evaluation of `start` when it is `eval_due`): one optimizer step
+    each, an evaluation and a checkpoint every --eval-interval, a checkpoint every --save-interval, and at a
+    stop signal or an unreadable training batch, which end the run."""
     args = run.args
     criterion = SegLoss(args.aux_weight)
     if args.eval_at_start and start == 0:
         result = evaluate(args, run.bare, run.val_loader, run.device, run.amp_dtype, None)
         print('Before training: ' + miou.summary_line(result, args.eval_mode))
         run.checkpoints.append_log(eval_record(result, args, iter=0))
+    code = run.evaluate_and_save(start) if eval_due else None
+    if code is not None:
+        return code
     run.train_model.train()
     batches = iter(train_loader)
+    batch = run.next_batch(batches) if start < args.iters else None
+    run.raise_data_error(start, saved=False)
     for it in range(start, args.iters):
         for group in optimizer.param_groups:
             group['lr'] = lr_at(it, args)
-        try:
-            images, labels = next(batches)
-        except ade.LabelError as e:
-            raise UserError(ade.error_line(e)) from e
-        images, labels = images.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True).long()
-        out = run.step(run.train_model, criterion, images, labels, it, None, stop_flag=run.stop_flag)
+        images, labels = (t.to(run.device, non_blocking=True) for t in batch)
+        # the next batch is read before this step, whose agreement ends every process when one cannot read it
+        batch = run.next_batch(batches) if it + 1 < args.iters else None
+        out = run.step(run.train_model, criterion, images, labels.long(), it, None, stop_flag=run.request)
         run.count_bad(out, it)
-        run.progress.add(it, out.losses, optimizer)
+        run.progress.add(it, out.losses, optimizer, labels)
         done = it + 1
+        due = done % args.eval_interval == 0 or done == args.iters
         if out.stop:
-            run.checkpoints.save(done, ['checkpoint.pth'], run.extra())
-            return run.stopped(done)
-        if done % args.eval_interval == 0 or done == args.iters:
-            if run.evaluate_and_save(done):
-                return run.stopped(done)
-        elif done % args.save_interval == 0:
-            run.checkpoints.save(done, ['checkpoint.pth'], run.extra())
+            run.save(done, eval_due=due)
+            run.raise_data_error(done, saved=True)
+            return run.stopped(done, eval_due=due)
+        code = run.evaluate_and_save(done) if due else None
+        if code is not None:
+            return code
+        if not due and done % args.save_interval == 0:
+            run.save(done)
     return finish(args, run.bare, run.best, run.best_iter)
 
 
@@ -381,23 +472,44 @@ def finish(args, bare, best: float, best_iter: int | None) -> int:
 
 
 class Progress:
-    """A progress line every --print-freq iterations: iteration, ETA, LR, mean loss since the last line, img/s.
-    The losses stay on the device until a line is printed."""
+    """A progress line every --print-freq iterations: iteration, ETA, LR, mean loss since the last line, img/s;
+    once, a note when a line's batches held no labelled pixel (the loss is then 0). The losses and the labelled
+    pixel counts stay on the device until a line is printed. `state()` is what a checkpoint keeps of it (the
+    losses not yet in a log line), `saved` such a state to continue from."""
 
-    def __init__(self, args, start: int):
+    def __init__(self, args, start: int, saved: dict | None = None):
         self.args, self.start, self.t0 = args, start, time.time()
+        saved = saved or {}
+        # the iterations since the last line: those of a resumed checkpoint (numbers), then this run's (tensors)
+        self.carried: list[float] = list(saved.get('losses', []))
+        self.carried_labelled = int(saved.get('labelled', 0))
         self.losses: list[torch.Tensor] = []
-        self.since_eval: list[float] = []
+        self.labelled: list[torch.Tensor] = []
+        self.since_eval: list[float] = list(saved.get('since_eval', []))  # the lines since the last evaluation
         self.t_line, self.it_line = self.t0, start
+        self.noted = False
 
-    def add(self, it: int, losses: torch.Tensor, optimizer) -> None:
-        """Note iteration `it`'s losses; print the line when it is due."""
+    def state(self) -> dict:
+        """The losses (and labelled pixels) of the iterations since the last line, the losses of the lines since
+        the last evaluation."""
+        return {'losses': self._window_losses(), 'labelled': self._window_labelled(),
+                'since_eval': list(self.since_eval)}
+
+    def _window_losses(self) -> list[float]:
+        return self.carried + (torch.stack(self.losses).tolist() if self.losses else [])
+
+    def _window_labelled(self) -> int:
+        return self.carried_labelled + (int(torch.stack(self.labelled).sum()) if self.labelled else 0)
+
+    def add(self, it: int, losses: torch.Tensor, optimizer, labels: torch.Tensor) -> None:
+        """Note iteration `it`'s losses and the labelled pixels of its batch; print the line when it is due."""
         self.losses.append(losses.detach().float().mean())
+        self.labelled.append((labels != ade.IGNORE_INDEX).sum())
         done = it + 1
         if done % self.args.print_freq and done != self.args.iters:
             return
-        values = torch.stack(self.losses).tolist()
-        self.losses = []
+        values, labelled = self._window_losses(), self._window_labelled()
+        self.carried, self.carried_labelled, self.losses, self.labelled = [], 0, [], []
         finite = [v for v in values if v == v and abs(v) != float('inf')]
         self.since_eval += finite
         now = time.time()
@@ -408,6 +520,11 @@ class Progress:
         eta_text = time.strftime('%H:%M:%S', time.gmtime(eta)) if eta < 86400 else f'{eta / 86400:.1f} days'
         print(f'Iter [{done}/{self.args.iters}]  eta: {eta_text}  lr: {optimizer.param_groups[0]["lr"]:.3g}  '
               f'loss: {loss:.4f}  img/s: {images:.1f}', flush=True)
+        if not labelled and not self.noted:
+            self.noted = True
+            print(f'Note: the training batches of iterations {self.it_line + 1}..{done} hold no labelled pixel '
+                  f'(every label is 0, "other", or 255, both ignored): their loss is 0 and nothing is learnt; '
+                  f'label maps hold the classes as 1..{self.args.num_classes}')
         self.t_line, self.it_line = now, done
 
     def take_mean(self) -> float | None:
@@ -418,6 +535,8 @@ class Progress:
 
 def run(argv: list[str] | None = None) -> int:
     """The entry point: parse, run, and end as exits.finish says (one line per error)."""
+    # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
+    warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
     return exits.finish(lambda: run_dir.leave_nothing_on_failure(lambda: main(args, parser), args.output_dir),

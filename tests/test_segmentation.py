@@ -343,36 +343,104 @@ def test_pretrained_takes_a_safetensors_release(xt_checkpoint, tmp_path):
     assert torch.equal(model.state_dict()['backbone.model.' + w], ema[w])
 
 
-def test_eval_of_a_classification_checkpoint_is_one_line(root, xt_checkpoint, capsys):
+def _run(argv):
+    """segmentation/train.py's run() in this process, the signal handlers it installs put back."""
     import signal
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        code = seg_train.run(['--eval', '--resume', xt_checkpoint[0], '--data-path', root, '--device', 'cpu',
-                              '--cpu-malloc', 'system', '--model', 'NALAFORMER_XT', '--num-classes', '5',
-                              '--channels', '16', '--num_workers', '0'])
+        return seg_train.run([*argv, '--device', 'cpu', '--cpu-malloc', 'system', '--num_workers', '0'])
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def test_eval_of_a_classification_checkpoint_is_one_line(root, xt_checkpoint, capsys):
+    code = _run(['--eval', '--resume', xt_checkpoint[0], '--data-path', root, '--model', 'NALAFORMER_XT',
+                 '--num-classes', '5', '--channels', '16'])
     err = capsys.readouterr().err
     assert code == 1 and f'error: {xt_checkpoint[0]} is not a segmentation checkpoint' in err
     assert f'--pretrained {xt_checkpoint[0]}' in err and 'Traceback' not in err
 
 
-def test_a_checkpoint_names_the_model_flags_it_needs(root, tmp_path, capsys):
-    import signal
+def test_eval_takes_the_flags_its_checkpoint_records_unless_given(root, tmp_path, capsys, one_thread):
+    """--eval of a checkpoint without its flags scores it as a fresh evaluation with every recorded flag given
+    does (the recorded size, classes, channels), says which it took in one line, names a given value that
+    differs in one line, and refuses a given model flag the weights cannot load into."""
+    torch.manual_seed(0)
     model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
     path = str(tmp_path / 'seg.pth')
-    torch.save({'task': 'segmentation', 'model': model.state_dict(), 'iter': 3,
-                'args': {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 16, 'aux_weight': 0.4}}, path)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        code = seg_train.run(['--eval', '--resume', path, '--data-path', root, '--device', 'cpu', '--cpu-malloc',
-                              'system', '--model', 'NALAFORMER_XT', '--num-classes', '5', '--num_workers', '0'])
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    assert code == 1 and f'error: {path} holds a model built with --channels 16; pass the same flags' in \
-        capsys.readouterr().err
+    recorded = {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 16, 'aux_weight': 0.4, 'drop_path': None,
+                'crop_size': 48, 'img_scale': (96, 48), 'ratio_range': (0.5, 2.0), 'cat_max_ratio': 0.75,
+                'eval_mode': 'slide', 'slide_stride': 20}
+    torch.save({'task': 'segmentation', 'model': model.state_dict(), 'iter': 3, 'args': recorded}, path)
+    given = ['--model', 'NALAFORMER_XT', '--num-classes', '5', '--channels', '16', '--aux-weight', '0.4',
+             '--crop-size', '48', '--img-scale', '96', '48', '--eval-mode', 'slide', '--slide-stride', '20']
+    common = ['--eval', '--resume', path, '--data-path', root]
+    assert _run(common + given) == 0
+    fresh = capsys.readouterr().out
+    assert 'as recorded in' not in fresh and 'Note:' not in fresh
+    assert _run(common) == 0
+    out = capsys.readouterr().out
+    assert (f'--model NALAFORMER_XT --num-classes 5 --channels 16 --crop-size 48 --img-scale 96 48 --eval-mode slide '
+            f'--slide-stride 20: as recorded in {path} (pass a flag to choose another value)') in out
+    score = re.findall(r'^mIoU .*$', fresh, re.M)
+    assert len(score) == 1 and score == re.findall(r'^mIoU .*$', out, re.M) and 'sliding-window' in score[0]
+    assert _run(common + ['--img-scale', '64', '32']) == 0
+    assert (f'Note: --img-scale 64 32 (the checkpoint: --img-scale 96 48): the command line differs from {path}; '
+            f'using the command line') in capsys.readouterr().out
+    assert _run(common + ['--channels', '32']) == 1
+    assert (f'error: {path} holds a model built with --channels 16, this command passes --channels 32: leave the '
+            f'flag out (the checkpoint gives it)') in capsys.readouterr().err
+
+
+def _bad_val_label(data, pixels):
+    """Replace the second validation label map by `pixels` (uint8, its image's size or not)."""
+    _, label = ade.scan(data, 'validation')[1]
+    Image.fromarray(pixels).save(label)
+    return label
+
+
+def test_a_bad_validation_label_map_ends_the_run_before_training(root, tmp_path, capsys):
+    """The validation label maps are checked before the first training step, as an evaluation reads them:
+    their size and classes (ade.check_labels); the run ends with the one line and leaves nothing."""
+    data = _copy(root, tmp_path)
+    argv = ['--data-path', data, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--channels', '16', '--iters',
+            '1', '--batch-size', '2', '--crop-size', '32', '--img-scale', '64', '32', '--output_dir',
+            str(tmp_path / 'out')]
+    for pixels, line in ((np.ones((20, 24), np.uint8), r'the label map is 24x20 but its image .* is 48x40'),
+                         (np.full((40, 48), 9, np.uint8), r'holds label 9, above the 5 classes of --num-classes 5')):
+        label = _bad_val_label(data, pixels)
+        assert _run(argv) == 1
+        captured = capsys.readouterr()
+        assert re.search(f'^error: {re.escape(label)}: {line}', captured.err, re.M), captured.err
+        assert 'Model:' not in captured.out and 'Iter [' not in captured.out
+        assert not os.path.exists(tmp_path / 'out')
+    pairs = ade.scan(root, 'validation')
+    assert ade.check_labels(pairs, 5) == sum(int((ade.read_pair(*pair, 5)[1] != 255).sum()) for pair in pairs)
+
+
+def test_a_validation_set_without_a_labelled_pixel_is_refused(root, tmp_path, capsys):
+    data = _copy(root, tmp_path)
+    for _, label in ade.scan(data, 'validation'):
+        Image.fromarray(np.full((40, 48), 255 if label.endswith('1.png') else 0, np.uint8)).save(label)
+    assert _run(['--data-path', data, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--iters', '1']) == 1
+    assert (f'error: --data-path {data}: no validation label map holds a class (every pixel is 0, "other", or 255, '
+            f'both ignored), so there is no mIoU to measure') in capsys.readouterr().err
+
+
+def test_training_batches_without_a_labelled_pixel_get_a_note(root, tmp_path, capsys, one_thread):
+    data = _copy(root, tmp_path)
+    for _, label in ade.scan(data, 'training'):
+        Image.fromarray(np.zeros((40, 48), np.uint8)).save(label)
+    assert _run(['--data-path', data, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--channels', '8',
+                 '--iters', '2', '--batch-size', '2', '--crop-size', '32', '--img-scale', '64', '32',
+                 '--print-freq', '1', '--warmup-iters', '0']) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r'^Iter \[\d/2\].*loss: (\S+)', out, re.M) == ['0.0000', '0.0000']
+    notes = [line for line in out.splitlines() if 'no labelled pixel' in line]
+    assert notes == ['Note: the training batches of iterations 1..1 hold no labelled pixel (every label is 0, '
+                     '"other", or 255, both ignored): their loss is 0 and nothing is learnt; label maps hold the '
+                     'classes as 1..5'], out
 
 
 def test_a_resume_adds_the_evaluation_line_log_txt_lacks(tmp_path, capsys):
