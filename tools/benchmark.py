@@ -72,7 +72,7 @@ import models  # noqa: F401  (registers the variants)
 import optim_step
 import precision
 from ema import ModelEma
-from errors import FlagParser
+from errors import FlagParser, unknown_model
 from models import VARIANTS
 from tools.published import published_top1
 
@@ -1222,10 +1222,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.grad_checkpointing and several:
         parser.error(f'--grad-checkpointing goes with one model or --compare, not with {several[0]}')
     if args.model.upper() not in VARIANTS:
-        parser.error(f'unknown model {args.model}; choose from {list(VARIANTS)}')
+        parser.error('--model: ' + unknown_model(args.model, VARIANTS))
     unknown = [m for m in args.preset_models or [] if m.upper() not in VARIANTS]
     if unknown:
-        parser.error(f'--preset-models: unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
+        parser.error('--preset-models: ' + unknown_model(unknown[0], VARIANTS))
     if args.compare is not None:
         unknown = [n for n in args.compare if not timm.is_model(n)]
         if unknown or not args.compare:
