@@ -58,6 +58,7 @@ def test_eval_sh_passes_an_input_size_only_when_size_is_set(size):
     assert args.input_size == (int(size) if size else None) and args.eval and args.resume == '/c.pth'
 
 
+@pytest.mark.slow  # main.py in a real process
 def test_eval_sh_with_a_run_directory_names_the_checkpoints_in_it(tmp_path):
     """CKPT=output/demo (the folder, not a file in it): one line naming best.pth and checkpoint.pth there."""
     for name in ('best.pth', 'checkpoint.pth', 'log.txt'):
