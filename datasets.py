@@ -223,11 +223,12 @@ def prepare_digits(root: str) -> str:
         _write_digits(tmp)
         try:
             os.rename(tmp, root)  # atomic; replaces only an absent or empty directory
-            print(f"DIGITS: wrote scikit-learn's digits (8x8 images upscaled to {DIGITS_SIZE} px) into "
-                  f'{os.path.abspath(root)} (--data-path sets where; later runs read them from there)')
         except OSError:
             if not _digits_complete(root):  # not a lost race with another writer
                 raise
+        # every writer says it (the ranks of one job race; main.py prints rank 0's lines)
+        print(f"DIGITS: wrote scikit-learn's digits (8x8 images upscaled to {DIGITS_SIZE} px) into "
+              f'{os.path.abspath(root)} (--data-path sets where; later runs read them from there)')
         _cleanup_stale_tmp(parent, base)
     except OSError as exc:
         raise layout_error(root, f'cannot write the digits data set ({exc})',
