@@ -360,7 +360,7 @@ def validate_args(args, parser):
         if not args.teacher_path:
             parser.error('--distillation-type needs --teacher-path: a local teacher checkpoint (nothing is downloaded)')
         if not timm.is_model(args.teacher_model):
-            parser.error(f"unknown teacher model '{args.teacher_model}'")
+            parser.error('--teacher-model: ' + unknown_model(args.teacher_model, VARIANTS, timm.list_models()))
     for flag, on in (('--cosub', args.cosub), ('--ThreeAugment', args.ThreeAugment), ('--src', args.src)):
         if on:
             parser.error(f"{flag} (DeiT III) is not supported by this engine (the recipe is DeiT's: --aa)")

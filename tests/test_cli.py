@@ -196,6 +196,8 @@ def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
                                  r"NALAFORMER_T, NALAFORMER_S, NALAFORMER_B, NALAFORMER_L \(any timm model"),
     (['--model', 'nalaformer-t'], r"unknown model 'nalaformer-t' \(did you mean NALAFORMER_T\?\)"),
     (['--model', 'resnet5'], r"unknown model 'resnet5' \(did you mean resnet50\?\)"),
+    (['--distillation-type', 'soft', '--teacher-path', __file__, '--teacher-model', 'regnety-160'],
+     r"--teacher-model: unknown model 'regnety-160' \(did you mean regnety_160\?\)"),
     (['--distillation-type', 'hard', '--teacher-path', 't.pth', '--finetune', 'x.pth'],
      r'--distillation-type with --finetune'),
     (['--eval'], r'--eval needs a checkpoint'),
