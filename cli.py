@@ -1,5 +1,6 @@
 """main.py's command line: the flags in groups, their types and ranges, the checks of flags against each
-other, the settings resolved from them once the run starts (the evaluation transform a checkpoint records, the
+other, against the checkpoint files they name and against the machine's memory (whether one batch of the size
+fits), the settings resolved from them once the run starts (the evaluation transform a checkpoint records, the
 train mode), and what the optimizer and schedule flags build. Every process of a launched job parses the same
 command line; a bad one ends in one error line (and a pointer to --help) before anything starts.
 """
@@ -13,12 +14,15 @@ import timm
 import torch
 
 import checkpoint_io
+import cpu
 import datasets
 import distributed
+import loaders
 import metrics
 import run_dir
+from checkpoint import saved_args
 from cpu import DEFAULT_NUM_WORKERS
-from errors import CheckpointError, FlagParser, first_line
+from errors import CheckpointError, FlagError, FlagParser, first_line, unknown_model
 from models.nalaformer import VARIANTS
 from optimizer import OptimizerSettings, build_optimizer
 from schedule import SCHEDULERS, Schedule, build_lr_scheduler
@@ -60,6 +64,12 @@ NON_NEGATIVE = ranged(float, 0)
 NON_NEGATIVE_INT = ranged(int, 0)
 POSITIVE = ranged(float, 0, lo_open=True)
 POSITIVE_INT = ranged(int, 1)
+#: the smallest --input-size: the last stage of every variant has stride 32
+MIN_INPUT_SIZE = 32
+#: --color-jitter's default, DeiT's (which its RandAugment switches off, as here)
+COLOR_JITTER = 0.4
+#: timm's resize methods for the training crop (timm.data.transforms' names, and 'random')
+TRAIN_INTERPOLATIONS = ('bicubic', 'bilinear', 'nearest', 'box', 'hamming', 'lanczos', 'random')
 
 
 class LauncherArgumentParser(FlagParser):
@@ -107,9 +117,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group('Model')
     g.add_argument('--model', default='NALAFORMER_T', type=str, metavar='MODEL')
     # None: not given; a checkpoint's recorded size (resolve_eval_transform), else the model's (datasets.data_config)
-    g.add_argument('--input-size', default=None, type=ranged(int, 8),
+    g.add_argument('--input-size', default=None, type=ranged(int, MIN_INPUT_SIZE),
                    help="image size (default: 224, the model's; evaluating or resuming a checkpoint: the size "
-                        "it records)")
+                        "it records); at least 32, the network's total stride")
     g.add_argument('--drop', type=RATE, default=0.0, metavar='PCT', help='dropout rate')
     g.add_argument('--drop-path', type=RATE, default=None, metavar='PCT',
                    help="drop path (stochastic depth) rate; default: the variant's own rate "
@@ -154,10 +164,13 @@ def _learning_rate_schedule_flags(parser: argparse.ArgumentParser) -> None:
 def _augmentation_flags(parser: argparse.ArgumentParser) -> None:
     """The 'Augmentation' flags."""
     g = parser.add_argument_group('Augmentation')
-    g.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
+    g.add_argument('--color-jitter', type=NON_NEGATIVE, default=COLOR_JITTER, metavar='PCT',
+                   help='brightness, contrast and saturation jitter; timm applies it only without --aa (or with '
+                        'a 3a policy)')
     g.add_argument('--aa', type=str, default='rand-m9-mstd0.5-inc1', metavar='NAME')
     g.add_argument('--smoothing', type=RATE, default=0.1)
-    g.add_argument('--train-interpolation', type=str, default='bicubic')
+    g.add_argument('--train-interpolation', type=str, default='bicubic', choices=TRAIN_INTERPOLATIONS,
+                   help="the training crop's resize (random: bilinear or bicubic at random, per image)")
     g.add_argument('--repeated-aug', action=argparse.BooleanOptionalAction, default=True,
                    help='repeated augmentation x3 (RASampler)')
     g.add_argument('--train-mode', action=argparse.BooleanOptionalAction, default=None,
@@ -311,12 +324,35 @@ def compatibility_notes(args: argparse.Namespace) -> list:
             for flag, (dest, _, why) in COMPATIBILITY_FLAGS.items() if getattr(args, dest) not in (None, False)]
 
 
+def augmentation_notes(args: argparse.Namespace) -> list:
+    """A note when a training run's --color-jitter differs from the default while --aa is on: timm's
+    create_transform applies color jitter only without an --aa policy (or with a 3a policy), so it changes nothing."""
+    aa = args.aa if args.aa not in (None, '', 'none', 'None') else None
+    if args.eval or args.color_jitter == COLOR_JITTER or not aa or '3a' in aa:
+        return []
+    return [f'Note: --color-jitter {args.color_jitter} changes nothing while --aa {aa} is on (timm jitters colours '
+            f'only without --aa, or with a 3a policy); add --aa none to jitter colours instead']
+
+
+def check_accum_steps(args: argparse.Namespace, batches: int, images: int) -> None:
+    """Refuse (FlagError) an --accum-steps above the `batches` an epoch of `images` training images gives each
+    process: every optimizer step would then accumulate fewer batches than the global batch its LR and EMA decay
+    are scaled for."""
+    if args.accum_steps <= batches:
+        return
+    world = distributed.get_world_size()
+    raise FlagError(f'--accum-steps {args.accum_steps} is more than the {batches} batch(es) of an epoch ({images} '
+                    f'training images, --batch-size {args.batch_size} on {world} process(es)): every optimizer step '
+                    f'would accumulate {batches} (a global batch of {args.batch_size * world * batches}) while the '
+                    f'LR and the EMA decay are scaled for {args.accum_steps} (a global batch of '
+                    f'{args.batch_size * world * args.accum_steps}); use --accum-steps {batches} or fewer')
+
+
 def validate_args(args, parser):
     """Incompatible or impossible flags: argparse-style error before any process group or data loader.
     (Ranges of single flags are their argparse types.)"""
     if not timm.is_model(args.model):
-        parser.error(f"unknown model '{args.model}'; known NaLaFormer variants: {', '.join(sorted(VARIANTS))} "
-                     f"(any timm model name also works)")
+        parser.error(unknown_model(args.model, VARIANTS, timm.list_models()) + ' (any timm model name works too)')
     if args.distillation_type != 'none':
         if args.finetune and not args.eval:
             parser.error('--distillation-type with --finetune is not supported '
@@ -324,7 +360,7 @@ def validate_args(args, parser):
         if not args.teacher_path:
             parser.error('--distillation-type needs --teacher-path: a local teacher checkpoint (nothing is downloaded)')
         if not timm.is_model(args.teacher_model):
-            parser.error(f"unknown teacher model '{args.teacher_model}'")
+            parser.error('--teacher-model: ' + unknown_model(args.teacher_model, VARIANTS, timm.list_models()))
     for flag, on in (('--cosub', args.cosub), ('--ThreeAugment', args.ThreeAugment), ('--src', args.src)):
         if on:
             parser.error(f"{flag} (DeiT III) is not supported by this engine (the recipe is DeiT's: --aa)")
@@ -343,7 +379,12 @@ def validate_args(args, parser):
     for flag, path in (('--resume', args.resume), ('--finetune', args.finetune), ('--teacher-path', args.teacher_path)):
         if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: ' + ('checkpoints must be local files: downloading is disabled'
-                                               if checkpoint_io.is_url(path) else 'no such file'))
+                                               if checkpoint_io.is_url(path) else not_a_file(path)))
+    if args.finetune and rank0:
+        try:
+            check_task('--finetune', args.finetune)
+        except FlagError as e:
+            parser.error(str(e))
     if args.real_labels is not None and args.data_set != 'IMNET':
         parser.error(f'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set (--data-set IMNET), '
                      f'not --data-set {args.data_set}; drop --real-labels')
@@ -431,6 +472,50 @@ def check_auto_augment(aa, parser):
                      f'original, v0, 3a, or none')
 
 
+def not_a_file(path: str) -> str:
+    """Why `path`, which is not a file, cannot be read as a checkpoint: 'no such file', or that it is a directory,
+    naming the checkpoints in it (best.pth and checkpoint.pth first)."""
+    if not os.path.isdir(path):
+        return 'no such file'
+    try:
+        names = [n for n in os.listdir(path) if n.endswith(('.pth', '.safetensors')) and not n.startswith('.')]
+    except OSError:
+        names = []
+    if not names:
+        return 'a directory holding no checkpoint (.pth); pass a checkpoint file'
+    names.sort(key=lambda n: (n not in ('best.pth', 'checkpoint.pth'), n))
+    shown = ', '.join(os.path.join(path, n) for n in names[:4]) + (', ...' if len(names) > 4 else '')
+    return f'a directory, not a checkpoint; pass one of the checkpoints in it: {shown}'
+
+
+#: the checkpoints of the other tasks (the 'task' entry they carry) -> the script that writes and evaluates them
+TASK_SCRIPTS = {'segmentation': 'segmentation/train.py', 'detection': 'detection/train.py'}
+
+
+def check_task(flag: str, path: str) -> None:
+    """Refuse, in one line (FlagError), a checkpoint that another task wrote (its 'task' entry: segmentation,
+    detection) given to main.py, saying what it is and the command that takes it; its recorded --data-path goes
+    into that command. A file that cannot be read passes: loading it later says why."""
+    import shlex
+    try:
+        ckpt = checkpoint_io.load_checkpoint_file(path, verify=False, mmap=True)
+    except (CheckpointError, OSError):
+        return
+    task = ckpt.get('task') if isinstance(ckpt, dict) else None
+    if not isinstance(task, str) or task == 'classification':
+        return
+    script = TASK_SCRIPTS.get(task)
+    if script is None:
+        raise FlagError(f'{flag} {path} is a {task} checkpoint, not a classification one; main.py takes '
+                        f'classification checkpoints')
+    data = saved_args(ckpt).get('data_path')
+    command = f'python {script} --eval --resume {shlex.quote(path)}' + (f' --data-path {shlex.quote(data)}'
+                                                                           if data else '')
+    raise FlagError(f'{flag} {path} is a {task} checkpoint (written by {script}), not a classification one: '
+                    f'evaluate it with `{command}` (or continue its training with --resume instead of --eval); '
+                    f'main.py takes classification checkpoints')
+
+
 #: the flags that decide the evaluation transform; a checkpoint records them in its args
 EVAL_TRANSFORM_FLAGS = ('input_size', 'eval_crop_ratio')
 
@@ -494,3 +579,100 @@ def settings(kind: type[T], args: argparse.Namespace) -> T:
     """The settings object `kind` (a dataclass whose fields are named as flags' argparse destinations) of the
     command line `args`: the one place where the parsed flags are handed to the code below main.py."""
     return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind)})
+
+
+# --------------------------------------------------------------------------------------------------
+# Whether one batch fits in memory
+# --------------------------------------------------------------------------------------------------
+#: Lower bounds of a NaLaFormer's activation memory, in fp32, from its widths. A training block keeps at least
+#: this many values per token and channel for its backward (measured: 18.5 to 21.3 on the fast path, more on the
+#: plain path; docs/usage.md, "Sizes and memory"); with --grad-checkpointing it keeps its input alone (1).
+BLOCK_SAVED_VALUES = 18
+#: ... and the stem keeps at least this many bytes per input pixel per channel of its output (measured: 5.6 to 6.1).
+STEM_SAVED_BYTES = 5
+
+
+def bytes_per_pixel(model: str, training: bool, half: bool = False, recompute: bool = False) -> float | None:
+    """A lower bound of the memory one image of NaLaFormer variant `model` takes per input pixel, in bytes:
+    training, what the blocks and the stem keep for the backward (`recompute`: the blocks keep only their inputs,
+    as with gradient checkpointing, or as a compiler may); evaluation, stage 1's q, k, v, g projection (4 C wide)
+    and its input, both alive at once. `half`: autocast to bf16/fp16 (half of fp32's). None for a model that is not
+    a NaLaFormer variant (nothing is estimated)."""
+    arch = VARIANTS.get(str(model).upper())
+    if arch is None:
+        return None
+    dims, depths = arch['embed_dims'], arch['depths']
+    if training:
+        per_token = 1 if recompute else BLOCK_SAVED_VALUES
+        tokens = sum(depth * dim / (4 * 2 ** i) ** 2 for i, (depth, dim) in enumerate(zip(depths, dims)))
+        estimate = 4 * per_token * tokens + STEM_SAVED_BYTES * dims[0]
+    else:
+        estimate = 4 * (4 + 1) * dims[0] / 4 ** 2
+    return estimate / 2 if half else estimate
+
+
+def device_memory(device: torch.device) -> tuple[int | None, str]:
+    """(bytes one process's batch may take at most on `device`, in words): a GPU's total memory; on the CPU
+    cpu.available_memory(). (None, '') where it cannot be read."""
+    if device.type == 'cuda':
+        if not torch.cuda.is_available():
+            return None, ''
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return props.total_memory, f'the {gib(props.total_memory)} of cuda:{index} ({props.name})'
+    memory, what = cpu.available_memory()
+    return memory, f'the {gib(memory)} of {what} of this machine' if memory is not None else ''
+
+
+def gib(n: float) -> str:
+    """A byte count in GiB, or TiB/PiB/EiB when that large: '19.9 GiB'."""
+    for unit in ('GiB', 'TiB', 'PiB'):
+        if n < 1024 ** 4:
+            return f'{n / 2 ** 30:.3g} {unit}'
+        n /= 1024
+    return f'{n / 2 ** 30:.3g} EiB'
+
+
+def batch_too_big(*, what: str, model: str, per_pixel: float, pixels: int, batch: int, shape: str, memory: int,
+                  memory_words: str) -> str:
+    """'' when `batch` images of `pixels` pixels (`shape` in words, e.g. '384x384') at `per_pixel` bytes (a lower
+    bound) fit in `memory`, else the part of the error line that says what they need against what there is."""
+    need = per_pixel * pixels * batch
+    if need <= memory:
+        return ''
+    return (f'{what} needs at least {gib(need)} ({model}: about {per_pixel:.0f} bytes per pixel of each image, '
+            f"{batch} image{'s' if batch > 1 else ''} of {shape}), more than {memory_words}")
+
+
+def largest_side(per_pixel: float, batch: int, memory: int, multiple: int = MIN_INPUT_SIZE) -> int:
+    """The largest square side, a multiple of `multiple`, whose `batch` images fit in `memory` at `per_pixel`
+    (0 when not even the smallest does)."""
+    side = math.isqrt(int(memory / (per_pixel * batch)))
+    return side - side % multiple
+
+
+def check_batch_fits(args: argparse.Namespace, device: torch.device) -> None:
+    """Refuse, in one line (FlagError), an --input-size at which one training batch (--batch-size) or one
+    evaluation batch (loaders.val_batch_size) of the model cannot fit in the device's memory, by bytes_per_pixel's
+    lower bound, naming the largest size and batch that would: before anything of that size is allocated. Models
+    other than the NaLaFormer variants pass."""
+    memory, memory_words = device_memory(device)
+    half = args.amp is not None
+    train = bytes_per_pixel(args.model, training=True, half=half, recompute=args.grad_checkpointing or args.compile)
+    if memory is None or train is None:
+        return
+    size = args.input_size or datasets.data_config(args.model)['input_size'][-1]
+    batches = [] if args.eval else [('one training batch', train, lambda b: b)]
+    batches.append(('one evaluation batch', bytes_per_pixel(args.model, training=False, half=half),
+                    loaders.val_batch_size))
+    for what, per_pixel, images in batches:
+        problem = batch_too_big(what=f'--input-size {size}: {what} (--batch-size {args.batch_size})',
+                                model=args.model, per_pixel=per_pixel, pixels=size * size, shape=f'{size}x{size}',
+                                batch=images(args.batch_size), memory=memory, memory_words=memory_words)
+        if problem:
+            side = largest_side(per_pixel, images(args.batch_size), memory)
+            most = int(memory // (per_pixel * size * size))  # images of this size that fit
+            batch = next((b for b in range(args.batch_size - 1, 0, -1) if images(b) <= most), 0)
+            fixes = ([f'--input-size {side} or less'] if side >= MIN_INPUT_SIZE else []) + (
+                [f'--batch-size {batch}'] if batch else [])
+            raise FlagError(f"{problem}; use {' or '.join(fixes) or 'a smaller --input-size'}")

@@ -1,5 +1,5 @@
-"""The CPUs a training process may count on (and so its default number of data-loader workers) and its CPU
-memory allocator."""
+"""The CPUs and the memory a training process may count on (and so its default number of data-loader workers) and
+its CPU memory allocator."""
 import os
 import re
 
@@ -54,6 +54,60 @@ def default_num_workers() -> tuple[int, str]:
     n = max(1, min(DEFAULT_NUM_WORKERS, share - 1))
     return n, (f'{share} CPU(s) per process ({how}), one of them left to the training process; at most '
                f'{DEFAULT_NUM_WORKERS}, at least 1')
+
+
+def _meminfo_bytes(*fields: str) -> int | None:
+    """The sum of /proc/meminfo's `fields` (kB) in bytes; None where the file or a field is missing (not Linux)."""
+    try:
+        with open('/proc/meminfo') as f:
+            values = dict(line.split(':', 1) for line in f if ':' in line)
+        return sum(_leading_int(values[k].strip()) for k in fields) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _cgroup_limit() -> int | None:
+    """This process's cgroup memory limit in bytes (a container's, a SLURM job's), v2 or v1; None where none is
+    set or none can be read."""
+    paths = {}
+    try:
+        with open('/proc/self/cgroup') as f:
+            for line in f:  # 'ID:CONTROLLERS:PATH'; v2 has the single line '0::PATH'
+                _, controllers, path = line.rstrip('\n').split(':', 2)
+                paths[controllers] = path.lstrip('/')
+    except (OSError, ValueError):
+        pass
+    candidates = [os.path.join('/sys/fs/cgroup', paths.get('', ''), 'memory.max'), '/sys/fs/cgroup/memory.max']
+    v1 = next((p for c, p in paths.items() if 'memory' in c.split(',')), '')
+    candidates += [os.path.join('/sys/fs/cgroup/memory', v1, 'memory.limit_in_bytes'),
+                   '/sys/fs/cgroup/memory/memory.limit_in_bytes']
+    for path in candidates:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() and int(text) < 2 ** 60 else None  # 'max' or v1's huge value: none
+    return None
+
+
+def available_memory() -> tuple[int | None, str]:
+    """(bytes of memory a new allocation of this process may still get, what they are): the kernel's estimate of
+    available RAM plus free swap, within the cgroup's memory limit when one is set; (None, '') where neither can
+    be read. Generous on purpose: what a size check refuses against it cannot fit."""
+    free = _meminfo_bytes('MemAvailable', 'SwapFree')
+    if free is None:
+        try:
+            free = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+            what = 'physical memory'
+        except (AttributeError, ValueError, OSError):
+            return None, ''
+    else:
+        what = 'available RAM and free swap'
+    limit = _cgroup_limit()
+    if limit is not None and limit < free:
+        return limit, "the cgroup's memory limit"
+    return free, what
 
 
 # --------------------------------------------------------------------------------------------------

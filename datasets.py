@@ -21,6 +21,7 @@ from image_folder import (
     FLAT_LAYOUT,
     IMAGEFOLDER_LAYOUT,
     BadSampleMixin,
+    DataLayoutError,
     FlatLabelledFolder,
     RobustImageFolder,
     find_label_file,
@@ -57,6 +58,11 @@ def _check_imagefolder_root(root: str | None, layout: str, is_train: bool) -> No
     # training needs both splits (the run evaluates every epoch); eval-only needs, and lists, only val/
     for d in ((train_dir, val_dir) if is_train else (val_dir,)):
         if not os.path.isdir(d):
+            parent = os.path.dirname(os.path.abspath(root))
+            splits_above = all(os.path.isdir(os.path.join(parent, s)) for s in ('train', 'val'))
+            if splits_above and not os.path.isdir(train_dir) and not os.path.isdir(val_dir) and has_class_folders(root):
+                raise DataLayoutError(f'{root}: holds class folders, not train/ and val/: it is a split of '
+                                      f'{parent}, which holds both; pass --data-path {parent}')
             raise layout_error(d, f'missing {os.path.basename(d)}/ folder', layout)
     if is_train:  # the training build checks that val/ has the classes of train/
         tc, vc = set(list_classes(train_dir)), set(list_classes(val_dir))
@@ -220,6 +226,9 @@ def prepare_digits(root: str) -> str:
         except OSError:
             if not _digits_complete(root):  # not a lost race with another writer
                 raise
+        # every writer says it (the ranks of one job race; main.py prints rank 0's lines)
+        print(f"DIGITS: wrote scikit-learn's digits (8x8 images upscaled to {DIGITS_SIZE} px) into "
+              f'{os.path.abspath(root)} (--data-path sets where; later runs read them from there)')
         _cleanup_stale_tmp(parent, base)
     except OSError as exc:
         raise layout_error(root, f'cannot write the digits data set ({exc})',

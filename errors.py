@@ -3,6 +3,7 @@ written (docs/usage.md lists the messages)."""
 import argparse
 import difflib
 import sys
+from typing import Iterable
 
 
 class UserError(Exception):
@@ -54,6 +55,31 @@ def eprint(*a) -> None:
     sys.stderr.flush()
 
 
+def _folded(name: str) -> str:
+    return name.lower().replace('-', '_')
+
+
+def closest_name(word: str, known: Iterable[str], cutoff: float = 0.75) -> str | None:
+    """The name of `known` that `word` most likely meant: the first one equal to it up to case and '-' for '_'
+    (nalaformer-t: NALAFORMER_T), else difflib's closest with a similarity of at least `cutoff`; None if none."""
+    by_folded: dict[str, str] = {}
+    for name in known:
+        by_folded.setdefault(_folded(name), name)
+    if _folded(word) in by_folded:
+        return by_folded[_folded(word)]
+    close = difflib.get_close_matches(_folded(word), list(by_folded), n=1, cutoff=cutoff)
+    return by_folded[close[0]] if close else None
+
+
+def unknown_model(name: str, variants: Iterable[str], others: Iterable[str] = ()) -> str:
+    """The error line of an unknown model name: the closest of `variants` (the NaLaFormer variants) and `others`
+    (e.g. every timm model, where those work too) as a 'did you mean', then the variants."""
+    variants = list(variants)
+    close = closest_name(name, [*variants, *others])
+    return (f"unknown model '{name}'" + (f' (did you mean {close}?)' if close else '')
+            + f"; the NaLaFormer variants are {', '.join(variants)}")
+
+
 class FlagParser(argparse.ArgumentParser):
     """argparse whose bad command line ends in two lines instead of the page-long usage: a pointer to --help
     and the error, with the closest flag for a mistyped one (exit status 2, as argparse). main.py, the
@@ -72,9 +98,9 @@ class FlagParser(argparse.ArgumentParser):
         pairs = []
         for word in message.split(': ', 1)[1].split():
             flag = word.split('=', 1)[0]
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith('--') else []
+            close = closest_name(flag, known) if flag.startswith('--') else None
             if close:
-                pairs.append((close[0], flag))
+                pairs.append((close, flag))
         if len(pairs) == 1:
             return f' (did you mean {pairs[0][0]}?)'
         return f" (did you mean {', '.join(f'{a} for {b}' for a, b in pairs)}?)" if pairs else ''

@@ -137,14 +137,18 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     if args.num_workers is None:
         args.num_workers, why = cpu.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
-    print_lines(*cli.compatibility_notes(args))
+    print_lines(*cli.compatibility_notes(args), *cli.augmentation_notes(args))
     output = cli.settings(run_dir.RunDirSettings, args)
     resume_path = run_dir.agree_on_resume_path(output, device)  # rank 0 decides, every rank checks its own view
-    # what the checkpoint records decides before anything is built: its --model must be ours, its eval transform
-    # applies (its command line is read without its weights)
+    # what the checkpoint records decides before anything is built: it must be a classification checkpoint of our
+    # --model, its eval transform applies (its command line is read without its weights); then a batch of the size
+    # that gives must fit
+    if resume_path:
+        cli.check_task('--resume', resume_path)
     recorded = checkpoint.recorded_args(resume_path) if resume_path else {}
     cli.check_recorded_model(args, resume_path, recorded)
     cli.resolve_eval_transform(args, resume_path, recorded)
+    cli.check_batch_fits(args, device)
     print_lines(*start_lines(args, resume_path))
     from timm.utils import random_seed
     random_seed(args.seed, distributed.get_rank())  # torch, numpy and python seeded with --seed + rank
@@ -168,7 +172,8 @@ def start_lines(args: argparse.Namespace, resume_path: str) -> tuple[str, str]:
     data = args.data_set + (f' at {args.data_path}' if args.data_path else '')
     where = (f'into {args.output_dir} (every argument: {os.path.join(args.output_dir, run_dir.ARGS_NAME)})'
              if args.output_dir else 'without --output_dir (nothing saved)')
-    line = (f'Run: evaluating {resume_path} as {args.model} on {data} (--print-args prints every argument)'
+    line = (f'Run: evaluating {resume_path or args.finetune} as {args.model} on {data} (--print-args prints every '
+            f'argument)'
             if args.eval else f'Run: training {args.model} on {data} {where}')
     return line, json.dumps(checkpoint.args_to_dict(args), default=str) if args.print_args else ''
 
@@ -236,6 +241,8 @@ def build_data(args: argparse.Namespace, device: torch.device) -> Data:
     if not args.eval and len(loader_train) == 0:
         raise UserError(f'the training set ({len(dataset_train)} images) gives no full batch of {args.batch_size} '
                         f'per process on {distributed.get_world_size()} process(es); lower --batch-size')
+    if not args.eval:
+        cli.check_accum_steps(args, len(loader_train), len(dataset_train))
     n_train = f'{len(dataset_train)} train / ' if dataset_train is not None else ''
     print(f'Data: {args.data_set}, {n_train}{len(dataset_val)} val images, {nb_classes} classes')
     distributed.check_same_everywhere(loaders.data_facts(dataset_train, dataset_val, loader_train), device,
@@ -341,7 +348,9 @@ def build_training(args: argparse.Namespace, data: Data, device: torch.device, t
     print(f'Evaluation: {numbers}' if args.eval else
           f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup '
           f'{args.warmup_epochs} epochs from {args.warmup_lr}, min {args.min_lr}; {numbers}')
-    print_lines('' if args.eval else schedule.lr_floor_note(args.lr, lr_schedule, global_batch, args.unscale_lr))
+    if not args.eval:
+        print_lines(schedule.lr_floor_note(args.lr, lr_schedule, global_batch, args.unscale_lr),
+                    schedule.warmup_note(args.lr, lr_schedule))
     criterion = DistillationLoss(build_criterion(args, data.mixup_fn is not None),
                                  build_teacher(args, data.nb_classes, device), args.distillation_type,
                                  args.distillation_alpha, args.distillation_tau)

@@ -1,6 +1,6 @@
 """The learning-rate schedule of a run: the flags that shape it (`Schedule`), the base LR scaled by the global
-batch, the timm scheduler built from them and stepped once per epoch, and the note when the LR lies below the
-floor the schedule decays to."""
+batch, the timm scheduler built from them and stepped once per epoch, and the notes when the LR lies below the
+floor the schedule decays to and when the warmup lasts the whole run."""
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -72,3 +72,17 @@ def lr_floor_note(lr: float, schedule: Schedule, global_batch: int, unscale_lr: 
            'use a larger batch, --unscale-lr (the --lr as given), or a lower --min-lr')
     return (f'Note: {what} is below --min-lr {schedule.min_lr:.3g}, so the {schedule.sched} schedule rises to '
             f'--min-lr instead of decaying to it: {fix}')
+
+
+def warmup_note(lr: float, schedule: Schedule) -> str:
+    """A note when --warmup-epochs is not below --epochs: the LR then rises for the whole run and never reaches
+    the run's LR `lr` (nor decays), naming the LR of the last epoch and the fix. '' otherwise."""
+    if schedule.warmup_epochs < schedule.epochs:
+        return ''
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    lr_scheduler = build_lr_scheduler(optimizer, schedule)
+    start_epoch(lr_scheduler, schedule.epochs - 1)
+    last, fewer = optimizer.param_groups[0]['lr'], schedule.epochs - 1
+    return (f'Note: --warmup-epochs {schedule.warmup_epochs} is not below --epochs {schedule.epochs}: the LR rises '
+            f'from --warmup-lr {schedule.warmup_lr:.3g} for the whole run, to {last:.3g} in the last epoch, and never '
+            f"reaches the LR {lr:.3g} nor decays: use --warmup-epochs {fewer}{' or fewer' if fewer else ''}")

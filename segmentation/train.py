@@ -39,8 +39,9 @@ import samplers  # noqa: E402
 import saver  # noqa: E402
 import signals  # noqa: E402
 from checkpoint import args_to_dict  # noqa: E402
-from errors import NonFiniteLossError, UserError, eprint  # noqa: E402
+from errors import FlagError, NonFiniteLossError, UserError, eprint, unknown_model  # noqa: E402
 from image_folder import DataLayoutError  # noqa: E402
+from models import VARIANTS  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from train_state import preserved_rng  # noqa: E402
@@ -125,7 +126,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Flags that cannot work together: argparse's two lines (exit 2) before anything starts."""
     if args.model is not None and not timm.is_model(args.model):
-        parser.error(f"unknown model '{args.model}' (a NaLaFormer variant, e.g. NALAFORMER_T)")
+        parser.error(unknown_model(args.model, VARIANTS, timm.list_models()))
     if not args.data_path:
         parser.error('--data-path is required: the ADEChallengeData2016 folder (images/ and annotations/)')
     _, world, _, _ = distributed.launch_env()
@@ -134,7 +135,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     rank0 = distributed.launch_env()[0] == 0
     for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
         if path and rank0 and not os.path.isfile(path):
-            parser.error(f'{flag} {path}: no such file')
+            parser.error(f'{flag} {path}: {cli.not_a_file(path)}')
     if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.ratio_range is not None and args.ratio_range[0] > args.ratio_range[1]:
@@ -144,6 +145,46 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error('--batch-size 1: the pooling branch of UperNet normalises one value per channel, which '
                      'BatchNorm cannot train on; use --batch-size 2 or more per process (or SyncBatchNorm on GPUs)')
     cli.check_device(args.device, world, parser)
+
+
+#: the most elongated image --img-scale's memory check allows for: no side more than 4 times the other
+MAX_ASPECT = 4
+
+
+def check_sizes(args: argparse.Namespace, device: torch.device) -> None:
+    """Refuse, in one line (FlagError), a --crop-size whose training batch or an --img-scale whose evaluation image
+    cannot fit in the device's memory, before anything of that size is allocated: the backbone's lower bound
+    (cli.bytes_per_pixel; the decoder comes on top) and, in evaluation, the logits at the image's size (one value
+    per class and pixel). The evaluation image is the smallest --img-scale gives an image of aspect ratio up to
+    MAX_ASPECT. Backbones other than the NaLaFormer variants pass."""
+    memory, words = cli.device_memory(device)
+    half = args.amp is not None
+    train = cli.bytes_per_pixel(args.model, training=True, half=half)
+    if memory is None or train is None:
+        return
+    crop = args.crop_size
+    problem = '' if args.eval else cli.batch_too_big(
+        what=f'--crop-size {crop}: one training batch (--batch-size {args.batch_size})', model=args.model,
+        per_pixel=train, pixels=crop * crop, batch=args.batch_size, shape=f'{crop}x{crop}', memory=memory,
+        memory_words=words)
+    if problem:
+        side, most = cli.largest_side(train, args.batch_size, memory), int(memory // (train * crop * crop))
+        fixes = ([f'--crop-size {side} or less'] if side >= cli.MIN_INPUT_SIZE else []) + (
+            [f'--batch-size {most}'] if 0 < most < args.batch_size else [])
+        raise FlagError(f"{problem}; use {' or '.join(fixes) or 'a smaller --crop-size'}")
+    long, short = max(args.img_scale), min(args.img_scale)
+    pixels = min(short * short, long * long // MAX_ASPECT)
+    logits = (2 if half else 4) * args.num_classes
+    per_pixel = logits if args.eval_mode == 'slide' else max(logits, cli.bytes_per_pixel(args.model, False, half))
+    problem = cli.batch_too_big(
+        what=f'--img-scale {args.img_scale[0]} {args.img_scale[1]}: one evaluation image',
+        model=f'{args.model} with {args.num_classes} classes',
+        per_pixel=per_pixel, pixels=pixels, batch=1, shape=f'at least {pixels} pixels (aspect ratio up to '
+                                                           f'{MAX_ASPECT}:1)', memory=memory, memory_words=words)
+    if problem:
+        factor = (memory / (per_pixel * pixels)) ** 0.5
+        raise FlagError(f'{problem}; use --img-scale {int(args.img_scale[0] * factor)} '
+                        f'{int(args.img_scale[1] * factor)} or less')
 
 
 def lr_at(it: int, args: argparse.Namespace) -> float:
@@ -248,6 +289,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # the flags the command line leaves out: the checkpoint's (its command line only is read), else the recipe's
     distributed.on_every_rank(lambda: state.take_recorded_flags(args, resume_path, RECIPE), device,
                               f'--resume {resume_path}')
+    check_sizes(args, device)
     timm.utils.random_seed(args.seed, rank)
     precision.set_tf32(device, args.tf32)
     run_dir.prepare_output_dir(output, device)

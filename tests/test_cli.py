@@ -12,6 +12,7 @@ import cli
 import cpu
 import datasets
 import main
+from errors import FlagError, UserError
 
 LAUNCH_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID')
 
@@ -46,6 +47,9 @@ def parse_and_validate(argv):
     (['--input-size', '64', '--eval-crop-ratio', '0'], '--eval-crop-ratio'),
     (['--cutmix-minmax', '0.5'], '--cutmix-minmax'),
     (['--cutmix-minmax', '0.5', '0.2'], '--cutmix-minmax'),
+    (['--input-size', '16'], '--input-size'),  # below the network's stride, 32
+    (['--color-jitter', '-1'], '--color-jitter'),  # timm: ignored under --aa, a ValueError without it
+    (['--train-interpolation', 'foo'], '--train-interpolation'),  # a KeyError of timm's once the data was listed
     # accepted, then did harm
     (['--clip-grad', '-1'], '--clip-grad'),
     (['--start_epoch', '-3'], '--start_epoch'),
@@ -188,7 +192,12 @@ def test_log_dir_without_tensorboard_is_an_argument_error(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--model', 'NOT_A_MODEL'], r"unknown model 'NOT_A_MODEL'; known NaLaFormer variants: NALAFORMER_B, NALAFORMER_L"),
+    (['--model', 'NOT_A_MODEL'], r"unknown model 'NOT_A_MODEL'; the NaLaFormer variants are NALAFORMER_XT, "
+                                 r"NALAFORMER_T, NALAFORMER_S, NALAFORMER_B, NALAFORMER_L \(any timm model"),
+    (['--model', 'nalaformer-t'], r"unknown model 'nalaformer-t' \(did you mean NALAFORMER_T\?\)"),
+    (['--model', 'resnet5'], r"unknown model 'resnet5' \(did you mean resnet50\?\)"),
+    (['--distillation-type', 'soft', '--teacher-path', __file__, '--teacher-model', 'regnety-160'],
+     r"--teacher-model: unknown model 'regnety-160' \(did you mean regnety_160\?\)"),
     (['--distillation-type', 'hard', '--teacher-path', 't.pth', '--finetune', 'x.pth'],
      r'--distillation-type with --finetune'),
     (['--eval'], r'--eval needs a checkpoint'),
@@ -311,3 +320,210 @@ def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_pa
     assert not [w for w in caught if 'worker' in str(w.message)], [str(w.message) for w in caught]
 
 
+
+
+def test_train_interpolation_names_its_choices_and_each_choice_builds_the_training_transform(capsys):
+    with pytest.raises(SystemExit):
+        parse('--train-interpolation', 'foo')
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert "invalid choice: 'foo'" in line and all(f"'{c}'" in line for c in cli.TRAIN_INTERPOLATIONS), line
+    for choice in cli.TRAIN_INTERPOLATIONS:
+        args = parse('--train-interpolation', choice)
+        datasets.build_transform(True, datasets.data_config('NALAFORMER_XT', 64), cli.settings(datasets.Augmentation,
+                                                                                                args))
+
+
+@pytest.mark.parametrize('argv, noted', [
+    (['--color-jitter', '0.3'], True),  # the default --aa rand-m9-mstd0.5-inc1 switches color jitter off in timm
+    (['--color-jitter', '0.3', '--aa', 'none'], False),
+    (['--color-jitter', '0.3', '--aa', '3a'], False),
+    (['--color-jitter', '0.3', '--eval'], False),
+    ([], False),  # DeiT's default 0.4 under its own RandAugment: the recipe as it is
+])
+def test_a_color_jitter_that_changes_nothing_under_aa_is_noted(argv, noted):
+    notes = cli.augmentation_notes(parse(*argv))
+    assert notes == (['Note: --color-jitter 0.3 changes nothing while --aa rand-m9-mstd0.5-inc1 is on (timm jitters '
+                      'colours only without --aa, or with a 3a policy); add --aa none to jitter colours instead']
+                     if noted else [])
+
+
+def test_a_checkpoint_directory_names_the_checkpoints_in_it(tmp_path, plain_process, capsys):
+    run = tmp_path / 'demo'
+    run.mkdir()
+    for name in ('checkpoint_0001.pth', 'checkpoint.pth', 'best.pth', 'log.txt', '.tmp-checkpoint.pth.x'):
+        (run / name).write_bytes(b'')
+    for flag in ('--resume', '--finetune'):
+        with pytest.raises(SystemExit):
+            parse_and_validate([flag, str(run)])
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f'main.py: error: {flag} {run}: a directory, not a checkpoint; pass one of the checkpoints in it: '
+            f"{run / 'best.pth'}, {run / 'checkpoint.pth'}, {run / 'checkpoint_0001.pth'}")
+    with pytest.raises(SystemExit):
+        parse_and_validate(['--resume', str(tmp_path)])  # no .pth directly inside
+    assert capsys.readouterr().err.splitlines()[-1].endswith(': a directory holding no checkpoint (.pth); pass a '
+                                                             'checkpoint file')
+
+
+@pytest.mark.parametrize('task, script', [('segmentation', 'segmentation/train.py'),
+                                          ('detection', 'detection/train.py')])
+def test_a_checkpoint_of_another_task_names_what_it_is_and_the_command_that_takes_it(task, script, tmp_path,
+                                                                                     plain_process, capsys):
+    path = tmp_path / f'{task}.pth'
+    torch.save({'task': task, 'model': {'backbone.model.x': torch.zeros(1)},
+                'args': {'model': 'NALAFORMER_XT', 'data_path': '/data/ADE'}}, path)
+    line = (f'{path} is a {task} checkpoint (written by {script}), not a classification one: evaluate it with '
+            f'`python {script} --eval --resume {path} --data-path /data/ADE` (or continue its training with --resume '
+            f'instead of --eval); main.py takes classification checkpoints')
+    with pytest.raises(SystemExit):
+        parse_and_validate(['--finetune', str(path)])
+    assert capsys.readouterr().err.splitlines()[-1] == f'main.py: error: --finetune {line}'
+    for argv in (['--resume', str(path)], ['--eval', '--resume', str(path)]):  # refused before anything is built
+        assert main.run(argv + ['--model', 'NALAFORMER_XT', '--device', 'cpu', '--num_workers', '0',
+                                '--data-path', str(tmp_path)]) == 2
+        assert capsys.readouterr().err.splitlines() == [f'error: --resume {line}']
+    torch.save({'task': 'classification', 'model': {}}, path)  # a task this repository writes: passes
+    cli.check_task('--resume', str(path))
+
+
+def test_accum_steps_above_the_batches_of_an_epoch_are_refused_with_the_numbers(plain_process):
+    args = parse('--batch-size', '4', '--accum-steps', '8')
+    cli.check_accum_steps(args, batches=8, images=32)  # every window whole
+    with pytest.raises(FlagError) as e:
+        cli.check_accum_steps(args, batches=6, images=24)
+    assert str(e.value) == ('--accum-steps 8 is more than the 6 batch(es) of an epoch (24 training images, '
+                            '--batch-size 4 on 1 process(es)): every optimizer step would accumulate 6 (a global batch '
+                            'of 24) while the LR and the EMA decay are scaled for 8 (a global batch of 32); use '
+                            '--accum-steps 6 or fewer')
+
+
+def test_a_run_with_too_many_accum_steps_stops_after_listing_its_data(data, plain_process, capsys):
+    argv = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--num_workers',
+            '0', '--no-flops', '--epochs', '1', '--data-path', data, '--accum-steps', '7']
+    assert main.run(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith('error: --accum-steps 7 is more than the 6 batch(es) of an epoch '
+                                               '(24 training images'), err
+
+
+# --------------------------------------------------------------------------------------------------------- memory
+def _kept_bytes_per_pixel(name, fast=True, amp=False, sizes=(64, 96)):
+    """What autograd keeps for the backward of one training image of `name` (each storage once, parameters left
+    out), per input pixel: the growth between two sizes, so that what does not grow with the image drops out."""
+    import timm
+
+    from models.nalaformer import set_fast_path
+    model = timm.create_model(name, drop_path_rate=0.1).train()
+    set_fast_path(model, fast)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = []
+    for side in sizes:
+        storages = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast('cpu', torch.bfloat16, enabled=amp):
+            model(torch.randn(1, 3, side, side))
+        kept.append(sum(n for k, n in storages.items() if k not in params))
+    return (kept[1] - kept[0]) / (sizes[1] ** 2 - sizes[0] ** 2)
+
+
+def _largest_live_pair_per_pixel(name, side=64):
+    """The largest input plus output of one layer of `name` in an evaluation forward, per input pixel: both are
+    alive at once, so the evaluation's peak is at least this."""
+    import timm
+    model = timm.create_model(name).eval()
+    largest = [0]
+
+    def hook(module, inputs, output):
+        outputs = output if isinstance(output, tuple) else (output,)
+        largest[0] = max(largest[0], sum(t.nbytes for t in (*inputs, *outputs) if torch.is_tensor(t)))
+    for m in model.modules():
+        if not list(m.children()):
+            m.register_forward_hook(hook)
+    with torch.no_grad():
+        model(torch.randn(1, 3, side, side))
+    return largest[0] / side ** 2
+
+
+@pytest.mark.parametrize('name, fast, amp', [('NALAFORMER_XT', True, False), ('NALAFORMER_XT', False, False),
+                                             ('NALAFORMER_XT', True, True), ('NALAFORMER_T', True, False)])
+def test_the_memory_estimate_is_a_lower_bound_of_what_training_and_evaluation_keep(name, fast, amp, one_thread):
+    """bytes_per_pixel, from the widths alone, against what the model keeps (the fast path, the plain path,
+    bf16 autocast): never above it (a size check on it refuses only what cannot fit), and not far below the fast
+    path's (the plain path keeps about twice as much)."""
+    kept = _kept_bytes_per_pixel(name, fast=fast, amp=amp)
+    estimate = cli.bytes_per_pixel(name, training=True, half=amp)
+    assert estimate <= kept and (0.6 * kept < estimate or not fast), (estimate, kept)
+    assert cli.bytes_per_pixel(name, training=False) <= _largest_live_pair_per_pixel(name)
+    assert cli.bytes_per_pixel('resnet50', training=True) is None  # other timm models: no estimate, no check
+
+
+GPU_80GB = 80 * 2 ** 30
+
+
+def _fits(argv, memory, monkeypatch):
+    monkeypatch.setattr(cli, 'device_memory', lambda device: (memory, f'the {cli.gib(memory)} of a test GPU'))
+    cli.check_batch_fits(parse(*argv), torch.device('cpu'))
+
+
+@pytest.mark.parametrize('argv', [
+    *[['--model', name, '--input-size', '224', '--batch-size', '128'] for name in cli.VARIANTS],  # pretrain.sh
+    *[['--model', name, '--input-size', '384', '--batch-size', '64'] for name in cli.VARIANTS],  # finetune.sh
+    ['--model', 'NALAFORMER_T', '--input-size', '384', '--batch-size', '128'],
+    ['--model', 'NALAFORMER_L', '--input-size', '384', '--batch-size', '128', '--amp', 'bf16'],
+    ['--model', 'NALAFORMER_L', '--input-size', '384', '--batch-size', '1024', '--eval'],
+    ['--model', 'NALAFORMER_L', '--input-size', '1024', '--batch-size', '16', '--grad-checkpointing'],
+])
+def test_the_recipes_sizes_fit_an_80_gb_gpu(argv, monkeypatch):
+    _fits(argv, GPU_80GB, monkeypatch)
+
+
+@pytest.mark.parametrize('argv, what', [
+    (['--input-size', '100000'], 'one training batch (--batch-size 128) needs at least 1.92 PiB (NALAFORMER_T: about '
+                                 '1688 bytes per pixel of each image, 128 images of 100000x100000)'),
+    (['--model', 'NALAFORMER_L', '--input-size', '384', '--batch-size', '128'], 'one training batch'),
+    (['--model', 'NALAFORMER_XT', '--input-size', '4096', '--eval'],  # evaluation: 1.5 x --batch-size
+     'one evaluation batch (--batch-size 128) needs at least 120 GiB (NALAFORMER_XT: about 40 bytes per pixel of '
+     'each image, 192 images of 4096x4096)'),
+])
+def test_a_size_whose_batch_cannot_fit_is_refused_naming_estimate_memory_and_fixes_that_fit(argv, what,
+                                                                                           monkeypatch):
+    with pytest.raises(FlagError) as e:
+        _fits(argv, GPU_80GB, monkeypatch)
+    size = parse(*argv).input_size
+    head, fixes = str(e.value).split('; use ')
+    assert head == f'--input-size {size}: {what}, more than the 80 GiB of a test GPU' or (
+        head.startswith(f'--input-size {size}: {what}') and head.endswith('more than the 80 GiB of a test GPU'))
+    fixes = re.findall(r'(--[\w-]+) (\d+)', fixes)
+    assert fixes and {flag for flag, _ in fixes} <= {'--input-size', '--batch-size'}, fixes
+    for flag, value in fixes:  # each fix fits, one step further does not
+        step = 32 if flag == '--input-size' else 1
+        _fits(argv + [flag, value], GPU_80GB, monkeypatch)
+        with pytest.raises(FlagError):
+            _fits(argv + [flag, str(int(value) + step)], GPU_80GB, monkeypatch)
+
+
+def test_small_runs_fit_a_laptop_and_other_timm_models_are_not_checked(monkeypatch):
+    _fits(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4'], 2 ** 30, monkeypatch)
+    _fits(['--model', 'resnet50', '--input-size', '100000'], 2 ** 30, monkeypatch)  # no estimate: no check
+
+
+def test_the_cpu_memory_is_what_the_machine_has_left_within_its_cgroup(monkeypatch):
+    memory, what = cli.device_memory(torch.device('cpu'))
+    if memory is None:
+        pytest.skip('no /proc/meminfo or sysconf on this system')
+    assert memory > 0 and what.startswith(f'the {cli.gib(memory)} of ')
+    monkeypatch.setattr(cpu, '_cgroup_limit', lambda: 2 ** 20)
+    assert cpu.available_memory() == (2 ** 20, "the cgroup's memory limit")
+
+
+def test_main_refuses_a_size_that_cannot_fit_before_the_data_is_read(plain_process, monkeypatch, capsys):
+    def never(*a, **kw):  # a UserError: main.run ends with its line instead of leaving the process
+        raise UserError('the data was read before the size check')
+    monkeypatch.setattr(datasets, 'build_dataset', never)
+    assert main.run(['--input-size', '100000', '--device', 'cpu', '--data-path', '/nonexistent']) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith('error: --input-size 100000: one training batch (--batch-size 128) '
+                                               'needs at least 1.92 PiB'), err

@@ -128,6 +128,19 @@ def test_missing_split(tmp_path, split):
     assert_one_line_error(e, os.path.join(root, split), f'missing {split}/')
 
 
+@pytest.mark.parametrize('split, is_train', [('train', True), ('val', False), ('val', True)])
+def test_a_data_path_at_a_split_names_the_folder_that_holds_both(tmp_path, split, is_train):
+    root = make_folder(tmp_path)
+    with pytest.raises(IF.DataLayoutError) as e:
+        dataset_of(is_train, make_args(data_path=os.path.join(root, split)))
+    assert str(e.value) == (f'{os.path.join(root, split)}: holds class folders, not train/ and val/: it is a split of '
+                            f'{root}, which holds both; pass --data-path {root}')
+    os.rename(os.path.join(root, 'val'), os.path.join(root, 'valid'))  # the parent lacks val/: the usual line
+    with pytest.raises(IF.DataLayoutError) as e:
+        dataset_of(True, make_args(data_path=os.path.join(root, 'train')))
+    assert_one_line_error(e, os.path.join(root, 'train', 'train'), 'missing train/')
+
+
 def test_eval_only_needs_val(tmp_path):
     root = make_folder(tmp_path, splits=('val',))
     ds, nc = dataset_of(False, make_args(data_path=root))
@@ -227,10 +240,14 @@ def listing(root):
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
 
 
-def test_digits_written_once_split_and_read_as_imagefolder(tmp_path):
+def test_digits_written_once_split_and_read_as_imagefolder(tmp_path, capsys):
     root = str(tmp_path / 'digits')
     ds, nc = dataset_of(True, make_args(data_set='DIGITS', data_path=root, input_size=64))
     dv, _ = dataset_of(False, make_args(data_set='DIGITS', data_path=root, input_size=64))
+    # where they go is said once, when they are written
+    assert capsys.readouterr().out.splitlines() == [
+        f"DIGITS: wrote scikit-learn's digits (8x8 images upscaled to 32 px) into {root} (--data-path sets where; "
+        f'later runs read them from there)']
     assert type(ds) is IF.RobustImageFolder and nc == 10
     assert (len(ds), len(dv)) == (1437, 360) and len(ds) + len(dv) == 1797
     per_class = torch.bincount(torch.tensor(dv.targets), minlength=10)

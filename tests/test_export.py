@@ -76,7 +76,7 @@ def test_cli_exports_a_checkpoint_with_its_head(tmp_path, capsys):
 @pytest.mark.parametrize('argv, message', [
     (['--format', 'torchscript', '--checkpoint', 'missing.pth'], 'missing.pth: no such file'),
     (['--format', 'exported-program'], 'name it *.pt2'),
-    (['--format', 'torchscript', '--model', 'NALAFORMER_XXL'], 'unknown --model NALAFORMER_XXL'),
+    (['--format', 'torchscript', '--model', 'NALAFORMER_XXL'], "--model: unknown model 'NALAFORMER_XXL'"),
     (['--format', 'torchscript', '--input-size', '16'], 'at least 32'),
 ])
 def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys, argv, message):

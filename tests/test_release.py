@@ -139,6 +139,25 @@ def test_model_card_lines_work_where_release_ran(tmp_path, one_thread, monkeypat
     assert capsys.readouterr().out.startswith('image,rank,class_index')
 
 
+@pytest.mark.parametrize('umask', [0o022, 0o077])
+def test_the_release_file_gets_the_mode_the_umask_gives_as_any_file_written_there(tmp_path, umask):
+    """Readable by the group and others on a shared file system under the usual umask 022, as its model card."""
+    path, _, _ = _tiny_checkpoint(tmp_path)
+    old = os.umask(umask)
+    try:
+        info = release.release(str(path), str(tmp_path / 'rel'), flops=False)
+    finally:
+        os.umask(old)
+    for written in (info['file'], info['card']):
+        assert os.stat(written).st_mode & 0o777 == 0o666 & ~umask, (written, oct(os.stat(written).st_mode))
+
+
+def test_an_unknown_model_name_gets_the_closest_variant(tmp_path):
+    path, _, _ = _tiny_checkpoint(tmp_path)
+    with pytest.raises(release.UserError, match=r"unknown model 'nalaformer-xt' \(did you mean NALAFORMER_XT\?\)"):
+        release.release(str(path), str(tmp_path / 'rel'), model_name='nalaformer-xt', flops=False)
+
+
 def test_timm_names_a_missing_pretrained_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r'^NALAFORMER_XT: pretrained file nope/x\.safetensors does not exist '
                                                 r'\(a relative path is read from the working directory, '):

@@ -58,6 +58,21 @@ def test_eval_sh_passes_an_input_size_only_when_size_is_set(size):
     assert args.input_size == (int(size) if size else None) and args.eval and args.resume == '/c.pth'
 
 
+@pytest.mark.slow  # main.py in a real process
+def test_eval_sh_with_a_run_directory_names_the_checkpoints_in_it(tmp_path):
+    """CKPT=output/demo (the folder, not a file in it): one line naming best.pth and checkpoint.pth there."""
+    for name in ('best.pth', 'checkpoint.pth', 'log.txt'):
+        (tmp_path / name).write_bytes(b'')
+    e = {**{k: v for k, v in os.environ.items() if k not in ('SIZE', 'DRY_RUN', 'PYTHON')}, 'CKPT': str(tmp_path),
+         'DATA': str(tmp_path)}
+    p = subprocess.run(['bash', os.path.join(REPO, 'eval.sh'), '--device', 'cpu'], env=e, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.splitlines()[-1] == (f'main.py: error: --resume {tmp_path}: a directory, not a checkpoint; pass '
+                                         f"one of the checkpoints in it: {tmp_path / 'best.pth'}, "
+                                         f"{tmp_path / 'checkpoint.pth'}")
+
+
 def test_eval_sh_dry_run_prints_and_runs_nothing():
     # a PYTHON that fails when started: the dry run must not start it
     cmd = _dry_run('eval.sh', {'PYTHON': 'false', 'CKPT': '/c.pth', 'DATA': '/d'})

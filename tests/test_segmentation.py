@@ -14,6 +14,7 @@ from conftest import REPO, env
 from PIL import Image
 
 from segmentation import ade, backbone, miou, scenes, upernet
+from segmentation import state as seg_state
 from segmentation import train as seg_train
 
 
@@ -282,6 +283,49 @@ def test_batch_size_one_is_refused_without_sync_bn(capsys):
     with pytest.raises(SystemExit) as e:
         seg_train.run(['--data-path', 'x', '--device', 'cpu', '--batch-size', '1'])
     assert e.value.code == 2 and 'BatchNorm cannot train on; use --batch-size 2' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, error', [
+    (['--model', 'nalaformer-t'], "unknown model 'nalaformer-t' (did you mean NALAFORMER_T?)"),
+    (['--resume', '.'], '--resume .: a directory'),
+])
+def test_a_mistyped_model_or_a_directory_gets_the_fix(argv, error, capsys):
+    with pytest.raises(SystemExit) as e:
+        seg_train.run(['--data-path', 'x', '--device', 'cpu'] + argv)
+    assert e.value.code == 2 and error in capsys.readouterr().err.splitlines()[-1]
+
+
+def _check_sizes(argv, memory, monkeypatch):
+    import cli
+    monkeypatch.setattr(cli, 'device_memory', lambda device: (memory, 'the memory of a test GPU'))
+    args = seg_train.get_args_parser().parse_args(['--data-path', 'x'] + argv)
+    seg_state.take_recorded_flags(args, '', seg_train.RECIPE)  # the recipe's values of the flags not given
+    seg_train.check_sizes(args, torch.device('cpu'))
+
+
+@pytest.mark.parametrize('argv', [[], ['--eval'], ['--eval-mode', 'slide'], ['--model', 'NALAFORMER_L', '--amp'],
+                                  ['--crop-size', '640', '--img-scale', '2560', '640']])
+def test_the_recipes_crops_and_scales_fit_a_16_gb_gpu(argv, monkeypatch):
+    _check_sizes(argv, 16 * 2 ** 30, monkeypatch)
+
+
+@pytest.mark.parametrize('argv, start, fix', [
+    (['--crop-size', '100000'], '--crop-size 100000: one training batch (--batch-size 2) needs at least 30.7 TiB '
+                                '(NALAFORMER_T: about 1688 bytes per pixel of each image, 2 images of 100000x100000)',
+     r'--crop-size (\d+) or less'),
+    (['--img-scale', '100000', '100000', '--eval'],
+     '--img-scale 100000 100000: one evaluation image needs at least 1.36 TiB (NALAFORMER_T with 150 classes: about '
+     '600 bytes per pixel of each image, 1 image of at least 2500000000 pixels (aspect ratio up to 4:1))',
+     r'--img-scale (\d+) (\d+) or less'),
+])
+def test_a_crop_or_scale_that_cannot_fit_is_refused_naming_estimate_memory_and_a_fix_that_fits(argv, start, fix,
+                                                                                             monkeypatch):
+    with pytest.raises(seg_train.FlagError) as e:
+        _check_sizes(argv, 16 * 2 ** 30, monkeypatch)
+    head, use = str(e.value).split('; use ')
+    assert head == start + ', more than the memory of a test GPU'
+    values = re.fullmatch(fix, use).groups()
+    _check_sizes(argv + [argv[0], *values], 16 * 2 ** 30, monkeypatch)
 
 
 def test_train_sh_runs_dry_and_its_command_parses(tmp_path):

@@ -84,6 +84,24 @@ def test_an_lr_below_min_lr_is_noted_with_both_values_and_the_fixes(argv, note):
     assert schedule.lr_floor_note(lr, cli.settings(schedule.Schedule, args), global_batch, args.unscale_lr) == note
 
 
+@pytest.mark.parametrize('epochs, warmup, last', [(3, 5, 0.4 * 5e-4 + 0.6 * 1e-6), (1, 5, 1e-6), (5, 5, None)])
+def test_a_warmup_as_long_as_the_run_is_noted_with_the_lr_it_reaches(epochs, warmup, last):
+    args = parse('--epochs', str(epochs), '--warmup-epochs', str(warmup), '--unscale-lr')
+    note = schedule.warmup_note(args.lr, cli.settings(schedule.Schedule, args))
+    fix = f'{epochs - 1} or fewer' if epochs > 1 else '0'
+    reached = f'{last:.3g}' if last is not None else f'{(1e-6 + 4 * (5e-4 - 1e-6) / 5):.3g}'
+    assert note == (f'Note: --warmup-epochs {warmup} is not below --epochs {epochs}: the LR rises from --warmup-lr '
+                    f'1e-06 for the whole run, to {reached} in the last epoch, and never reaches the LR 0.0005 nor '
+                    f'decays: use --warmup-epochs {fix}')
+    assert schedule.warmup_note(args.lr, cli.settings(schedule.Schedule, parse('--epochs', str(warmup + 1)))) == ''
+
+
+def test_evaluating_a_finetune_file_names_it(tmp_path):
+    ck = _checkpoint(tmp_path, model='NALAFORMER_XT')
+    line, _ = main.start_lines(parse('--eval', '--finetune', ck, '--data-set', 'DIGITS'), '')
+    assert line == f'Run: evaluating {ck} as NALAFORMER_T on DIGITS (--print-args prints every argument)'
+
+
 @pytest.fixture(scope='module')
 def first_run(data, tmp_path_factory):
     """One epoch at batch 4 into OUT1 (stdout, OUT1, the TensorBoard folder or None without TensorBoard)."""
@@ -101,6 +119,7 @@ def first_run(data, tmp_path_factory):
 def test_a_run_notes_its_lr_below_min_lr_and_names_top_k_by_its_k(first_run):
     out, out1, tb = first_run
     assert 'Note: the LR 3.91e-06 (--lr 0.0005 x global batch 4 / 512) is below --min-lr 1e-05' in out
+    assert 'Note: --warmup-epochs 5 is not below --epochs 1: the LR rises from --warmup-lr 1e-06' in out
     stars = [line for line in out.splitlines() if line.startswith('* Acc@1')]
     assert len(stars) == 2 and all(' Acc@3 ' in line and 'Acc@5' not in line for line in stars), stars
     (log,) = [json.loads(line) for line in open(out1 / 'log.txt')]

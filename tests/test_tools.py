@@ -89,3 +89,23 @@ def test_a_mistyped_flag_is_two_lines_with_the_closest_flag(tool, capsys):
 
 def test_every_tool_with_a_command_line_is_in_the_typo_cases():
     assert set(TOOLS) - {'amp_parity', 'published', 'synthetic'} == set(TYPO_CASES)
+
+
+@pytest.mark.parametrize('tool', ['analyze_attention', 'benchmark', 'detection_example', 'export', 'flops',
+                                  'profile_ops'])
+def test_a_mistyped_model_name_gets_the_variant_meant(tool, capsys):
+    """nalaformer-t for NALAFORMER_T: one error line naming the variant (release and predict say it when they
+    read the checkpoint, their model's default)."""
+    entry, required = TYPO_CASES[tool]
+    module = importlib.import_module('tools.' + tool)
+    with pytest.raises(SystemExit) as ei:
+        getattr(module, entry)(required + ['--model', 'nalaformer-t'])
+    err = capsys.readouterr().err.splitlines()
+    assert ei.value.code == 2 and "unknown model 'nalaformer-t' (did you mean NALAFORMER_T?)" in err[-1], err
+
+
+def test_predict_names_the_variant_meant():
+    from errors import UserError
+    from tools import predict
+    with pytest.raises(UserError, match=r"unknown model 'nalaformer-t' \(did you mean NALAFORMER_T\?\)"):
+        predict.build_model('nalaformer-t', {}, 'c.pth')

@@ -58,7 +58,8 @@ import datasets
 import errors
 import image_folder
 import models  # noqa: F401  (registers the variants)
-from errors import FlagParser
+from errors import FlagParser, unknown_model
+from models import VARIANTS
 from models.nala import NaLaAttention
 from tools.attention_rules import (
     METHOD_LABELS,
@@ -482,7 +483,10 @@ def default_output_dir(checkpoint_path: str | None, weights: str = 'default', se
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = get_parser().parse_args(argv)
+    parser = get_parser()
+    args = parser.parse_args(argv)
+    if args.model.upper() not in VARIANTS:
+        parser.error('--model: ' + unknown_model(args.model, VARIANTS))
     try:
         return analyse(args)
     except errors.UserError as e:  # a bad checkpoint or image folder: one line, exit 1

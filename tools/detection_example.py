@@ -23,7 +23,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import models  # registers the variants
-from errors import FlagParser
+from errors import FlagParser, unknown_model
 
 
 class NaLaFormerFPN(nn.Module):
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument('--backbone-checkpoint', default=None, help='backbone weights (a classification checkpoint)')
     args = parser.parse_args(argv)
     if args.model.upper() not in models.VARIANTS:
-        parser.error(f'unknown --model {args.model}; choose one of {list(models.VARIANTS)}')
+        parser.error('--model: ' + unknown_model(args.model, models.VARIANTS))
     if args.backbone_checkpoint and not os.path.isfile(args.backbone_checkpoint):
         parser.error(f'--backbone-checkpoint {args.backbone_checkpoint}: no such file')
     detector = build_detector(args.model, mask=args.mask, backbone_checkpoint=args.backbone_checkpoint)

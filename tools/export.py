@@ -32,7 +32,7 @@ from timm.models import load_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from errors import FlagParser
+from errors import FlagParser, unknown_model
 from models import VARIANTS  # importing models registers the variants
 from models.compat import dynamo_onnx_export_error, export_dim, export_program_error
 
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help='seed of the random weights when no --checkpoint is given (default 0)')
     args = parser.parse_args(argv)
     if args.model.upper() not in VARIANTS:
-        parser.error(f'unknown --model {args.model}; choose one of {list(VARIANTS)}')
+        parser.error('--model: ' + unknown_model(args.model, VARIANTS))
     if args.input_size < 32:
         parser.error(f'--input-size must be at least 32 (the network has stride 32), got {args.input_size}')
     if args.format == 'exported-program' and not args.output.endswith('.pt2'):

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import timm
 
 import models  # noqa: F401  (registers the variants)
-from errors import FlagParser
+from errors import FlagParser, unknown_model
 from models import PAPER_FIGURES, VARIANTS
 from models.flop_count import count_flops, count_params  # count_* re-exported for tools
 
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] = None) -> None:
     height, width = (args.input_size * 2)[:2]
     unknown = [m for m in args.model if m.upper() not in VARIANTS]
     if unknown:
-        parser.error(f'unknown model {unknown}; choose from {list(VARIANTS)}')
+        parser.error('--model: ' + unknown_model(unknown[0], VARIANTS))
 
     print(f'input 3x{height}x{width}, batch 1, eval mode, fvcore multiply-adds')
     print(header())

@@ -35,8 +35,8 @@ import checkpoint_io
 import datasets
 import image_folder
 import models  # noqa: F401  (registers the variants)
-from errors import CheckpointError, FlagParser, UserError, first_line
-from models.nalaformer import from_reference_layout
+from errors import CheckpointError, FlagParser, UserError, first_line, unknown_model
+from models.nalaformer import VARIANTS, from_reference_layout
 from tools.release import WEIGHT_CHOICES
 from weights import model_for_weights, select_weights
 
@@ -108,7 +108,7 @@ def load_weights(path: str, weights: str = 'default') -> tuple[dict[str, torch.T
 def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
     """``model_name`` with the classifier size of ``sd``, loaded strictly, in eval mode."""
     if not timm.is_model(model_name):
-        raise UserError(f"unknown model '{model_name}'; known: {', '.join(timm.list_models('NALAFORMER_*'))}")
+        raise UserError(unknown_model(model_name, VARIANTS, timm.list_models()))
     return model_for_weights(model_name, sd, path).eval()
 
 

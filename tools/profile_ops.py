@@ -30,6 +30,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
+import timm
 import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
@@ -39,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402
-from errors import FlagParser  # noqa: E402
+from errors import FlagParser, unknown_model  # noqa: E402
+from models import VARIANTS  # noqa: E402
 from tools.timing import DTYPES, create_any, make_step, quiet_profiler  # noqa: E402
 
 STAGES = ('stem', 'stage1', 'stage2', 'stage3', 'stage4', 'head', 'optimizer')
@@ -274,6 +276,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if len(args.batch_sizes) not in (1, len(args.sizes)):
         parser.error(f'--batch-sizes takes one value or one per size ({len(args.sizes)}), '
                      f'got {len(args.batch_sizes)}')
+    unknown = [n for n in [args.model, *args.compare] if not timm.is_model(n)]
+    if unknown:
+        parser.error(('--model: ' if unknown[0] == args.model else '--compare: ')
+                     + unknown_model(unknown[0], VARIANTS, timm.list_models()))
     if args.steps < 1 or args.warmup < 0:
         parser.error(f'--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}')
     return args

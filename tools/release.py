@@ -41,8 +41,8 @@ import datasets
 import models  # noqa: F401  (registers the variants)
 from checkpoint import saved_args
 from checkpoint_io import load_checkpoint_file
-from errors import FlagParser, UserError
-from models.nalaformer import to_reference_layout
+from errors import FlagParser, UserError, unknown_model
+from models.nalaformer import VARIANTS, to_reference_layout
 from weights import model_for_weights, select_weights
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
@@ -195,14 +195,14 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
     """Write ``NAME-<sha8>.safetensors`` and ``NAME-<sha8>.md`` into ``output_dir``; return what was written.
     ``weights`` None takes the default rule's weights, refused when they recorded a lower top-1 than the others
     (check_better); ``reference_layout`` writes the reference implementation's keys (``to_reference_layout``)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     ckpt = load_checkpoint_file(checkpoint)
     args = saved_args(ckpt)
     model_name = model_name or args.get('model')
     if not model_name:
         raise UserError(f'{checkpoint} does not record its model (no args.model); pass --model NAME')
     if not timm.is_model(model_name):
-        raise UserError(f'unknown model {model_name!r}; pass --model with a NaLaFormer variant')
+        raise UserError(unknown_model(model_name, VARIANTS) + '; pass --model with one of them')
     key, sd = select_weights(ckpt, checkpoint, weights or 'default')
     taken = key or 'state dict'  # '': the file is a bare state dict
     ev = eval_numbers(ckpt, checkpoint) if isinstance(ckpt, dict) else {}
@@ -228,7 +228,8 @@ def release(checkpoint: str, output_dir: str, weights: str | None = None, name: 
     classes = classes if len(classes) == num_classes else []
     if classes:
         meta['classes'] = json.dumps(classes)
-    save_file(tensors, tmp, metadata=meta)
+    with open(tmp, 'wb') as f:  # open's mode (0666 less the umask), readable by others as any file written here
+        f.write(save(tensors, metadata=meta))
     digest = sha256_file(tmp)
     final = os.path.join(output_dir, f'{name}-{digest[:8]}.safetensors')
     os.replace(tmp, final)

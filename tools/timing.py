@@ -27,6 +27,7 @@ import cpu
 import models  # noqa: F401  (registers the variants)
 import optim_step
 import precision
+from errors import unknown_model
 from models import VARIANTS
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -263,7 +264,7 @@ def check_variants(parser: argparse.ArgumentParser, names: Sequence[str] | None,
     """argparse's error when ``names`` (of ``flag``) holds a name that is not a NaLaFormer variant."""
     unknown = [m for m in names or [] if m.upper() not in VARIANTS]
     if unknown:
-        parser.error(f'{flag}: unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
+        parser.error(f'{flag}: ' + unknown_model(unknown[0], VARIANTS))
 
 
 def check_timm_models(parser: argparse.ArgumentParser, names: Sequence[str] | None) -> None:

@@ -119,6 +119,30 @@ def test_under_torchrun_each_message_comes_once_and_every_rank_fails(data, tmp_p
     assert p.stdout.count('Data loader: ') == 1, p.stdout[-3000:]
 
 
+# -------------------------------------------------------------------------------- sizes that cannot fit
+@pytest.mark.parametrize('script, argv, flag', [
+    ('main.py', ['--input-size', '100000', '--data-set', 'DIGITS'], '--input-size 100000'),
+    ('main.py', ['--input-size', '100000', '--data-set', 'DIGITS', '--eval', '--finetune', 'CK'],
+     '--input-size 100000'),
+    ('segmentation/train.py', ['--crop-size', '100000', '--data-path', 'ADE'], '--crop-size 100000'),
+    ('segmentation/train.py', ['--img-scale', '100000', '100000', '--data-path', 'ADE'], '--img-scale 100000 100000'),
+])
+def test_a_size_that_cannot_fit_ends_in_one_line_before_anything_is_allocated(script, argv, flag, tmp_path):
+    """Killed by the out-of-memory killer (main.py) or a traceback (segmentation) before: now one line naming the
+    estimate, the memory and a smaller size, seconds after the start, with nothing written."""
+    import timm
+    torch.save({'model': timm.create_model('NALAFORMER_XT', num_classes=10).state_dict()}, tmp_path / 'ck.pth')
+    argv = [str(tmp_path / 'ck.pth') if a == 'CK' else a for a in argv]
+    p = subprocess.run([PY, os.path.join(REPO, script), *argv, '--device', 'cpu', '--output_dir', 'out'],
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    errors = [line for line in p.stderr.splitlines() if 'error:' in line]
+    assert p.returncode == 2 and 'Traceback' not in p.stderr and len(errors) == 1, p.stderr[-3000:]
+    assert re.fullmatch(rf'error: {flag}: one (training batch|evaluation batch|evaluation image)'
+                        rf'(?: \(--batch-size \d+\))? needs at least [\d.]+ [TPE]iB \(.* bytes per pixel of each '
+                        rf'image, .*\), more than the .* of .*; use .* or less', errors[0]), errors[0]
+    assert os.listdir(tmp_path) == ['ck.pth']  # no output directory, no DIGITS written into ./data
+
+
 # -------------------------------------------------------------------------------- the allocator setting
 # Allocates, touches and frees a 64 MiB tensor 20 times; prints the page faults of the last 4 rounds
 # (with retain, glibc's heap takes up to ~10 rounds of alignment leftovers before it reuses blocks).
