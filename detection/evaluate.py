@@ -8,6 +8,7 @@ default parameters (every image of the file, maxDets 1/10/100). The figures do n
 processes. As mmdet (2.12 and later), mask results carry no 'bbox', so that COCOeval sorts them into small, medium
 and large by their mask's area.
 """
+import colorsys
 import contextlib
 import io
 from typing import Any, Callable, Sequence
@@ -161,11 +162,10 @@ def evaluate(model: torch.nn.Module, loader: Any, coco_gt: COCO, label_to_catego
 # Pictures
 # --------------------------------------------------------------------------------------------------
 def class_colour(label: int) -> tuple[int, int, int]:
-    """A bright colour per label, the same in every picture."""
-    rng = np.random.default_rng(label)
-    c = rng.integers(0, 256, 3)
-    c[rng.integers(3)] = 255
-    return int(c[0]), int(c[1]), int(c[2])
+    """A bright colour per label, the same in every picture: hues a golden ratio apart, so that neighbouring labels
+    differ."""
+    r, g, b = colorsys.hsv_to_rgb((label * 0.618034) % 1.0, 0.85, 1.0)
+    return round(255 * r), round(255 * g), round(255 * b)
 
 
 def draw_detections(image: np.ndarray, det: dict[str, torch.Tensor], class_names: Sequence[str],
@@ -189,10 +189,11 @@ def draw_detections(image: np.ndarray, det: dict[str, torch.Tensor], class_names
         draw.rectangle([x0, y0, x1, y1], outline=colour, width=width)
         name = class_names[labels[i] - 1] if 0 < labels[i] <= len(class_names) else str(labels[i])
         text = f'{name} {float(det["scores"][i]):.2f}'
-        left, top, right, bottom = draw.textbbox((x0, y0), text)
+        left, top, right, bottom = draw.textbbox((0, 0), text)
+        tx = max(min(x0, image.shape[1] - (right - left) - 2), 0)  # inside the picture
         ty = max(y0 - (bottom - top) - 2, 0)
-        draw.rectangle([x0, ty, x0 + right - left + 2, ty + bottom - top + 2], fill=colour)
-        draw.text((x0 + 1, ty - (top - y0) + 1), text, fill=(0, 0, 0))
+        draw.rectangle([tx, ty, tx + right - left + 2, ty + bottom - top + 2], fill=colour)
+        draw.text((tx + 1 - left, ty + 1 - top), text, fill=(0, 0, 0))
     return np.asarray(picture)
 
 

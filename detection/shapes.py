@@ -9,7 +9,7 @@ in six has a crowd (iscrowd=1, an uncompressed RLE over a cluster of small shape
 with nothing else. Every shape is painted from the mask its annotation decodes to, so the pixels and the
 annotations agree exactly. Image sizes vary, landscape and portrait. Deterministic for a seed.
 
-    python detection/shapes.py output/det-demo-data        # 600 training and 100 validation images
+    python detection/shapes.py output/det-demo-data        # the demo's 120 training and 50 validation images
 """
 import argparse
 import json
@@ -119,7 +119,7 @@ def scene(h: int, w: int, image_id: int, next_ann: int, rng: np.random.Generator
     return np.clip(image, 0, 255).astype(np.uint8), anns
 
 
-def make_shapes(root: str, n_train: int = 600, n_val: int = 100, seed: int = 0) -> str:
+def make_shapes(root: str, n_train: int = 120, n_val: int = 50, seed: int = 0) -> str:
     """Write the set under `root` (created; files there are replaced) and return `root`."""
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(root, 'annotations'), exist_ok=True)
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line: write the set."""
     p = argparse.ArgumentParser(description='Write the synthetic shapes set (COCO 2017 layout) of the detection demo.')
     p.add_argument('root', help='folder to write train2017/, val2017/ and annotations/ into')
-    p.add_argument('--train', type=int, default=600, help='training images')
-    p.add_argument('--val', type=int, default=100, help='validation images')
+    p.add_argument('--train', type=int, default=120, help='training images')
+    p.add_argument('--val', type=int, default=50, help='validation images')
     p.add_argument('--seed', type=int, default=0)
     args = p.parse_args(argv)
     make_shapes(args.root, args.train, args.val, args.seed)
