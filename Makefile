@@ -2,7 +2,11 @@
 # (tests, lint) on first use, with the newest tested releases (constraints.txt); `make test-min` builds
 # .venv-min with the oldest supported ones (constraints-min.txt) and runs the fast suite in it, with the
 # few real-process tests marked min_stack (SLURM's requeue signal, whose handling depends on torchrun).
+# TORCH_INDEX: a pip index that torch and torchvision are installed from first, at the same pinned versions, e.g.
+# PyTorch's CPU wheels on a machine without a GPU (PyPI's Linux wheels bring CUDA: about 6 GB in .venv):
+#   make venv TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 VENV_MIN ?= .venv-min
@@ -14,14 +18,16 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q torch torchvision -c constraints.txt --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints.txt
 	touch $@
 
-# torch 2.4.0 / torchvision 0.19.0 / the oldest accepted timm (PyPI's CUDA wheels: a few GB, a few minutes)
+# torch 2.4.0 / torchvision 0.19.0 / the oldest accepted timm (PyPI's CUDA wheels: 5.4 GB, a few minutes)
 venv-min: $(VENV_MIN)/.installed
 
 $(VENV_MIN)/.installed: requirements.txt requirements-dev.txt constraints-min.txt
 	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
+	$(if $(TORCH_INDEX),$(PY_MIN) -m pip install -q torch torchvision -c constraints-min.txt --index-url $(TORCH_INDEX))
 	$(PY_MIN) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints-min.txt
 	touch $@
 

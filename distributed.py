@@ -2,11 +2,11 @@
 engine uses (DeiT's distributed helpers, with SLURM's srun and one-line errors for a failed rendezvous)."""
 import contextlib
 import datetime
+import gc
 import hashlib
 import os
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -171,13 +171,18 @@ def check_gpus_per_node(n_gpus: int) -> None:
 
 
 def destroy_process_group() -> None:
-    """End the process group of a run that ended cleanly. With gloo the main thread first pauses for a moment,
-    letting go of the GIL: on torch before 2.8 the destroying thread holds it while it joins gloo's worker
-    threads, and a worker still freeing the tensor of a recent collective waits for it, a deadlock seen in about
-    one two-process run in six on a loaded machine, none in fourteen with the pause."""
-    if dist.get_backend() == 'gloo':
-        time.sleep(0.2)
+    """End the process group of a run that ended cleanly, with its backends (gloo's worker threads) ended last
+    and without the GIL. Before torch 2.8 the group's destructor holds the GIL while it joins gloo's worker
+    threads, and a worker still letting go of a finished collective whose tensor's Python object it now
+    owns waits for the GIL: the process never exits. The Python objects of the backend classes release the
+    GIL in their destructors, so they are made the last references to the backends. Whatever else holds
+    the group (a DDP model) must be gone before this call; gc.collect() frees one that a reference cycle keeps."""
+    group = dist.group.WORLD
+    backends = [group._get_backend(device) for device in getattr(group, '_device_types', ())]
+    del group
     dist.destroy_process_group()
+    gc.collect()
+    backends.clear()  # each backend's destructor joins its threads with the GIL released
 
 
 def barrier() -> None:

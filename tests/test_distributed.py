@@ -1,7 +1,9 @@
 """GPU-only paths of the distributed setup, checked without a GPU: a CPU-held EMA under NCCL (broadcast and
 evaluation through the GPU), the GPU index of a SLURM task that sees only its own GPU, `--device cuda:N`,
 more processes than GPUs, and native bfloat16. CUDA and NCCL are stood in for by fakes that enforce what
-the real ones require."""
+the real ones require. And the end of a gloo process group, in two real processes."""
+
+import time
 
 import pytest
 import torch
@@ -196,3 +198,41 @@ def test_bf16_is_checked_natively_on_the_process_own_gpu(monkeypatch):
     precision.check_bf16('cuda:1')  # an A100/H100: accepted
     precision.check_bf16('cpu')  # CPU autocast: no GPU asked
     assert cuda.bf16_asked == [(1, False), (1, False)]
+
+
+# ------------------------------------------------------------------------------------- the end of a process group
+def _rank_ends_while_its_collective_finishes(rank, init_file, teardown_started):
+    """Rank 1 destroys its group while a gloo worker thread still runs an all-reduce that waits for rank 0, and
+    that worker holds the only reference to the all-reduce's tensor (and so to its Python object)."""
+    import torch.distributed as dist
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    if rank == 1:
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor, async_op=True)
+        del tensor
+        teardown_started.set()
+    else:
+        teardown_started.wait(120)
+        time.sleep(1)  # rank 1 is in its teardown, joining the worker thread that waits for this all-reduce
+        dist.all_reduce(torch.ones(4))
+    distributed.destroy_process_group()
+
+
+def test_a_rank_exits_when_a_gloo_worker_lets_go_of_a_python_tensor_during_the_teardown(tmp_path):
+    """The worker, done with the all-reduce, frees the tensor's Python object, for which it needs the GIL while
+    the teardown joins it: torch before 2.8 held the GIL there, and the rank never exited."""
+    import multiprocessing as mp
+    ctx = mp.get_context('spawn')  # fork() of the multi-threaded test process is unsafe (Python 3.12 warns)
+    teardown_started = ctx.Event()
+    procs = [ctx.Process(target=_rank_ends_while_its_collective_finishes,
+                         args=(r, str(tmp_path / 'init'), teardown_started)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()

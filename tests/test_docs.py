@@ -82,15 +82,74 @@ def test_the_python_snippet_says_where_it_runs():
 
 
 def test_the_readme_says_where_bf16_is_fast_and_how_long_make_smoke_takes():
+    """Each smoke time in the README comes with the load it was measured at, as docs/usage.md records it
+    (seconds and raw log)."""
     text = ' '.join(_read('README.md').split())
     bf16 = re.search(r'`--amp bf16` is the fast precision on GPUs with bf16 tensor cores[^`]*?\)\.', text)
     assert bf16 and 'on a CPU it needs native bf16' in bf16.group(0) and 'docs/performance.md' in bf16.group(0), text
-    smoke = re.search(r'`make smoke` runs [^`]*?on a CPU the quick set without compile, ([\d.]+) minutes on 2 cores '
-                      r'\(`python tools/smoke.py --all` runs every path: ([\d.]+) minutes', text)
+    smoke = re.search(r'`make smoke` runs [^`]*?on a CPU the quick set without compile: ([\d.]+) minutes on 2 '
+                      r'cores at load average ([\d–]+), ([\d.]+) at ([\d–]+) \(`tools/smoke.py --all`: ([\d.]+) '
+                      r'at ([\d–]+)\)', text)
     assert smoke, text
+    quick, quick_load, loaded, loaded_load, full, full_load = smoke.groups()
     usage = ' '.join(_section('docs/usage.md', '## Smoke test on a new machine').split())
-    assert (f'`make smoke` took {smoke.group(1)} minutes' in usage
-            and f'`--all` {smoke.group(2)} minutes' in usage), usage
+    for minutes, load, tail in ((quick, quick_load, r'\)'), (loaded, loaded_load, ',')):
+        m = re.search(rf'`make smoke` took {re.escape(minutes)} minutes \((\d+) s, load average {load}{tail}', usage)
+        assert m and abs(int(m.group(1)) / 60 - float(minutes)) <= 0.051, (minutes, load, usage)
+    assert re.search(rf'`--all` {re.escape(full)} minutes \(\d+ s, [^)]*load average {full_load}\)', usage), usage
+    assert 'wall time 242s' in _read('docs/results/smoke_cpu_loaded_2026-12-07.log')
+
+
+def test_the_readme_benchmark_commands_say_how_long_they_take():
+    """A short comparison comes first; the table's command says how long it took, from its raw log, and both run
+    with OMP_WAIT_POLICY=PASSIVE, as the figures were measured."""
+    commands = [c for c in readme_commands() if 'tools/benchmark.py' in c]
+    assert len(commands) == 2 and all(c.startswith('OMP_WAIT_POLICY=PASSIVE python ') for c in commands), commands
+    models = [len(re.search(r'--compare (\S+)', c).group(1).split(',')) for c in commands]
+    assert models[0] < models[1] and '--modes inference' in commands[0]
+    raw = _read('docs/results/benchmark_compare_T_fp32_bf16_idle_2026-12-06.txt')
+    assert 'OMP_WAIT_POLICY=PASSIVE python ' + commands[1].split(' python ', 1)[1] in raw
+    seconds = float(re.findall(r'\[224x224,\s+([\d.]+) s\]', raw)[-1])
+    text = ' '.join(_read('README.md').split('## Performance', 1)[1].split('\n## ', 1)[0].split())
+    assert f"the table's {seconds / 60:.1f} on the idle machine" in text, text
+
+
+def test_the_docs_give_no_test_count_that_goes_stale():
+    for doc in ('README.md', *(os.path.join('docs', f) for f in os.listdir(os.path.join(REPO, 'docs'))
+                               if f.endswith('.md'))):
+        assert not re.search(r'\b\d{3,} tests\b', _read(doc)), doc
+
+
+def test_the_failure_table_keeps_each_row_short():
+    """docs/usage.md's failure table: one short line per row (what happened, what you see and do); the long
+    explanations live in their sections, the list of checked flags in Training options."""
+    table = _section('docs/usage.md', '## When things go wrong').split('\n\n| what happened |', 1)[1]
+    rows = [line for line in table.split('\n\n', 1)[0].splitlines() if line.startswith('| ')][1:]
+    assert len(rows) >= 20
+    long = [row for row in rows if len(row.replace('|', ' ').split()) > 40]
+    assert not long, long
+    assert '**Flag checks.**' in _section('docs/usage.md', '## Training options')
+
+
+def test_the_cpu_only_install_takes_torch_from_the_given_index_first(tmp_path):
+    """README's CPU line: `make venv TORCH_INDEX=...` installs torch and torchvision from that index at the pinned
+    versions before the requirements, which keep them (a +cpu local version satisfies the pin)."""
+    from packaging.specifiers import SpecifierSet
+    index = 'https://download.pytorch.org/whl/cpu'
+    assert f'make venv TORCH_INDEX={index}' in _read('README.md')
+    for target, venv, constraints in (('venv', 'VENV', 'constraints.txt'), ('venv-min', 'VENV_MIN',
+                                                                           'constraints-min.txt')):
+        args = ['make', '-n', target, f'{venv}={tmp_path / target}']
+        plain = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+        assert '--index-url' not in plain
+        p = subprocess.run([*args, f'TORCH_INDEX={index}'], cwd=REPO, capture_output=True, text=True, timeout=60)
+        installs = [line for line in p.stdout.splitlines() if ' -m pip install ' in line]
+        assert len(installs) == 2, p.stdout
+        assert installs[0].endswith(f'pip install -q torch torchvision -c {constraints} --index-url {index}')
+        assert f'-r requirements.txt -r requirements-dev.txt -c {constraints}' in installs[1]
+        pins = dict(line.split('==') for line in _read(constraints).splitlines() if '==' in line)
+        for name in ('torch', 'torchvision'):
+            assert SpecifierSet(f'=={pins[name]}').contains(f'{pins[name]}+cpu')
 
 
 def test_make_test_duration_is_in_usage_not_in_the_readme():
@@ -180,6 +239,32 @@ def test_every_readme_command_runs_as_written(monkeypatch, tmp_path):
             raise AssertionError(f'README command of an unknown kind: {line}')
         seen.add(tool)
     assert {'make', 'bash', 'sbatch', 'python'} <= seen
+
+
+def test_every_variable_a_readme_command_sets_changes_what_its_script_runs(tmp_path):
+    """A launch line of the README sets only variables its script reads: each one, given another value, changes
+    the command the script prints, or is refused (DRY_RUN=1; slurm/train.sbatch prints each node's command)."""
+    def dry_run(script, args, assigned):
+        p = subprocess.run(['bash', os.path.join(REPO, script), *args], cwd=tmp_path, capture_output=True, text=True,
+                           env={**env(), **assigned, 'DRY_RUN': '1'}, timeout=60)
+        return p.returncode, p.stdout, p.stderr  # a refused value (an unknown MODEL) is read too
+
+    checked = 0
+    for line in readme_commands():
+        words = shlex.split(line)
+        assigned = dict(w.split('=', 1) for w in words if re.fullmatch(r'[A-Z_]+=\S*', w))
+        rest = [w for w in words if not re.fullmatch(r'[A-Z_]+=\S*', w)]
+        if rest[0] not in ('bash', 'sbatch'):
+            continue
+        script = next(w for w in rest if w.endswith(('.sh', '.sbatch')))
+        args = rest[rest.index(script) + 1:]
+        printed = dry_run(script, args, assigned)
+        assert printed[0] == 0, (line, printed)
+        for name, value in assigned.items():
+            other = str(int(value) + 1) if value.isdigit() else value + 'x'
+            assert dry_run(script, args, {**assigned, name: other}) != printed, f'{script} does not read {name}: {line}'
+            checked += 1
+    assert checked >= 10
 
 
 def test_readme_python_lines_run():

@@ -288,13 +288,21 @@ def test_fp16_overflow_steps_match_gradscalers_own_loop(one_thread):
 
 
 def _ddp_rank(rank, init_file, out):
-    """One rank of a 2-process DDP run with 2 micro-batches per step: the all-reduces DDP issues, the weights,
-    and the host reads per optimizer step."""
+    """One rank of a 2-process DDP run (_ddp_results); its DDP model is gone before the group is destroyed."""
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import distributed
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    out.put(_ddp_results(rank))
+    distributed.destroy_process_group()
+
+
+def _ddp_results(rank):
+    """A 2-process DDP run with 2 micro-batches per step: the all-reduces DDP issues, the weights, and the host
+    reads per optimizer step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import distributed
     torch.set_num_threads(1)
     forwards, allreduces = [], []  # the micro-batch (1, 2, ...) whose backward issued each gradient all-reduce
 
@@ -323,11 +331,8 @@ def _ddp_rank(rank, init_file, out):
                                    engine.TrainSettings(print_freq=1000))
             reads[n] = recorder.reads
             monkeypatch.undo()
-    out.put((rank, reduced_at, res.stats['skipped_steps'], (reads[6] - reads[2]) / 4,
-             distributed.state_digest(dict(ddp.module.named_parameters()))))  # BatchNorm statistics are per rank
-    out.close()
-    out.join_thread()  # the result is in the pipe before the process group is torn down
-    dist.destroy_process_group()
+    return (rank, reduced_at, res.stats['skipped_steps'], (reads[6] - reads[2]) / 4,
+            distributed.state_digest(dict(ddp.module.named_parameters())))  # BatchNorm statistics are per rank
 
 
 def test_two_ranks_skip_a_window_alike_with_one_gradient_all_reduce_per_step(tmp_path):
@@ -335,7 +340,7 @@ def test_two_ranks_skip_a_window_alike_with_one_gradient_all_reduce_per_step(tmp
     all-reduces its gradients exactly once (a skipped window leaves no DDP reduction armed for the next one),
     both ranks end with the same weights, and an optimizer step reads one value back per rank."""
     import multiprocessing as mp
-    ctx = mp.get_context('spawn')  # a fork of the test process would inherit the locks its threads hold
+    ctx = mp.get_context('spawn')  # fork() of the multi-threaded test process is unsafe (Python 3.12 warns)
     out = ctx.Queue()
     procs = [ctx.Process(target=_ddp_rank, args=(r, str(tmp_path / 'init'), out)) for r in range(2)]
     for p in procs:

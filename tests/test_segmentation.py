@@ -373,7 +373,9 @@ def test_the_benchmark_counts_macs_of_backbone_and_head(capsys, one_thread):
 def test_slurm_train_sbatch_runs_the_segmentation_script():
     p = subprocess.run(['bash', os.path.join(REPO, 'slurm', 'train.sbatch')], cwd=REPO, capture_output=True, text=True,
                        env={**env(), 'DRY_RUN': '1', 'SCRIPT': 'segmentation/train.sh'}, timeout=60)
-    assert p.returncode == 0 and p.stdout.strip().endswith('segmentation/train.sh'), p.stdout + p.stderr
+    assert p.returncode == 0, p.stdout + p.stderr
+    srun, node = [line for line in p.stdout.splitlines() if line.startswith('+ ')]
+    assert srun.endswith('segmentation/train.sh') and ' segmentation/train.py --model ' in node
 
 
 def test_pretrained_takes_a_safetensors_release(xt_checkpoint, tmp_path):
