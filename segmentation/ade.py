@@ -32,6 +32,26 @@ SPLITS = {'train': 'training', 'val': 'validation'}
 LAYOUT = ('images/{training,validation}/*.jpg and annotations/{training,validation}/*.png of the same names '
           '(ADEChallengeData2016 as unpacked from ADEChallengeData2016.zip)')
 IMAGE_SUFFIXES = ('.jpg', '.jpeg', '.png')
+#: mmseg's multi-scale test of ADE20K (--aug-test): these ratios of the evaluation scale, each also flipped
+AUG_RATIOS = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
+CLASS_NAMES_FILE = 'classes.txt'
+#: ADE20K's 150 classes in label order (label k is CLASSES[k - 1]), as mmseg's ADE20KDataset names them
+CLASSES = (
+    'wall', 'building', 'sky', 'floor', 'tree', 'ceiling', 'road', 'bed', 'windowpane', 'grass', 'cabinet',
+    'sidewalk', 'person', 'earth', 'door', 'table', 'mountain', 'plant', 'curtain', 'chair', 'car', 'water',
+    'painting', 'sofa', 'shelf', 'house', 'sea', 'mirror', 'rug', 'field', 'armchair', 'seat', 'fence', 'desk',
+    'rock', 'wardrobe', 'lamp', 'bathtub', 'railing', 'cushion', 'base', 'box', 'column', 'signboard',
+    'chest of drawers', 'counter', 'sand', 'sink', 'skyscraper', 'fireplace', 'refrigerator', 'grandstand', 'path',
+    'stairs', 'runway', 'case', 'pool table', 'pillow', 'screen door', 'stairway', 'river', 'bridge', 'bookcase',
+    'blind', 'coffee table', 'toilet', 'flower', 'book', 'hill', 'bench', 'countertop', 'stove', 'palm',
+    'kitchen island', 'computer', 'swivel chair', 'boat', 'bar', 'arcade machine', 'hovel', 'bus', 'towel', 'light',
+    'truck', 'tower', 'chandelier', 'awning', 'streetlight', 'booth', 'television receiver', 'airplane',
+    'dirt track', 'apparel', 'pole', 'land', 'bannister', 'escalator', 'ottoman', 'bottle', 'buffet', 'poster',
+    'stage', 'van', 'ship', 'fountain', 'conveyer belt', 'canopy', 'washer', 'plaything', 'swimming pool', 'stool',
+    'barrel', 'basket', 'waterfall', 'tent', 'bag', 'minibike', 'cradle', 'oven', 'ball', 'food', 'step', 'tank',
+    'trade name', 'microwave', 'pot', 'animal', 'bicycle', 'lake', 'dishwasher', 'screen', 'blanket', 'sculpture',
+    'hood', 'sconce', 'vase', 'traffic light', 'tray', 'ashcan', 'fan', 'pier', 'crt screen', 'plate', 'monitor',
+    'bulletin board', 'shower', 'radiator', 'glass', 'clock', 'flag')
 
 
 class LabelError(DataLayoutError):
@@ -69,6 +89,23 @@ def scan(root: str, split: str) -> list[tuple[str, str]]:
                              f'image out of {image_dir}')
         pairs.append((os.path.join(image_dir, name), os.path.join(label_dir, label)))
     return pairs
+
+
+def class_names(root: str, num_classes: int) -> tuple[str, ...]:
+    """The names of labels 1..num_classes (see the module docstring); a classes.txt that does not name each class
+    once is one line."""
+    path = os.path.join(root, CLASS_NAMES_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding='utf-8') as f:
+            names = tuple(line.strip() for line in f if line.strip())
+        if len(names) != num_classes or len(set(names)) != num_classes:
+            raise LabelError(f'{path}: {len(names)} names ({len(set(names))} different) for --num-classes '
+                             f'{num_classes}; it names each class once, one name a line, line k naming label k '
+                             f'(or remove it for generic names)')
+        return names
+    if num_classes == len(CLASSES):
+        return CLASSES
+    return tuple(f'class_{k}' for k in range(1, num_classes + 1))
 
 
 def read_pair(image_path: str, label_path: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -266,13 +303,16 @@ class ADE20K(Dataset):
     """One split of an ADE20K-layout folder. Training (`pipeline` given): items are keyed by (epoch, index) and
     give (image, label) through the pipeline, its random choices seeded by (seed, epoch, index). Evaluation:
     items are keyed by index and give (image rescaled to fit `eval_scale` and normalised, label map at the
-    original size, index)."""
+    original size, index); with `eval_ratios` the first is the list of the image rescaled to fit each ratio of
+    `eval_scale`. `classes`: the names of the classes in label order (class_names)."""
 
     def __init__(self, root: str, split: str, num_classes: int = 150, pipeline: TrainPipeline | None = None,
-                 eval_scale: tuple[int, int] = (2048, 512), seed: int = 0):
+                 eval_scale: tuple[int, int] = (2048, 512), seed: int = 0,
+                 eval_ratios: tuple[float, ...] | None = None):
         self.root, self.split, self.num_classes = root, split, num_classes
         self.pairs = scan(root, split)
-        self.pipeline, self.eval_scale, self.seed = pipeline, eval_scale, seed
+        self.classes = class_names(root, num_classes)
+        self.pipeline, self.eval_scale, self.seed, self.eval_ratios = pipeline, eval_scale, seed, eval_ratios
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -283,5 +323,8 @@ class ADE20K(Dataset):
             image, label = read_pair(*self.pairs[index], self.num_classes)
             return self.pipeline(image, label, np.random.default_rng([self.seed, epoch, index]))
         image, label = read_pair(*self.pairs[key], self.num_classes)
-        image = resize_image(image, rescale_size(*image.shape[:2], self.eval_scale))
-        return normalize(image), torch.from_numpy(label.copy()), key
+        label = torch.from_numpy(label.copy())
+        if self.eval_ratios:  # mmseg 0.x's img_ratios: (int(long * r), int(short * r)) for each ratio r
+            scales = [(int(self.eval_scale[0] * r), int(self.eval_scale[1] * r)) for r in self.eval_ratios]
+            return [normalize(resize_image(image, rescale_size(*image.shape[:2], s))) for s in scales], label, key
+        return normalize(resize_image(image, rescale_size(*image.shape[:2], self.eval_scale))), label, key

@@ -24,9 +24,11 @@ TASK = 'segmentation'
 
 
 def build_segmentor(name: str, num_classes: int, channels: int = 512, aux: bool = True,
-                    drop_path: float | None = None, img_size: int | None = None) -> Segmentor:
-    """UperNet (+ the auxiliary FCN head) over timm model `name`. `drop_path` None keeps the variant's own rate;
-    `img_size` is passed to backbones built for one input size (Swin)."""
+                    drop_path: float | None = None, img_size: int | tuple[int, int] | None = None,
+                    decoder: str = 'upernet') -> Segmentor:
+    """UperNet, or Semantic FPN with `decoder` 'fpn' (+ the auxiliary FCN head), over timm model `name`.
+    `drop_path` None keeps the variant's own rate; `img_size` (a side or (height, width)) is passed to backbones
+    built for one input size (Swin)."""
     kwargs: dict[str, Any] = {}
     if drop_path is not None:
         kwargs['drop_path_rate'] = drop_path
@@ -34,7 +36,7 @@ def build_segmentor(name: str, num_classes: int, channels: int = 512, aux: bool 
         kwargs['img_size'] = img_size
     backbone = timm.create_model(name, pretrained=False, features_only=True, feature_cls='getter',
                                  out_indices=(0, 1, 2, 3), **kwargs)
-    return Segmentor(backbone, num_classes, channels=channels, aux=aux)
+    return Segmentor(backbone, num_classes, channels=channels, aux=aux, decoder=decoder)
 
 
 def classifier_only_keys(name: str) -> set[str]:

@@ -5,7 +5,7 @@ so that training and evaluation read it through the real loader.
 Classes 1..5 are textures in a colour of their own, jittered per shape: 1 noise (the background), 2 horizontal
 stripes, 3 vertical stripes, 4 a checkerboard, 5 diagonal stripes, their stripes 3 to 5 pixels wide so that
 they survive the pipeline's rescaling. A few blotches of flat random colour are labelled 0 ("other": ignored).
-Deterministic for a seed.
+The classes' names go to classes.txt (the evaluation's per-class table reads them). Deterministic for a seed.
 
     python segmentation/scenes.py output/seg-demo-data            # 400 training and 100 validation scenes
 """
@@ -17,6 +17,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 NUM_CLASSES = 5
+#: the names of classes 1..5, written to classes.txt
+CLASS_NAMES = ('noise', 'horizontal stripes', 'vertical stripes', 'checkerboard', 'diagonal stripes')
 #: each class's colour (RGB), jittered by up to 40 per channel and shape
 COLOURS = {1: (110, 140, 90), 2: (200, 60, 60), 3: (60, 90, 210), 4: (220, 200, 60), 5: (150, 70, 190)}
 
@@ -78,6 +80,9 @@ def make_scenes(root: str, n_train: int = 400, n_val: int = 100, size: tuple[int
     """Write the scene set under `root` (created; files there are replaced) and return `root`. `size` is
     (height, width) of every scene."""
     rng = np.random.default_rng(seed)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, 'classes.txt'), 'w') as f:
+        f.write(''.join(name + '\n' for name in CLASS_NAMES))
     for split, n in (('training', n_train), ('validation', n_val)):
         os.makedirs(os.path.join(root, 'images', split), exist_ok=True)
         os.makedirs(os.path.join(root, 'annotations', split), exist_ok=True)

@@ -32,8 +32,9 @@ from segmentation.backbone import TASK
 from train_state import gather_rng, get_rng_state, set_rng_state
 from weights import load_weights_into
 
-#: the flags that shape the model: a checkpoint loads only into a model built with the same
-MODEL_FLAGS = ('model', 'num_classes', 'channels', 'aux_weight')
+#: the flags that shape the model: a checkpoint loads only into a model built with the same (--decoder first: the
+#: recipe's defaults of the others depend on it)
+MODEL_FLAGS = ('decoder', 'model', 'num_classes', 'channels', 'aux_weight')
 #: the flags an evaluation or a resume takes from the checkpoint when the command line does not give them: the
 #: model, the data pipeline's sizes and the evaluation protocol (their parser default is None: not given)
 RECORDED_FLAGS = (*MODEL_FLAGS, 'drop_path', 'crop_size', 'img_scale', 'ratio_range', 'cat_max_ratio', 'eval_mode',
@@ -102,6 +103,7 @@ class Resumed:
     eval_due: bool = False  # the evaluation of start_iter is still to be done
     progress: dict | None = None  # train.Progress's state
     ckpt: Any = None
+    last_miou: float | None = None  # of the checkpoint's evaluation (its log record), when it has one
 
 
 class SegCheckpoints:
@@ -175,5 +177,6 @@ class SegCheckpoints:
             distributed.on_rank0(lambda: repair(self.output_dir, path, ckpt, key='iter'), self.device,
                                  f'could not repair the files of {self.output_dir} from {path}')
         return Resumed(int(ckpt['iter']), int(ckpt.get('bad_steps', 0)), float(ckpt.get('best_miou', -1.0)),
-                       ckpt.get('best_iter'), bool(ckpt.get('eval_due')), ckpt.get('progress'), ckpt)
+                       ckpt.get('best_iter'), bool(ckpt.get('eval_due')), ckpt.get('progress'), ckpt,
+                       (ckpt.get('log') or {}).get('mIoU'))
 

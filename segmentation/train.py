@@ -1,4 +1,4 @@
-"""Train and evaluate UperNet on a NaLaFormer backbone for ADE20K semantic segmentation (DeiT-style script).
+"""Train and evaluate UperNet (or Semantic FPN) on a NaLaFormer backbone for ADE20K semantic segmentation.
 
     python segmentation/train.py --model NALAFORMER_T --data-path /data/ADEChallengeData2016 --output_dir out/seg_t \\
         --pretrained output/t/best.pth
@@ -8,7 +8,8 @@
 The defaults are mmseg's UperNet ADE20K recipe of Swin/ConvNeXt-style backbones: 160k iterations at a global
 batch of 16 (8 processes x --batch-size 2), 512² crops, AdamW lr 6e-5, weight decay 0.01, poly schedule after a
 linear warmup of 1500 iterations, auxiliary FCN head weighted 0.4, single-scale whole-image evaluation
-(docs/segmentation.md). Runs from the repository root, as a plain process, under torchrun or srun; the same
+(docs/segmentation.md); --decoder fpn: Semantic FPN's 80k recipe (lr 1e-4, weight decay 1e-4, poly power 0.9, no
+warmup, no auxiliary head). Runs from the repository root, as a plain process, under torchrun or srun; the same
 command resumes from --output_dir/checkpoint.pth, also after a stop signal or SLURM's requeue warning.
 """
 import argparse
@@ -17,6 +18,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or '.') == _HERE:  # `python segmentation/train.py`: the root's modules
@@ -48,39 +50,84 @@ from train_state import preserved_rng  # noqa: E402
 
 #: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
 #: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
-RECIPE = {'model': 'NALAFORMER_T', 'num_classes': 150, 'channels': 512, 'aux_weight': 0.4, 'drop_path': None,
-          'crop_size': 512, 'img_scale': (2048, 512), 'ratio_range': (0.5, 2.0), 'cat_max_ratio': 0.75,
-          'eval_mode': 'whole', 'slide_stride': 341}
+#: and the schedule's flags (SCHEDULE), whose parser default is None too: they follow the decoder's recipe
+RECIPE = {'decoder': 'upernet', 'model': 'NALAFORMER_T', 'num_classes': 150, 'channels': 512, 'aux_weight': 0.4,
+          'drop_path': None, 'crop_size': 512, 'img_scale': (2048, 512), 'ratio_range': (0.5, 2.0),
+          'cat_max_ratio': 0.75, 'eval_mode': 'whole', 'slide_stride': 341,
+          'iters': 160000, 'lr': 6e-5, 'weight_decay': 0.01, 'power': 1.0, 'warmup_iters': 1500,
+          'eval_interval': 16000, 'save_interval': 16000}
+#: what --decoder fpn changes: the Semantic FPN 80k recipe of the PVT-style repositories (docs/segmentation.md)
+FPN_RECIPE = {'channels': 128, 'aux_weight': 0.0, 'iters': 80000, 'lr': 1e-4, 'weight_decay': 1e-4, 'power': 0.9,
+              'warmup_iters': 0, 'eval_interval': 8000, 'save_interval': 8000}
+SCHEDULE = ('iters', 'lr', 'weight_decay', 'power', 'warmup_iters', 'eval_interval', 'save_interval')
+RECIPE_GLOBAL_BATCH = 16  # images per optimizer step of both recipes (8 GPUs x 2)
 RECORDED = 'with a checkpoint to evaluate or resume, {}, when not given, take the values it records'
 
 
+def recipe(decoder: str | None) -> dict:
+    """The recipe's defaults for `decoder` (UperNet's when None)."""
+    return {**RECIPE, **FPN_RECIPE} if decoder == 'fpn' else dict(RECIPE)
+
+
+class DecoderRecipe(Mapping):
+    """recipe(args.decoder), read at each look-up: state.take_recorded_flags fills in --decoder first, so the
+    defaults of the other flags are those of the decoder it settled on."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+
+    def __getitem__(self, key: str):
+        return recipe(self.args.decoder)[key]
+
+    def __iter__(self):
+        return iter(RECIPE)
+
+    def __len__(self) -> int:
+        return len(RECIPE)
+
+
+def take_flags(args: argparse.Namespace, path: str) -> None:
+    """The flags the command line leaves out: the recorded ones from the checkpoint `path` ('' for none) or the
+    recipe of the decoder (state.take_recorded_flags), then the schedule's from the decoder's recipe."""
+    state.take_recorded_flags(args, path, DecoderRecipe(args))
+    for key in SCHEDULE:
+        if getattr(args, key) is None:
+            setattr(args, key, recipe(args.decoder)[key])
+
+
 def _default(key: str) -> str:
-    """'(default: 512)' for --help."""
-    value = RECIPE[key]
-    return f"(default: {' '.join(map(str, value)) if isinstance(value, tuple) else value})"
+    """'(default: 512; --decoder fpn: 128)' for --help."""
+    def shown(value) -> str:
+        return ' '.join(map(str, value)) if isinstance(value, tuple) else str(value)
+    fpn = f'; --decoder fpn: {shown(FPN_RECIPE[key])}' if key in FPN_RECIPE else ''
+    return f'(default: {shown(RECIPE[key])}{fpn})'
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line; the defaults are the recipe (docs/segmentation.md)."""
     p = cli.LauncherArgumentParser('segmentation/train.py', description=__doc__.split('\n')[0], add_help=True)
     g = p.add_argument_group('Model', RECORDED.format(
-        '--model, --drop-path, --channels, --aux-weight and --num-classes'))
+        '--decoder, --model, --drop-path, --channels, --aux-weight and --num-classes'))
+    g.add_argument('--decoder', choices=['upernet', 'fpn'], default=None,
+                   help=f'UperNet (160k recipe) or Semantic FPN (80k recipe: its schedule defaults) '
+                        f'{_default("decoder")}')
     g.add_argument('--model', default=None, help=f'backbone: a NaLaFormer variant (any timm model builds) '
                                                   f'{_default("model")}')
     g.add_argument('--pretrained', default='', help='classification checkpoint or release to start the backbone from')
     g.add_argument('--drop-path', type=cli.RATE, default=None, help="backbone drop path (default: the variant's)")
-    g.add_argument('--channels', type=cli.POSITIVE_INT, default=None, help=f'UperNet channels {_default("channels")}')
+    g.add_argument('--channels', type=cli.POSITIVE_INT, default=None,
+                   help=f"UperNet's channels, or Semantic FPN head's (its neck has 256) {_default('channels')}")
     g.add_argument('--aux-weight', type=cli.NON_NEGATIVE, default=None,
                    help=f'auxiliary FCN head loss weight (0: none) {_default("aux_weight")}')
     g.add_argument('--num-classes', type=cli.POSITIVE_INT, default=None, help=_default('num_classes'))
-    g = p.add_argument_group('Schedule')
-    g.add_argument('--iters', type=cli.POSITIVE_INT, default=160000)
+    g = p.add_argument_group('Schedule', "the defaults are the --decoder's recipe")
+    g.add_argument('--iters', type=cli.POSITIVE_INT, default=None, help=_default('iters'))
     g.add_argument('--batch-size', type=cli.POSITIVE_INT, default=2, help='per process (8 x 2 = 16)')
-    g.add_argument('--lr', type=cli.POSITIVE, default=6e-5)
-    g.add_argument('--weight-decay', type=cli.NON_NEGATIVE, default=0.01)
-    g.add_argument('--warmup-iters', type=cli.NON_NEGATIVE_INT, default=1500)
+    g.add_argument('--lr', type=cli.POSITIVE, default=None, help=_default('lr'))
+    g.add_argument('--weight-decay', type=cli.NON_NEGATIVE, default=None, help=_default('weight_decay'))
+    g.add_argument('--warmup-iters', type=cli.NON_NEGATIVE_INT, default=None, help=_default('warmup_iters'))
     g.add_argument('--warmup-ratio', type=cli.POSITIVE, default=1e-6)
-    g.add_argument('--power', type=cli.POSITIVE, default=1.0, help='poly schedule power')
+    g.add_argument('--power', type=cli.POSITIVE, default=None, help=f'poly schedule power {_default("power")}')
     g.add_argument('--min-lr', type=cli.NON_NEGATIVE, default=0.0)
     g.add_argument('--clip-grad', type=cli.POSITIVE, default=None)
     g.add_argument('--max-bad-steps', type=cli.NON_NEGATIVE_INT, default=20)
@@ -100,7 +147,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--eval-mode', choices=['whole', 'slide'], default=None, help=_default('eval_mode'))
     g.add_argument('--slide-stride', type=cli.POSITIVE_INT, default=None,
                    help=f'slide mode: stride of the crops {_default("slide_stride")}')
-    g.add_argument('--eval-interval', type=cli.POSITIVE_INT, default=16000)
+    g.add_argument('--aug-test', action='store_true',
+                   help="with --eval: mmseg's multi-scale (0.5 to 1.75 of --img-scale) + flip test")
+    g.add_argument('--eval-interval', type=cli.POSITIVE_INT, default=None, help=_default('eval_interval'))
     g.add_argument('--eval-at-start', action='store_true', help='also evaluate the model before training')
     g.add_argument('--dist-eval', action=argparse.BooleanOptionalAction, default=None)
     g = p.add_argument_group('Run')
@@ -109,7 +158,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--auto-resume', action=argparse.BooleanOptionalAction, default=True)
     g.add_argument('--overwrite', action='store_true')
     g.add_argument('--no-lock', dest='lock', action='store_false')
-    g.add_argument('--save-interval', type=cli.POSITIVE_INT, default=16000)
+    g.add_argument('--save-interval', type=cli.POSITIVE_INT, default=None, help=_default('save_interval'))
     g.add_argument('--print-freq', type=cli.POSITIVE_INT, default=50)
     g.add_argument('--device', default='cuda')
     g.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'])
@@ -138,6 +187,9 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f'{flag} {path}: {cli.not_a_file(path)}')
     if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
+    if args.aug_test and not args.eval:
+        parser.error('--aug-test is a test of a checkpoint: use it with --eval (training evaluates single-scale, '
+                     'as mmseg)')
     if args.ratio_range is not None and args.ratio_range[0] > args.ratio_range[1]:
         parser.error(f'--ratio-range {args.ratio_range[0]} {args.ratio_range[1]}: MIN above MAX')
     if args.batch_size == 1 and not args.eval and not (world > 1 and str(args.device).startswith('cuda')
@@ -223,7 +275,8 @@ def build_data(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]
                                      ratio_range=tuple(args.ratio_range), cat_max_ratio=args.cat_max_ratio)
         train = None if args.eval else ade.ADE20K(args.data_path, ade.SPLITS['train'], args.num_classes, pipeline,
                                                   seed=args.seed)
-        val = ade.ADE20K(args.data_path, ade.SPLITS['val'], args.num_classes, eval_scale=tuple(args.img_scale))
+        val = ade.ADE20K(args.data_path, ade.SPLITS['val'], args.num_classes, eval_scale=tuple(args.img_scale),
+                         eval_ratios=ade.AUG_RATIOS if args.aug_test else None)
     except DataLayoutError as e:
         raise UserError(str(e)) from e
     return train, val
@@ -256,15 +309,17 @@ def evaluate(args, model, val_loader, device, amp_dtype, stop_flag) -> dict:
         with preserved_rng():
             return miou.evaluate(model, val_loader, args.num_classes, device, amp_dtype, args.eval_mode,
                                  args.crop_size, args.slide_stride, sum_over_ranks=args.dist_eval and args.distributed,
-                                 stop_flag=stop_flag, print_freq=max(1, args.print_freq))
+                                 stop_flag=stop_flag, print_freq=max(1, args.print_freq),
+                                 class_names=val_loader.dataset.classes)
     except ade.LabelError as e:
         raise UserError(ade.error_line(e)) from e
 
 
 def eval_record(result: dict, args, **extra) -> dict:
-    """The log.txt line of an evaluation."""
+    """The log.txt line of an evaluation: the scores, then each class's IoU and Acc keyed by its name."""
     return {**extra, 'mIoU': result['mIoU'], 'mAcc': result['mAcc'], 'aAcc': result['aAcc'],
-            'images': result['images'], 'eval_mode': args.eval_mode, 'IoU': result['IoU']}
+            'images': result['images'], 'eval_mode': args.eval_mode, 'aug_test': args.aug_test,
+            **miou.class_record(result)}
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -287,8 +342,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     output = cli.settings(run_dir.RunDirSettings, args)
     resume_path = run_dir.agree_on_resume_path(output, device)
     # the flags the command line leaves out: the checkpoint's (its command line only is read), else the recipe's
-    distributed.on_every_rank(lambda: state.take_recorded_flags(args, resume_path, RECIPE), device,
-                              f'--resume {resume_path}')
+    distributed.on_every_rank(lambda: take_flags(args, resume_path), device, f'--resume {resume_path}')
     check_sizes(args, device)
     timm.utils.random_seed(args.seed, rank)
     precision.set_tf32(device, args.tf32)
@@ -300,13 +354,12 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_validation_labels(args, val_set, device)
 
     model = backbone.build_segmentor(args.model, args.num_classes, args.channels, args.aux_weight > 0,
-                                     args.drop_path, args.crop_size)
+                                     args.drop_path, args.crop_size, decoder=args.decoder)
     if args.pretrained and not resume_path:
         print(distributed.on_every_rank(lambda: backbone.load_pretrained(model, args.pretrained, args.model),
                                         device, f'--pretrained {args.pretrained}'))
     n_parameters = sum(p.numel() for p in model.parameters())
-    print(f'Model: UperNet ({args.channels} channels{", auxiliary FCN head" if args.aux_weight else ""}) over '
-          f'{args.model}: {n_parameters / 1e6:.2f}M parameters')
+    print(f'Model: {model.description} over {args.model}: {n_parameters / 1e6:.2f}M parameters')
     model.to(device)
     train_model, bare, _ = distributed.wrap_model(model, device, distributed=args.distributed, sync_bn=args.sync_bn,
                                                   compile=False)
@@ -324,6 +377,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         due = '; its evaluation, which the stop left due, comes first' if resumed.eval_due else ''
         print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}{due}')
         resumed.ckpt = None
+    run_dir.save_args(args.output_dir, checkpoints.run_args, device)
+    warn_global_batch(args)
     train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
     step = optim_step.OptimizerStep(optimizer, device, amp_dtype, scaler, args.clip_grad)
     run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag)
@@ -357,6 +412,7 @@ def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dty
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
         return exits.stopped_status(args.launcher, stop_flag, saved=False)
+    print(miou.class_table(result))
     print(miou.summary_line(result, args.eval_mode))
     checkpoints.append_log(eval_record(result, args, eval=path, iter=ckpt.get('iter')))
     return 0
@@ -383,6 +439,7 @@ class Run:
         self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, device
         self.amp_dtype, self.stop_flag, self.request = amp_dtype, stop_flag, StopRequest(stop_flag)
         self.best, self.best_iter, self.bad = resumed.best_miou, resumed.best_iter, resumed.bad_steps
+        self.last = resumed.last_miou  # of the last evaluation
         self.progress = Progress(args, resumed.start_iter, resumed.progress)
 
     def extra(self, eval_due: bool = False) -> dict:
@@ -445,10 +502,11 @@ class Run:
             [float(result['aborted']), float(self.stop_flag.requested)], self.device))
         if aborted:
             return self.stopped(done, eval_due=True)
+        print(miou.class_table(result))
         print(f'Iteration {done}: ' + miou.summary_line(result, self.args.eval_mode))
         record = eval_record(result, self.args, iter=done, train_loss=self.progress.take_mean(),
                              lr=lr_at(done - 1, self.args))
-        names = [saver.LAST]
+        names, self.last = [saver.LAST], result['mIoU']
         if result['mIoU'] > self.best:
             self.best, self.best_iter = result['mIoU'], done
             names.append(saver.BEST)
@@ -465,6 +523,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
     criterion = SegLoss(args.aux_weight)
     if args.eval_at_start and start == 0:
         result = evaluate(args, run.bare, run.val_loader, run.device, run.amp_dtype, None)
+        print(miou.class_table(result))
         print('Before training: ' + miou.summary_line(result, args.eval_mode))
         run.checkpoints.append_log(eval_record(result, args, iter=0))
     code = run.evaluate_and_save(start) if eval_due else None
@@ -494,7 +553,25 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
             return code
         if not due and done % args.save_interval == 0:
             run.save(done)
-    return finish(args, run.bare, run.best, run.best_iter)
+    return finish(args, run.bare, run.best, run.best_iter, run.last)
+
+
+def warn_global_batch(args) -> None:
+    """A warning when the images per optimizer step (--batch-size x processes) are not the recipe's 16, for
+    which its LR and schedule were set; there is no gradient accumulation to make up for fewer."""
+    world = distributed.get_world_size()
+    total = args.batch_size * world
+    if total == RECIPE_GLOBAL_BATCH:
+        return
+    ways = []
+    if RECIPE_GLOBAL_BATCH % args.batch_size == 0:
+        ways.append(f'{RECIPE_GLOBAL_BATCH // args.batch_size} processes x --batch-size {args.batch_size}')
+    if RECIPE_GLOBAL_BATCH % world == 0:
+        ways.append(f'--batch-size {RECIPE_GLOBAL_BATCH // world} on {world} process(es)')
+    how = f': run {" or ".join(ways)}' if ways else ''
+    print(f'Warning: global batch {total} ({world} process(es) x --batch-size {args.batch_size}) differs from the '
+          f"recipe's {RECIPE_GLOBAL_BATCH}, for which its LR and schedule are set; for {RECIPE_GLOBAL_BATCH} images "
+          f'a step{how} (there is no gradient accumulation)')
 
 
 def _sync_bn_buffers(args, model) -> None:
@@ -504,12 +581,15 @@ def _sync_bn_buffers(args, model) -> None:
         timm.utils.distribute_bn(model, distributed.get_world_size(), reduce=False)
 
 
-def finish(args, bare, best: float, best_iter: int | None) -> int:
-    """The end of a finished run: each rank's weight digest under DDP, the best mIoU."""
+def finish(args, bare, best: float, best_iter: int | None, last: float | None) -> int:
+    """The end of a finished run: each rank's weight digest under DDP, the mIoU of the final weights (`last`,
+    the evaluation of the last iteration) and the best one."""
     if args.distributed:  # DDP keeps the weights identical: every rank says so
         print(f'[rank {distributed.get_rank()}] final weights sha256: {distributed.state_digest(bare.state_dict())}',
               force=True)
-    print(f'Training done: best mIoU {best:.2f} at iteration {best_iter}')
+    last_text = '-' if last is None else f'{last:.2f}'
+    print(f'Training done: mIoU {last_text} at the last iteration ({args.iters}), best mIoU {best:.2f} at iteration '
+          f'{best_iter}')
     return 0
 
 

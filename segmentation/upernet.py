@@ -1,4 +1,4 @@
-"""UperNet over a timm backbone, as mmseg's ``upernet_*`` ADE20K configs build it.
+"""UperNet and Semantic FPN over a timm backbone, as mmseg's ``upernet_*`` and ``fpn_*`` ADE20K configs build them.
 
 ``UPerHead``: a pyramid pooling module (pool scales 1, 2, 3, 6) on the last feature map, 1x1 lateral convs on
 the others, a top-down path that adds each upsampled level to the one below, 3x3 FPN convs, every level
@@ -7,7 +7,15 @@ upsampled to stride 4 and fused by a 3x3 conv (512 channels), then dropout 0.1 a
 whose loss weighs 0.4. Every conv but the classifiers is conv (no bias) + BatchNorm + ReLU, named as mmseg's
 ConvModule (``conv``, ``bn``), so the head's state-dict keys are mmseg's. The backbone is timm's
 ``features_only`` model of the named variant (strides 4, 8, 16, 32), behind ``backbone.model.``.
+
+Semantic FPN (``decoder='fpn'``, the PVT-style repositories' ADE20K recipe): mmseg's ``FPN`` neck (1x1 lateral
+convs to 256 channels, a top-down path adding each nearest-upsampled level to the one below, 3x3 output convs;
+plain convs with bias, no norm, Xavier-uniform init as its init_cfg) and ``FPNHead`` (per level 3x3 conv + BN +
+ReLU blocks of 128 channels, each but stride 4's followed by a 2x bilinear upsampling until stride 4, the levels
+summed, then dropout 0.1 and the 1x1 classifier); no auxiliary head in its recipe.
 """
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,17 +24,19 @@ from segmentation.ade import IGNORE_INDEX
 
 
 class ConvModule(nn.Module):
-    """conv (no bias) + BatchNorm + ReLU, with mmseg's ConvModule names and init (Kaiming normal, fan out)."""
+    """conv (no bias) + BatchNorm + ReLU, with mmseg's ConvModule names and init (Kaiming normal, fan out); with
+    `norm_act` False a plain conv with bias (mmseg's ConvModule without norm and activation)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, norm_act: bool = True):
         super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False)
-        self.bn = nn.BatchNorm2d(out_channels)
-        self.activate = nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=not norm_act)
+        self.bn = nn.BatchNorm2d(out_channels) if norm_act else None
+        self.activate = nn.ReLU(inplace=True) if norm_act else None
         nn.init.kaiming_normal_(self.conv.weight, mode='fan_out', nonlinearity='relu')
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.activate(self.bn(self.conv(x)))
+        x = self.conv(x)
+        return x if self.bn is None else self.activate(self.bn(x))
 
 
 def resize(x: torch.Tensor, size) -> torch.Tensor:
@@ -86,21 +96,81 @@ class FCNHead(DecodeHead):
         return self.cls_seg(self.convs(x))
 
 
+class FPN(nn.Module):
+    """mmseg's FPN neck as Semantic FPN uses it: `in_channels` maps (strides 4..32) to as many of `channels`."""
+
+    def __init__(self, in_channels: list[int], channels: int = 256):
+        super().__init__()
+        self.lateral_convs = nn.ModuleList(ConvModule(c, channels, 1, norm_act=False) for c in in_channels)
+        self.fpn_convs = nn.ModuleList(ConvModule(channels, channels, 3, norm_act=False) for _ in in_channels)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        laterals = [conv(f) for conv, f in zip(self.lateral_convs, features)]
+        for i in range(len(laterals) - 1, 0, -1):
+            laterals[i - 1] = laterals[i - 1] + F.interpolate(laterals[i], size=laterals[i - 1].shape[2:],
+                                                              mode='nearest')
+        return [conv(lat) for conv, lat in zip(self.fpn_convs, laterals)]
+
+
+class FPNHead(DecodeHead):
+    """mmseg's FPNHead over maps of `in_channels` at `strides`: logits at the first map's stride (4)."""
+
+    def __init__(self, in_channels: int, num_classes: int, channels: int = 128,
+                 strides: tuple[int, ...] = (4, 8, 16, 32), dropout: float = 0.1):
+        super().__init__(channels, num_classes, dropout)
+        self.scale_heads = nn.ModuleList()
+        for stride in strides:
+            layers: list[nn.Module] = []
+            for k in range(max(1, int(math.log2(stride) - math.log2(strides[0])))):
+                layers.append(ConvModule(in_channels if k == 0 else channels, channels, 3))
+                if stride != strides[0]:
+                    layers.append(nn.Upsample(scale_factor=2, mode='bilinear', align_corners=False))
+            self.scale_heads.append(nn.Sequential(*layers))
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        out = self.scale_heads[0](features[0])
+        for head, f in zip(self.scale_heads[1:], features[1:]):
+            out = out + resize(head(f), out.shape[2:])
+        return self.cls_seg(out)
+
+
+DECODERS = ('upernet', 'fpn')
+FPN_CHANNELS = 256  # Semantic FPN's neck
+
+
 class Segmentor(nn.Module):
-    """Backbone + UPerHead (+ FCNHead on the third feature map). Training mode returns (logits, aux logits) at
-    stride 4 (the auxiliary ones None without an auxiliary head); eval mode returns the logits upsampled to
-    the input's size (mmseg's encode_decode)."""
+    """Backbone + decoder: UPerHead, or (`decoder='fpn'`) the FPN neck and FPNHead (+ an FCNHead on the third
+    map: the backbone's, or the neck's with one, as mmseg feeds it). Training mode returns (logits, aux logits) at
+    stride 4 (the auxiliary ones None without an auxiliary head); eval mode returns the logits upsampled to the
+    input's size (mmseg's encode_decode). `description` names the decoder for the run's Model line."""
 
     def __init__(self, backbone: nn.Module, num_classes: int, channels: int = 512, aux_channels: int = 256,
-                 aux: bool = True):
+                 aux: bool = True, decoder: str = 'upernet'):
         super().__init__()
+        if decoder not in DECODERS:
+            raise ValueError(f'decoder {decoder!r}: one of {", ".join(DECODERS)}')
         self.backbone = backbone
         in_channels = backbone.feature_info.channels()
-        self.decode_head = UPerHead(in_channels, num_classes, channels)
+        if decoder == 'fpn':
+            self.neck = FPN(in_channels, FPN_CHANNELS)
+            in_channels = [FPN_CHANNELS] * len(in_channels)
+            self.decode_head = FPNHead(FPN_CHANNELS, num_classes, channels)
+            self.description = f'Semantic FPN (neck {FPN_CHANNELS}, head {channels} channels'
+        else:
+            self.neck = None
+            self.decode_head = UPerHead(in_channels, num_classes, channels)
+            self.description = f'UperNet ({channels} channels'
         self.auxiliary_head = FCNHead(in_channels[2], num_classes, aux_channels) if aux else None
+        self.description += ', auxiliary FCN head)' if aux else ')'
 
     def forward(self, x: torch.Tensor):
         features = self.backbone(x)
+        if self.neck is not None:
+            features = self.neck(features)
         logits = self.decode_head(features)
         if not self.training:
             return resize(logits, x.shape[2:])

@@ -1,12 +1,14 @@
-"""Training-step speed and memory of UperNet over several backbones at 512², the models stepped in turn in one
-process (what segmentation/train.py runs: UperNet with 512 channels, the auxiliary FCN head, AdamW, the
-loss of both heads), so that load changes on a shared machine hit every model alike.
+"""Training-step speed and memory of UperNet (or Semantic FPN: --decoder fpn) over several backbones at 512², the
+models stepped in turn in one process (what segmentation/train.py runs: UperNet with 512 channels, the auxiliary
+FCN head, AdamW, the loss of both heads), so that load changes on a shared machine hit every model alike.
 
     python segmentation/upernet_benchmark.py --models NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny \\
         -b 2 --device cpu --threads 2
     python segmentation/upernet_benchmark.py -b 8 --device cuda --amp bf16 --steps 20     # one GPU
     python segmentation/upernet_benchmark.py --pipeline 32    # the data pipeline alone: img/s of one loader process
-    python segmentation/upernet_benchmark.py --macs           # fvcore multiply-adds of each model, backbone and head
+    python segmentation/upernet_benchmark.py --macs           # fvcore multiply-adds of each model, backbone and head,
+                                                              # at --size² and at 512x2048 (--macs-size)
+    python segmentation/upernet_benchmark.py --macs --decoder fpn --channels 128   # Semantic FPN's
 
 Per model: parameters, the median of the timed steps as img/s, its ratio to the first model, and the peak
 tensor memory of one step above what was live before it (``tools.timing.peak_bytes``, the measure of the
@@ -39,9 +41,11 @@ DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny'
 
 
 def upernet_step(name: str, args: argparse.Namespace, device: torch.device):
-    """A training step of UperNet over `name` on one fixed batch (optimizer included), and its parameters."""
+    """A training step of the segmentor (--decoder) over `name` on one fixed batch (optimizer included), and its
+    parameters."""
     torch.manual_seed(0)
-    model = build_segmentor(name, 150, channels=args.channels, img_size=args.size).to(device).train()
+    model = build_segmentor(name, 150, channels=args.channels, img_size=args.size, aux=args.decoder == 'upernet',
+                            decoder=args.decoder).to(device).train()
     optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=6e-5)
     criterion = SegLoss(0.4)
     x = torch.randn(args.batch_size, 3, args.size, args.size, device=device)
@@ -78,7 +82,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
         optimizers[name].zero_grad(set_to_none=True)
         peak = peak_bytes(steps[name], device)
         step_s = statistics.median(times[name])
-        rows.append(dict(model=name, batch_size=args.batch_size, size=args.size, channels=args.channels,
+        rows.append(dict(model=name, decoder=args.decoder, batch_size=args.batch_size, size=args.size,
+                         channels=args.channels,
                          amp=args.amp or 'fp32',
                          device=str(device), threads=torch.get_num_threads(), params_m=params[name] / 1e6,
                          step_s_median=step_s, step_s_all=times[name], img_s=args.batch_size / step_s,
@@ -110,15 +115,18 @@ def pipeline_speed(n: int) -> str:
 
 
 def macs_lines(args: argparse.Namespace) -> list[str]:
-    """fvcore multiply-adds of one image at --size through each model in eval mode (the auxiliary head is not
-    run there), and how they split between the backbone and the UperNet head."""
+    """fvcore multiply-adds of one image through each model in eval mode (the auxiliary head is not run there),
+    at --size² and at --macs-size (height, width: 512x2048, the size mmseg's get_flops and the papers report),
+    and how they split between the backbone and the head (the neck included)."""
     from models.flop_count import count_flops
+    head = 'UperNet head' if args.decoder == 'upernet' else 'Semantic FPN neck and head'
     lines = []
-    for name in args.models.split(','):
-        model = build_segmentor(name, 150, channels=args.channels, img_size=args.size)
-        total, trunk = count_flops(model, args.size), count_flops(model.backbone, args.size)
-        lines.append(f'{name}: {total / 1e9:.2f} GMACs at {args.size}x{args.size} (backbone {trunk / 1e9:.2f}, '
-                     f'UperNet head {(total - trunk) / 1e9:.2f})')
+    for size in dict.fromkeys([(args.size, args.size), tuple(args.macs_size)]):
+        for name in args.models.split(','):
+            model = build_segmentor(name, 150, channels=args.channels, img_size=size, aux=False, decoder=args.decoder)
+            total, trunk = count_flops(model, size), count_flops(model.backbone, size)
+            lines.append(f'{name}: {total / 1e9:.2f} GMACs at {size[0]}x{size[1]} (backbone {trunk / 1e9:.2f}, '
+                         f'{head} {(total - trunk) / 1e9:.2f})')
     return lines
 
 
@@ -126,7 +134,8 @@ def table(rows: list[dict]) -> str:
     """The results as a table: per model its parameters, median step, img/s, peak step memory, and the first
     model's img/s and memory divided by this one's."""
     first = rows[0]
-    lines = [f"UperNet ({first.get('channels', 512)} channels) training step, batch {first['batch_size']}, "
+    decoder = 'Semantic FPN' if first.get('decoder') == 'fpn' else 'UperNet'
+    lines = [f"{decoder} ({first.get('channels', 512)} channels) training step, batch {first['batch_size']}, "
              f"{first['size']}x{first['size']}, {first['amp']}, "
              f"{first['device']} ({first['threads']} threads)",
              f"{'model':<30} {'params':>7} {'s/step':>7} {'img/s':>7} {'peak MiB':>8}  {first['model']} / this"]
@@ -145,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                    help='timm backbones, comma-separated; the first is the reference')
     p.add_argument('-b', '--batch-size', type=int, default=2)
     p.add_argument('--size', type=int, default=512)
-    p.add_argument('--channels', type=int, default=512, help="UperNet's channels (the recipe's: 512)")
+    p.add_argument('--decoder', choices=['upernet', 'fpn'], default='upernet',
+                   help='UperNet (with its auxiliary head when training) or Semantic FPN')
+    p.add_argument('--channels', type=int, default=512,
+                   help="the head's channels (the recipes': UperNet 512, Semantic FPN 128)")
     p.add_argument('--device', default='cpu')
     p.add_argument('--amp', choices=['fp16', 'bf16'], default=None)
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads')
@@ -155,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument('--pipeline', type=int, default=0, metavar='N',
                    help='time the data pipeline alone on N synthetic ADE-sized images instead')
     p.add_argument('--macs', action='store_true', help='print fvcore multiply-adds of each model instead')
+    p.add_argument('--macs-size', type=int, nargs=2, default=(512, 2048), metavar=('H', 'W'),
+                   help='--macs: also at this height and width (default: 512 2048)')
     args = p.parse_args(argv)
     if args.macs:
         print('\n'.join(macs_lines(args)))

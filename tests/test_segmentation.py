@@ -14,7 +14,6 @@ from conftest import REPO, env
 from PIL import Image
 
 from segmentation import ade, backbone, miou, scenes, upernet
-from segmentation import state as seg_state
 from segmentation import train as seg_train
 
 
@@ -139,6 +138,46 @@ def test_upernet_shapes_and_mmseg_names(one_thread):
     assert backbone.build_segmentor('NALAFORMER_XT', 7, channels=16, aux=False).train()(x)[1] is None
 
 
+def test_semantic_fpn_shapes_and_mmseg_names(one_thread):
+    """--decoder fpn: mmseg's FPN neck (256 channels, plain convs with bias) and FPNHead (1, 1, 2 and 3 conv blocks
+    for strides 4 to 32, each but stride 4's followed by a 2x upsampling), logits at stride 4, no auxiliary head
+    in its recipe (one on the neck's third map when asked for)."""
+    model = backbone.build_segmentor('NALAFORMER_XT', 7, channels=16, aux=False, decoder='fpn')
+    x = torch.randn(2, 3, 64, 96)
+    logits, aux = model.train()(x)
+    assert logits.shape == (2, 7, 16, 24) and aux is None
+    assert model.eval()(x).shape == (2, 7, 64, 96)
+    keys = model.state_dict()
+    last = model.backbone.feature_info.channels()[-1]
+    assert keys['neck.lateral_convs.3.conv.weight'].shape == (256, last, 1, 1)
+    assert keys['neck.fpn_convs.0.conv.bias'].shape == (256,) and 'neck.fpn_convs.0.bn.weight' not in keys
+    convs = [len([m for m in head if isinstance(m, upernet.ConvModule)]) for head in model.decode_head.scale_heads]
+    ups = [len([m for m in head if isinstance(m, torch.nn.Upsample)]) for head in model.decode_head.scale_heads]
+    assert convs == [1, 1, 2, 3] and ups == [0, 1, 2, 3]
+    assert keys['decode_head.scale_heads.3.4.conv.weight'].shape == (16, 16, 3, 3)
+    assert keys['decode_head.scale_heads.0.0.conv.weight'].shape == (16, 256, 3, 3)
+    with_aux = backbone.build_segmentor('NALAFORMER_XT', 7, channels=16, decoder='fpn')
+    assert with_aux.train()(x)[1].shape == (2, 7, 4, 6) and with_aux.auxiliary_head.convs[0].conv.in_channels == 256
+    assert model.description == 'Semantic FPN (neck 256, head 16 channels)'
+
+
+def test_the_fpn_neck_matches_torchvisions(one_thread):
+    """mmseg's FPN neck (no extra levels) computes what torchvision's FeaturePyramidNetwork does with the same
+    weights: 1x1 laterals, nearest top-down sums, 3x3 outputs."""
+    from torchvision.ops import FeaturePyramidNetwork
+    torch.manual_seed(0)
+    chans = [8, 16, 24, 32]
+    ours = upernet.FPN(chans, 12).eval()
+    theirs = FeaturePyramidNetwork(chans, 12).eval()
+    for i in range(4):
+        theirs.inner_blocks[i][0].load_state_dict(ours.lateral_convs[i].conv.state_dict())
+        theirs.layer_blocks[i][0].load_state_dict(ours.fpn_convs[i].conv.state_dict())
+    feats = [torch.randn(1, c, 33 // 2 ** i, 41 // 2 ** i) for i, c in enumerate(chans)]
+    expected = theirs({str(i): f for i, f in enumerate(feats)})
+    for mine, other in zip(ours(feats), expected.values()):
+        assert torch.allclose(mine, other, atol=1e-5)
+
+
 def test_the_loss_averages_over_every_pixel_as_mmseg():
     logits = torch.randn(1, 3, 4, 4)
     labels = torch.randint(0, 3, (1, 4, 4))
@@ -250,8 +289,93 @@ def test_scores_follow_mmseg():
     m = torch.tensor([[8, 2, 0], [1, 4, 0], [0, 0, 0]])  # class 2: neither labelled nor predicted
     s = miou.scores(m)
     assert s['IoU'][:2] == pytest.approx([100 * 8 / 11, 100 * 4 / 7]) and s['IoU'][2] is None
+    assert s['Acc'][:2] == pytest.approx([80, 80]) and s['Acc'][2] is None
     assert s['mIoU'] == pytest.approx((800 / 11 + 400 / 7) / 2)
     assert s['mAcc'] == pytest.approx((80 + 80) / 2) and s['aAcc'] == pytest.approx(100 * 12 / 15)
+
+
+def test_the_per_class_table_and_record_name_each_class():
+    """mmseg's per-class table (IoU and Acc, nan for a class neither labelled nor predicted; a class predicted but
+    never labelled: IoU 0, Acc nan) and log.txt's 'IoU.<name>' / 'Acc.<name>' entries."""
+    m = torch.tensor([[8, 2, 0, 0], [1, 4, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]])
+    result = {**miou.scores(m), 'classes': ['wall', 'chest of drawers', 'sky', 'flag']}
+    lines = miou.class_table(result).splitlines()
+    assert lines[0] == 'per class results:' and lines[2].split() == ['|', 'Class', '|', 'IoU', '|', 'Acc', '|']
+    cells = [[c.strip() for c in line.strip('|').split('|')] for line in lines[4:-1]]
+    rows = {name: [iou, acc] for name, iou, acc in cells}
+    assert rows == {'wall': ['72.73', '80.00'], 'chest of drawers': ['50.00', '66.67'], 'sky': ['nan', 'nan'],
+                    'flag': ['0.00', 'nan']}
+    record = miou.class_record(result)
+    assert record['IoU.chest of drawers'] == pytest.approx(50) and record['IoU.sky'] is None
+    assert record['IoU.flag'] == 0 and record['Acc.flag'] is None and len(record) == 8
+
+
+def test_the_class_names_of_ade20k_a_classes_txt_or_generic(root, tmp_path):
+    assert len(ade.CLASSES) == len(set(ade.CLASSES)) == 150
+    assert (ade.CLASSES[0], ade.CLASSES[7], ade.CLASSES[44], ade.CLASSES[-1]) == ('wall', 'bed', 'chest of drawers',
+                                                                                 'flag')
+    assert ade.ADE20K(root, 'validation', 5).classes == scenes.CLASS_NAMES  # the scene set's classes.txt
+    data = _copy(root, tmp_path)
+    os.remove(os.path.join(data, 'classes.txt'))
+    assert ade.class_names(data, 150) == ade.CLASSES
+    assert ade.class_names(data, 3) == ('class_1', 'class_2', 'class_3')
+    with open(os.path.join(data, 'classes.txt'), 'w') as f:
+        f.write('a\nb\na\n')
+    with pytest.raises(ade.LabelError, match=r'classes.txt: 3 names \(2 different\) for --num-classes 3; it names '
+                                             r'each class once'):
+        ade.class_names(data, 3)
+
+
+def test_the_aug_test_averages_softmax_probabilities_of_each_scale_and_its_flip(one_thread):
+    """mmseg's multi-scale + flip test averages probabilities, not logits: three views favouring class 1 mildly
+    outvote one favouring class 0 strongly (the mean of the logits would pick class 0). The views come scale by
+    scale, unflipped then flipped, the flipped view's probabilities flipped back."""
+    views = iter([torch.tensor([10.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0]),
+                  torch.tensor([0.0, 1.0])])
+    seen = []
+
+    def logits_of(x):
+        seen.append(x)
+        return next(views).view(1, 2, 1, 1).expand(1, 2, 3, 4)
+
+    images = [torch.randn(1, 3, 3, 4), torch.randn(1, 3, 5, 6)]
+    prob = miou.aug_probabilities(logits_of, images)
+    assert prob.argmax(1).unique().tolist() == [1]
+    assert torch.allclose(prob.sum(1), torch.ones(1, 3, 4))
+    assert [torch.equal(x, e) for x, e in zip(seen, [images[0], images[0].flip(-1), images[1], images[1].flip(-1)])] \
+        == [True] * 4
+    model = torch.nn.Conv2d(3, 4, 3, padding=1)  # not flip-equivariant: the flip changes the logits
+    x = torch.randn(1, 3, 6, 8)
+    with torch.no_grad():
+        got = miou.aug_probabilities(lambda t: model(t), [x])
+        expected = (model(x).softmax(1) + model(x.flip(-1)).softmax(1).flip(-1)) / 2
+    assert torch.allclose(got, expected, atol=1e-6) and not torch.allclose(got, model(x).softmax(1), atol=1e-3)
+
+
+def test_the_aug_test_images_are_mmseg_scales_of_the_evaluation_size(root):
+    """--aug-test's items: the image at each ratio (0.5 .. 1.75) of the evaluation scale (mmseg 0.x's img_ratios:
+    (int(long r), int(short r)), keeping the aspect ratio); ratio 1 is the single-scale image."""
+    single = ade.ADE20K(root, 'validation', 5, eval_scale=(96, 48))
+    multi = ade.ADE20K(root, 'validation', 5, eval_scale=(96, 48), eval_ratios=ade.AUG_RATIOS)
+    images, label, key = multi[1]
+    # a 40x48 image: the short side limits, to int(48 r) rows, and the width keeps the ratio 48/40
+    sizes = [(int(48 * r), int(int(48 * r) / 40 * 48 + 0.5)) for r in ade.AUG_RATIOS]
+    assert [tuple(i.shape[1:]) for i in images] == sizes and ade.AUG_RATIOS == (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
+    assert torch.equal(images[2], single[1][0]) and torch.equal(label, single[1][1]) and key == 1
+
+
+def test_the_aug_test_evaluates_every_scale_whole_or_slide(root, one_thread):
+    """The multi-scale + flip evaluation of a pointwise model is the same in whole and slide mode (crops smaller
+    than the scaled images), and is reported as 6 scales + flip."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 5, 1)
+    data = ade.ADE20K(root, 'validation', 5, eval_scale=(96, 48), eval_ratios=ade.AUG_RATIOS)
+    loader = torch.utils.data.DataLoader(data, batch_size=1)
+    whole = miou.evaluate(model, loader, 5, torch.device('cpu'), print_freq=0, class_names=data.classes)
+    slide = miou.evaluate(model, loader, 5, torch.device('cpu'), mode='slide', crop=24, stride=16, print_freq=0)
+    assert whole['scales'] == 6 and whole['images'] == 3 and whole['classes'] == list(scenes.CLASS_NAMES)
+    assert whole['mIoU'] == pytest.approx(slide['mIoU'], abs=1e-9) and slide['classes'][0] == 'class_1'
+    assert miou.summary_line(whole, 'whole').endswith('(3 images, whole-image inference, 6 scales + flip)')
 
 
 def test_slide_inference_of_a_pointwise_model_equals_whole(one_thread):
@@ -263,6 +387,7 @@ def test_slide_inference_of_a_pointwise_model_equals_whole(one_thread):
 # ------------------------------------------------------------------------------------------- the schedule
 def test_poly_schedule_with_linear_warmup():
     args = seg_train.get_args_parser().parse_args(['--data-path', 'x', '--iters', '1000', '--warmup-iters', '100'])
+    seg_train.take_flags(args, '')
     assert seg_train.lr_at(0, args) == pytest.approx(6e-5 * 1e-6)
     assert seg_train.lr_at(100, args) == pytest.approx(6e-5 * 0.9)
     assert seg_train.lr_at(50, args) == pytest.approx(6e-5 * 0.95 * (1 - 0.5 * (1 - 1e-6)))
@@ -299,7 +424,7 @@ def _check_sizes(argv, memory, monkeypatch):
     import cli
     monkeypatch.setattr(cli, 'device_memory', lambda device: (memory, 'the memory of a test GPU'))
     args = seg_train.get_args_parser().parse_args(['--data-path', 'x'] + argv)
-    seg_state.take_recorded_flags(args, '', seg_train.RECIPE)  # the recipe's values of the flags not given
+    seg_train.take_flags(args, '')  # the recipe's values of the flags not given
     seg_train.check_sizes(args, torch.device('cpu'))
 
 
@@ -335,6 +460,7 @@ def test_train_sh_runs_dry_and_its_command_parses(tmp_path):
     assert p.returncode == 0, p.stderr
     words = p.stdout.strip().splitlines()[-1].split()
     args = seg_train.get_args_parser().parse_args(words[words.index('segmentation/train.py') + 1:])
+    seg_train.take_flags(args, '')
     assert (args.iters, args.batch_size, args.lr, args.pretrained, args.eval_mode) == (160000, 2, 6e-5, 'ck.pth',
                                                                                       'slide')
     assert '--nproc_per_node=8' in words
@@ -363,11 +489,22 @@ def test_the_benchmark_times_the_pipeline(capsys):
 
 
 def test_the_benchmark_counts_macs_of_backbone_and_head(capsys, one_thread):
+    """--macs: at --size² and at a rectangular --macs-size (512x2048 by default), each the fvcore count of one
+    image of that height and width; Semantic FPN's too."""
+    from models.flop_count import count_flops
     from segmentation import upernet_benchmark
-    assert upernet_benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '64', '--channels', '16']) == 0
-    m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 64x64 \(backbone ([\d.]+), UperNet head ([\d.]+)\)',
-                  capsys.readouterr().out)
+    assert upernet_benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '64', '--channels', '16',
+                                   '--macs-size', '32', '96']) == 0
+    out = capsys.readouterr().out
+    m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 64x64 \(backbone ([\d.]+), UperNet head ([\d.]+)\)', out)
     assert m and float(m.group(2)) > 0 and float(m.group(3)) > 0
+    m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 32x96 \(backbone ([\d.]+), UperNet head ([\d.]+)\)', out)
+    model = backbone.build_segmentor('NALAFORMER_XT', 150, channels=16, aux=False)
+    assert m and float(m.group(1)) == pytest.approx(count_flops(model, (32, 96)) / 1e9, abs=0.006)
+    assert upernet_benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '32', '--channels', '16',
+                                   '--decoder', 'fpn', '--macs-size', '32', '64']) == 0
+    assert re.search(r'NALAFORMER_XT: [\d.]+ GMACs at 32x64 \(backbone [\d.]+, Semantic FPN neck and head [\d.]+\)',
+                     capsys.readouterr().out)
 
 
 def test_slurm_train_sbatch_runs_the_segmentation_script():
@@ -502,3 +639,101 @@ def test_a_resume_adds_the_evaluation_line_log_txt_lacks(tmp_path, capsys):
     assert 'dropped a half-written last line' in out and 'added the line of iteration 200' in out
     add_missing_log_line(str(tmp_path), record, key='iter')  # present: nothing added
     assert len(log.read_text().splitlines()) == 2 and 'Repaired' not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------- the recipes and a run's output
+def test_decoder_fpn_takes_the_semantic_fpn_recipe_and_its_checkpoint_records_it(tmp_path, capsys):
+    """--decoder fpn: the schedule and head defaults of Semantic FPN's 80k recipe (a given flag wins); a checkpoint
+    records the decoder, so its evaluation or resume takes it and that recipe's defaults; another given decoder is
+    refused in one line."""
+    from errors import CheckpointError
+    parse = seg_train.get_args_parser().parse_args
+    keys = ('decoder', 'iters', 'lr', 'weight_decay', 'power', 'warmup_iters', 'channels', 'aux_weight',
+            'eval_interval', 'save_interval')
+    args = parse(['--data-path', 'x'])
+    seg_train.take_flags(args, '')
+    assert tuple(getattr(args, k) for k in keys) == ('upernet', 160000, 6e-5, 0.01, 1.0, 1500, 512, 0.4, 16000, 16000)
+    args = parse(['--data-path', 'x', '--decoder', 'fpn', '--lr', '2e-4'])
+    seg_train.take_flags(args, '')
+    assert tuple(getattr(args, k) for k in keys) == ('fpn', 80000, 2e-4, 1e-4, 0.9, 0, 128, 0.0, 8000, 8000)
+    path = str(tmp_path / 'seg.pth')
+    torch.save({'task': 'segmentation', 'args': {'decoder': 'fpn', 'model': 'NALAFORMER_XT', 'channels': 128,
+                                                 'aux_weight': 0.0}}, path)
+    capsys.readouterr()
+    args = parse(['--data-path', 'x'])
+    seg_train.take_flags(args, path)
+    assert (args.decoder, args.iters, args.channels, args.power) == ('fpn', 80000, 128, 0.9)
+    assert f'--decoder fpn --model NALAFORMER_XT: as recorded in {path}' in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match='holds a model built with --decoder fpn, this command passes '
+                                              '--decoder upernet'):
+        seg_train.take_flags(parse(['--data-path', 'x', '--decoder', 'upernet']), path)
+
+
+def test_the_global_batch_warning_names_the_numbers_and_the_fix(monkeypatch, capsys):
+    import argparse
+
+    import distributed
+    for world, batch, line in ((1, 2, "global batch 2 (1 process(es) x --batch-size 2) differs from the recipe's 16"
+                                      ', for which its LR and schedule are set; for 16 images a step: run 8 processes '
+                                      'x --batch-size 2 or --batch-size 16 on 1 process(es) (there is no gradient '
+                                      'accumulation)'),
+                               (4, 2, 'global batch 8 (4 process(es) x --batch-size 2)'),
+                               (3, 2, 'a step: run 8 processes x --batch-size 2 (there'),
+                               (8, 2, None), (1, 16, None), (2, 8, None)):
+        monkeypatch.setattr(distributed, 'get_world_size', lambda w=world: w)
+        seg_train.warn_global_batch(argparse.Namespace(batch_size=batch))
+        out = capsys.readouterr().out
+        assert (line in out and out.startswith('Warning: ')) if line else out == '', (world, batch, out)
+
+
+def test_a_run_writes_args_json_the_class_tables_and_both_final_scores(root, tmp_path, capsys, one_thread):
+    """A training run writes --output_dir/args.json as main.py does (the whole command line, the recipe's values
+    filled in), warns that its global batch is not 16, prints mmseg's per-class table at each evaluation with the
+    scene set's class names, logs each class's IoU and Acc by name, and ends with the last and the best mIoU.
+    --eval --aug-test of its checkpoint logs the multi-scale + flip scores and leaves args.json alone."""
+    out = tmp_path / 'out'
+    argv = ['--data-path', root, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--channels', '8', '--iters', '2',
+            '--batch-size', '2', '--crop-size', '32', '--img-scale', '64', '32', '--eval-interval', '1',
+            '--warmup-iters', '0', '--lr', '1e-3', '--output_dir', str(out)]
+    assert _run(argv) == 0
+    stdout = capsys.readouterr().out
+    saved = json.loads((out / 'args.json').read_text())
+    assert (saved['iters'], saved['decoder'], saved['power'], saved['output_dir']) == (2, 'upernet', 1.0, str(out))
+    assert "Warning: global batch 2 (1 process(es) x --batch-size 2) differs from the recipe's 16" in stdout
+    records = [json.loads(line) for line in (out / 'log.txt').read_text().splitlines()]
+    tables = re.findall(r'^per class results:\n((?:[|+].*\n)+)Iteration (\d):', stdout, re.M)
+    assert [r['iter'] for r in records] == [1, 2] and [int(i) for _, i in tables] == [1, 2]
+    for (table, _), record in zip(tables, records):
+        for name in scenes.CLASS_NAMES:
+            iou, acc = record[f'IoU.{name}'], record[f'Acc.{name}']
+            shown = ['nan' if v is None else f'{v:.2f}' for v in (iou, acc)]
+            assert re.search(rf'^\| {name} +\| +{shown[0]} \| +{shown[1]} \|$', table, re.M), (name, table)
+    best = max(records, key=lambda r: r['mIoU'])
+    assert (f"Training done: mIoU {records[-1]['mIoU']:.2f} at the last iteration (2), best mIoU {best['mIoU']:.2f} "
+            f"at iteration {best['iter']}") in stdout
+    before = (out / 'args.json').read_text()
+    assert _run(['--eval', '--resume', str(out / 'checkpoint.pth'), '--data-path', root, '--aug-test', '--output_dir',
+                 str(out)]) == 0
+    assert '(3 images, whole-image inference, 6 scales + flip)' in capsys.readouterr().out
+    last = json.loads((out / 'log.txt').read_text().splitlines()[-1])
+    assert last['aug_test'] is True and last['eval'] == str(out / 'checkpoint.pth') and 'IoU.checkerboard' in last
+    assert (out / 'args.json').read_text() == before
+
+
+def test_a_semantic_fpn_run_and_its_evaluation(root, tmp_path, capsys, one_thread):
+    """--decoder fpn trains Semantic FPN with its recipe's values (args.json), and --eval of its checkpoint without
+    a model flag rebuilds it from the recorded decoder and scores it as the run did."""
+    out = tmp_path / 'out'
+    assert _run(['--data-path', root, '--model', 'NALAFORMER_XT', '--num-classes', '5', '--decoder', 'fpn',
+                 '--iters', '1', '--batch-size', '2', '--crop-size', '32', '--img-scale', '64', '32',
+                 '--output_dir', str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert 'Model: Semantic FPN (neck 256, head 128 channels) over NALAFORMER_XT' in stdout
+    saved = json.loads((out / 'args.json').read_text())
+    assert (saved['decoder'], saved['lr'], saved['weight_decay'], saved['power'], saved['aux_weight']) == (
+        'fpn', 1e-4, 1e-4, 0.9, 0.0)
+    assert _run(['--eval', '--resume', str(out / 'checkpoint.pth'), '--data-path', root]) == 0
+    evaluated = capsys.readouterr().out
+    assert 'Model: Semantic FPN (neck 256, head 128 channels)' in evaluated
+    assert re.findall(r'mIoU \S+  mAcc \S+  aAcc \S+', evaluated) == re.findall(r'mIoU \S+  mAcc \S+  aAcc \S+',
+                                                                                stdout)

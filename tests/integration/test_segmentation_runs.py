@@ -114,8 +114,8 @@ def assert_same_run(out, p, reference):
     a, b = load(os.path.join(ref_out, 'best.pth')), load(os.path.join(out, 'best.pth'))
     assert a['iter'] == b['iter'] and a['best_miou'] == b['best_miou']
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
-    best = re.findall(r'^Training done: best mIoU .*$', ref_p.stdout, re.M)
-    assert best and best == re.findall(r'^Training done: best mIoU .*$', p.stdout, re.M)
+    done = re.findall(r'^Training done: mIoU .* at the last iteration \(6\), best mIoU .*$', ref_p.stdout, re.M)
+    assert done and done == re.findall(r'^Training done: .*$', p.stdout, re.M)
 
 
 def test_a_stopped_and_relaunched_run_ends_with_the_weights_of_an_uninterrupted_one(data, straight, tmp_path):
@@ -152,6 +152,21 @@ def test_the_miou_is_the_same_from_one_and_from_two_processes(data, straight):
 
 
 
+@pytest.mark.parametrize('mode', ['whole', 'slide'])
+def test_the_aug_test_miou_is_the_same_from_one_and_from_two_processes(data, straight, mode):
+    """--eval --aug-test (6 scales + flip) of the run's checkpoint: every image scored once over the processes, the
+    same per-class table and scores from one process and from two (5 images on 2 ranks), whole or slide."""
+    ckpt = os.path.join(straight[0], 'checkpoint.pth')
+    outputs = []
+    for nproc, dist in ((1, '--no-dist-eval'), (2, '--dist-eval')):
+        q = run_seg(nproc, ['--data-path', data, '--eval', '--resume', ckpt, dist, '--aug-test', '--eval-mode', mode,
+                            '--slide-stride', '20', '--device', 'cpu', '--num_workers', '0', '--print-freq', '10'])
+        outputs.append(re.search(r'^per class results:\n(?:[|+].*\n)+mIoU .*$', q.stdout, re.M).group(0))
+    how = 'whole-image' if mode == 'whole' else 'sliding-window'
+    assert outputs[0] == outputs[1] and outputs[0].endswith(f'(5 images, {how} inference, 6 scales + flip)'), outputs
+    assert '| checkerboard ' in outputs[0]
+
+
 def test_ddp_gradient_layout_warnings_are_not_shown(straight):
     assert 'Grad strides do not match bucket view strides' not in straight[1].stderr
 
@@ -172,7 +187,8 @@ def test_a_stop_before_an_evaluation_was_saved_resumes_with_that_evaluation(data
     ckpt = load(os.path.join(out, 'checkpoint.pth'))
     assert ckpt['iter'] == 3 and ckpt['eval_due']
     p = run_seg(1, args)
-    assert re.search(r'comes first\n(Test: .*\n)*Iteration 3: mIoU', p.stdout), p.stdout
+    assert re.search(r'comes first\n(Warning: global batch .*\n)?(Test: .*\n)*per class results:\n([|+].*\n)+'
+                     r'Iteration 3: mIoU', p.stdout), p.stdout
     assert_same_run(out, p, straight1)
 
 
