@@ -15,6 +15,7 @@ from checkpoint import comparable
 from checkpoint_io import checkpoint_identity, describe_identity, load_checkpoint_file
 from ema import ema_decay
 from errors import CheckpointError, UserError, first_line
+from models.weight_files import is_safetensors
 from saver import CheckpointSaver, TrainingRestore
 from schedule import SCHEDULE_FLAGS
 from train_state import SKIP_COUNTS_KEY, EpochState
@@ -40,6 +41,7 @@ class Resume:
     ckpt: Any = None
     training: bool = False
     message: str = ''
+    unevaluated: dict[str, Any] | None = None  # unevaluated_epoch's entries: the epoch before start_epoch to evaluate
 
 
 def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, recorded: dict[str, Any],
@@ -64,9 +66,29 @@ def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, recorded
     print(f'Loaded weights from {path}')  # after the checks that may refuse the resume
     r.ckpt, r.training = ckpt, training
     if training:
+        r.unevaluated = unevaluated_epoch(ckpt)
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
         r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {saver.max_accuracy:.2f}%'
     return r
+
+
+def unevaluated_epoch(ckpt: dict[str, Any]) -> dict[str, Any] | None:
+    """The entries of a checkpoint of a finished epoch that a stop during its evaluation saved without its accuracy
+    (no ``acc1``, a log record without test_* entries): that log record and where training stood (the RNG states and
+    skipped-step counts), with which the resumed run saves the epoch again once it has evaluated it. None for
+    any other checkpoint (an evaluated epoch, a stop inside an epoch, a reference checkpoint)."""
+    if ckpt.get('step') or 'acc1' not in ckpt or ckpt['acc1'] is not None or not isinstance(ckpt.get('log'), dict):
+        return None
+    return {k: ckpt[k] for k in ('log', 'rng_state', SKIP_COUNTS_KEY) if k in ckpt}
+
+
+def check_resumable(path: str, eval_only: bool) -> None:
+    """Refuse in one line to continue training from a release (tools/release.py's safetensors): it holds weights
+    only, no optimizer state, LR schedule or epoch to continue from; --finetune starts a run from them."""
+    if path and not eval_only and is_safetensors(path):
+        raise CheckpointError(f'--resume {path} is a release (weights only: no optimizer state, LR schedule or epoch '
+                              f'to continue from): start a training run from its weights with --finetune {path}, '
+                              f'or evaluate it with --eval --resume {path}')
 
 
 def load_agreed(path: str, device: Any) -> Any:

@@ -420,7 +420,7 @@ def run(argv: list[str] | None = None) -> int:
     """The entry point: parse, run, and end as exits.finish says (one line per error)."""
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: run_dir.leave_nothing_on_failure(lambda: main(args, parser), args.output_dir),
+    return exits.finish(lambda: run_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
                         lambda: (args.num_workers, args.batch_size))
 
 
