@@ -200,8 +200,8 @@ def leave_nothing_unused(body: Callable[[], int], directory: str) -> int:
 
 def remove_unused_output_dir(directory: str) -> None:
     """At the end of a run, leave nothing it did not write: remove the folders make_output_dir created for
-    `directory` that hold nothing but this process's lock file (given up first), deepest first. A folder that existed before, or
-    that holds anything else, is left as it is (os.rmdir removes only empty folders)."""
+    `directory` that hold nothing but this process's lock file (given up first), deepest first. A folder that
+    existed before, or that holds anything else, is left as it is (os.rmdir removes only empty folders)."""
     for folder in _created_dirs.pop(os.path.abspath(directory), []) if directory else []:
         try:
             run_lock.remove_lone_lock(folder)
