@@ -268,7 +268,7 @@ def _has_pickle(path: str) -> bool:
 
 def _unpickling_detail(e: BaseException) -> str:
     """The short cause of an unpickling failure (torch wraps its own in a page of advice)."""
-    m = re.search(r'WeightsUnpickler error:\s*([^\n]+)', str(e))
+    m = re.search(r'WeightsUnpickler error:\s*([^\n]+)', str(e)) or re.search(r'(Unsupported operand \d+)', str(e))
     return m.group(1).strip() if m else f'{type(e).__name__}: {first_line(e)}'
 
 
