@@ -12,14 +12,16 @@ loaders also take the reference layout), loadable with ``torch.load(weights_only
     n_parameters             trainable parameters
 
 and ours: ``best_weights`` ('model' or 'model_ema': which weights gave max_accuracy), ``best_epoch``,
-``best_acc1`` (the two accuracies of that epoch), ``acc1`` (this epoch's two accuracies), ``log`` (the
-epoch's log.txt record), ``files`` (the names this state was written to), ``classes`` and ``n_train_images``
-(the training data), ``rng_state`` (one entry per process), ``train_carry`` (the skipped-step counts); mid-epoch
-stops add ``step``, ``epoch_rng_state`` and ``loss_meter`` (these and ``rng_state``, ``train_carry`` hold a
+``best_acc1`` (the two accuracies of that epoch), ``acc1`` (this epoch's two accuracies; None when a stop cut
+the epoch's evaluation short, which the resumed run then does first), ``log`` (the epoch's log.txt record),
+``files`` (the names this state was written to), ``classes`` and ``n_train_images`` (the training data),
+``rng_state`` (one entry per process), ``train_carry`` (the skipped-step counts); mid-epoch stops add ``step``,
+``epoch_rng_state`` and ``loss_meter`` (one entry per process; these and ``rng_state``, ``train_carry`` hold a
 ``train_state.EpochState``), and ``checksum`` (a sha256 of every part, verified on load).
 
 Who does what with it: saver.py writes a run's checkpoints and names them, resume.py restores a run from one,
-checkpoint_io.py reads and writes the files, weights.py takes one set of weights from one.
+checkpoint_io.py reads and writes the files (a release's safetensors reads as a checkpoint of weights only),
+weights.py takes one set of weights from one.
 """
 import argparse
 from typing import Any

@@ -10,6 +10,7 @@ import argparse
 import errno
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import torch
 
 from errors import CheckpointError, CheckpointWriteError, exception_chain, first_line
 from models.compat import safe_globals
+from models.weight_files import file_eval_config, is_safetensors
 
 try:
     import fcntl
@@ -227,15 +229,90 @@ def other_checkpoints_hint(path: str) -> str:
     return f'{alt}, or start a new run with --no-auto-resume --overwrite'
 
 
+def _describe_format(head: bytes) -> str:
+    """What the first bytes of a file that is no checkpoint look like, in words."""
+    try:
+        text = head.decode('utf-8')
+    except UnicodeDecodeError:
+        text = ''
+    if text and all(c.isprintable() or c in '\t\r\n' for c in text):
+        first = text.strip().splitlines()[0][:40] if text.strip() else ''
+        return f'a text file beginning {first!r}' if first else 'a text file of blank lines'
+    return f'unknown file format, starting with bytes {head[:8].hex(" ")}'
+
+
+#: how torch's weights-only unpickler names a global it refuses (torch 2.4 and later; older: Unsupported class)
+_GLOBAL = re.compile(r'(?:GLOBAL|Unsupported class) ([^\s]+?)(?: was not|\s|$)')
+
+
+def _unsafe_global(msg: str) -> str:
+    """The Python name of a refused global in an unpickling error `msg` ('' when the error is another one). A
+    refused name that is no dotted Python name is the trace of damage, not of a pickled object ('')."""
+    if 'Unsupported global' not in msg and 'Unsupported class' not in msg:
+        return ''
+    m = _GLOBAL.search(msg)
+    name = m.group(1) if m else ''
+    if m and not all(part.isidentifier() for part in name.split('.')):
+        return ''
+    return name or 'an object that is not a tensor'
+
+
+def _has_pickle(path: str) -> bool:
+    """Whether the zip archive `path` holds a pickle (torch.save writes ARCHIVE/data.pkl)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith('/data.pkl') or n == 'data.pkl' for n in z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return True  # unreadable as a zip: the caller's damage message applies
+
+
+def _unpickling_detail(e: BaseException) -> str:
+    """The short cause of an unpickling failure (torch wraps its own in a page of advice)."""
+    m = re.search(r'WeightsUnpickler error:\s*([^\n]+)', str(e)) or re.search(r'(Unsupported operand \d+)', str(e))
+    return m.group(1).strip() if m else f'{type(e).__name__}: {first_line(e)}'
+
+
 def is_url(path: str) -> bool:
     """Whether a checkpoint flag names a URL (nothing is downloaded: checkpoints are local files)."""
     return path.startswith(('http://', 'https://'))
 
 
+#: the entry of a release read as a checkpoint (load_release) that holds its metadata
+RELEASE_KEY = 'release'
+
+
+def load_release(path: str) -> dict[str, Any]:
+    """A release (tools/release.py's weights-only safetensors, or any safetensors file of weights) read as a
+    checkpoint: its weights under ``model``; under ``args`` the --model, --input-size and --eval-crop-ratio its
+    metadata records (the settings it is evaluated at, models.weight_files.file_eval_config); its class names
+    under ``classes``; its metadata under ``release``. It holds no optimizer, schedule or epoch."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, framework='pt') as f:
+            meta = dict(f.metadata() or {})
+            weights = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f'checkpoint {path} is a damaged safetensors file ({first_line(e)}); '
+                              f'{other_checkpoints_hint(path)}') from e
+    cfg = file_eval_config(path)
+    args: dict[str, Any] = {'model': meta['model']} if meta.get('model') else {}
+    if cfg:
+        args.update(input_size=cfg['input_size'][-1], eval_crop_ratio=cfg.get('crop_pct'))
+    ckpt: dict[str, Any] = {'model': weights, 'args': args, RELEASE_KEY: meta}
+    try:
+        classes = json.loads(meta.get('classes') or '[]')
+    except ValueError:
+        classes = None
+    if isinstance(classes, list) and classes:
+        ckpt['classes'] = [str(c) for c in classes]
+    return ckpt
+
+
 def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> Any:
     """torch.load(weights_only=True) with one-line errors for missing, truncated, corrupt, foreign and
-    unsafe files. argparse.Namespace is accepted (reference checkpoints store their args as one).
-    A checkpoint with a checksum is verified unless verify=False."""
+    unsafe files (those that can be told apart from a damaged checkpoint name the run's other checkpoints).
+    argparse.Namespace is accepted (reference checkpoints store their args as one). A checkpoint with a
+    checksum is verified unless verify=False. A safetensors release reads as load_release's checkpoint."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f'checkpoint {path} does not exist' + (
@@ -245,23 +322,35 @@ def load_checkpoint_file(path: str, verify: bool = True, mmap: bool = False) -> 
     if os.path.getsize(path) == 0:
         raise CheckpointError(f'checkpoint {path} is empty (0 bytes); {other_checkpoints_hint(path)}')
     with open(path, 'rb') as f:
-        magic = f.read(4)
-    is_zip, is_legacy = magic[:2] == b'PK', magic[:1] == b'\x80'  # torch.save zip format / legacy pickle format
+        head = f.read(64)
+    if is_safetensors(path):
+        return load_release(path)
+    is_zip, is_legacy = head[:2] == b'PK', head[:1] == b'\x80'  # torch.save zip format / legacy pickle format
     if not (is_zip or is_legacy):
-        raise CheckpointError(f'{path} is not a PyTorch checkpoint (unknown file format)')
+        raise CheckpointError(f'checkpoint {path} is not a PyTorch checkpoint ({_describe_format(head)}); '
+                              f'{other_checkpoints_hint(path)}')
     try:
         with safe_globals([argparse.Namespace]):
             ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=mmap and is_zip)
     except Exception as e:
         msg = str(e)
-        if 'Unsupported global' in msg or 'Unsupported class' in msg or 'Unsupported operand' in msg:
-            raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers; '
-                                  f'refusing to unpickle it (weights_only=True)') from e
         if (is_zip and (not zipfile.is_zipfile(path) or 'central directory' in msg or 'zip archive' in msg
                         or 'failed reading' in msg)) or isinstance(e, EOFError) or 'EOF' in msg:
             raise CheckpointError(f'checkpoint {path} is truncated or corrupt ({os.path.getsize(path)} bytes); '
                                   f'{other_checkpoints_hint(path)}') from e
-        raise CheckpointError(f'{path} is not a PyTorch checkpoint ({first_line(e)})') from e
+        unsafe = _unsafe_global(msg)
+        if unsafe:
+            raise CheckpointError(f'{path} contains Python objects other than tensors and plain containers '
+                                  f'({unsafe}); refusing to unpickle it (weights_only=True); '
+                                  f'{other_checkpoints_hint(path)}') from e
+        if is_zip and not _has_pickle(path):  # a zip archive, but not one torch.save wrote
+            raise CheckpointError(f'checkpoint {path} is not a PyTorch checkpoint ({first_line(e)}); '
+                                  f'{other_checkpoints_hint(path)}') from e
+        # the unpickler met bytes no pickle writes (an unknown opcode, a broken string, a missing memo entry):
+        # the file was damaged after torch.save wrote it
+        detail = _unpickling_detail(e)
+        raise CheckpointError(f'checkpoint {path} is corrupt: its pickled contents are damaged ({detail}); '
+                              f'{other_checkpoints_hint(path)}') from e
     if verify:
         verify_checksum(ckpt, path)
     return ckpt

@@ -1,9 +1,10 @@
 """The end of a training epoch, the same steps on every rank in the same order: BatchNorm statistics and the EMA
 made rank 0's, the model and its EMA evaluated in one pass over the validation set, every rank agreeing whether
 that evaluation was cut short and whether to stop, the best accuracy noted, the checkpoints saved (the epoch's
-log line inside them) and the line appended to log.txt and TensorBoard."""
+log line inside them) and the line appended to log.txt and TensorBoard. An epoch whose evaluation a stop cut
+short is saved without its accuracy; the resumed run evaluates it first (EpochEnd.evaluate_resumed)."""
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from timm.utils import distribute_bn
@@ -48,8 +49,7 @@ class EpochEnd:
     def __call__(self, epoch: int, result: EpochResult) -> tuple[dict, dict | None, bool]:
         """End `epoch`, trained as `result` says: (the model's validation stats, the EMA's or None, whether
         every rank stops now)."""
-        in_group = distributed.is_dist_avail_and_initialized()
-        if in_group:
+        if distributed.is_dist_avail_and_initialized():
             # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
             # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
             distribute_bn(self.model, distributed.get_world_size(), reduce=False)
@@ -57,20 +57,50 @@ class EpochEnd:
                 distributed.broadcast_tensors_(list(self.model_ema.module.state_dict().values()), device=self.device)
         # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
         bad = image_folder.bad_sample_count_all_ranks(self.dataset_train, self.device)
+        return self.evaluate_and_save(epoch, result.stats, bad, lambda: train_state.epoch_state_entries(result.state),
+                                      result.stopped)
+
+    def evaluate_resumed(self, epoch: int, unevaluated: dict[str, Any]) -> tuple[dict, dict | None, bool]:
+        """End `epoch` as an uninterrupted run would have, after a resume from its checkpoint, which a stop during
+        its evaluation saved without its accuracy (`unevaluated`: its log record and where training stood, as
+        resume.Resume holds them): the weights it ended with, EMA included, restored from that checkpoint, are
+        evaluated, the best accuracy noted, the checkpoints saved again with it and its log.txt line completed.
+        A stop that cuts this evaluation short too leaves everything as it was."""
+        record = unevaluated['log']
+        print(f'Epoch {epoch} was saved without its accuracy (a stop cut its evaluation short): evaluating it now, '
+              f'with the weights it ended with')
+        train_stats = {k[len('train_'):]: v for k, v in record.items() if k.startswith('train_')}
+        entries = {k: v for k, v in unevaluated.items() if k != 'log'}
+        return self.evaluate_and_save(epoch, train_stats, int(record.get('bad_train_images') or 0),
+                                      lambda: entries, stopped=False, resumed=True)
+
+    def evaluate_and_save(self, epoch: int, train_stats: dict, bad: int, entries: Callable[[], dict[str, Any]],
+                          stopped: bool, resumed: bool = False) -> tuple[dict, dict | None, bool]:
+        """Evaluate the weights after `epoch` (the RNG state left as it was), let every rank agree whether that was
+        cut short and whether to stop, note the accuracy, save the checkpoints (`entries()`: where training
+        stands, a collective) with the epoch's log record, and write that record to log.txt (`resumed`: in place
+        of the line written without its accuracy) and TensorBoard. `stopped`: the epoch's training was stopped."""
         with train_state.preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
             test_stats, ema_stats = self.evaluate()
         # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
         flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
-                 float(self.stop_flag.requested or result.stopped)]
-        if in_group:
+                 float(self.stop_flag.requested or stopped)]
+        if distributed.is_dist_avail_and_initialized():
             flags = distributed.all_reduce_max(flags, self.device)
         eval_aborted, stop_now = flags[0] > 0, flags[1] > 0
+        if eval_aborted and resumed:  # its checkpoint and log line stay as they are: the next resume tries again
+            print(f'Evaluation of epoch {epoch} interrupted by {self.stop_flag.name() or "a stop signal"} again: '
+                  f'its checkpoint stays without its accuracy, and the same command evaluates it')
+            return test_stats, ema_stats, True
         improved = self.report(epoch, test_stats, ema_stats, eval_aborted, bad)
-        record = log_record(epoch, result.stats, None if eval_aborted else test_stats,
+        record = log_record(epoch, train_stats, None if eval_aborted else test_stats,
                             None if eval_aborted else ema_stats, self.saver, bad)
         # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
-        self.saver.save_epoch(epoch, {**train_state.epoch_state_entries(result.state), 'log': record}, improved)
-        self.saver.append_log(record)
+        self.saver.save_epoch(epoch, {**entries(), 'log': record}, improved)
+        if resumed:
+            self.saver.replace_log(record)
+        else:
+            self.saver.append_log(record)
         if self.log_dir:  # every rank agrees on rank 0's write (the logger is rank 0's alone)
             distributed.on_rank0(lambda: self.tensorboard.log_epoch(record, epoch), self.device,
                                  f'--log-dir {self.log_dir}: cannot write TensorBoard events')
@@ -96,7 +126,7 @@ class EpochEnd:
         improved = False
         if eval_aborted:
             print(f'Evaluation of epoch {epoch} interrupted by {self.stop_flag.name() or "a stop signal"}: '
-                  f'the epoch is saved without its accuracy')
+                  f'the epoch is saved without its accuracy, and the same command evaluates it first')
         else:
             n_val = len(self.loader_val.dataset)
             print(accuracy_line(test_stats, n_val))

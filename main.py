@@ -45,7 +45,7 @@ from errors import FlagError, UserError, first_line
 from losses import DistillationLoss
 from models.flop_count import count_flops
 from optimizer import OptimizerSettings, build_optimizer
-from resume import ResumeSettings, resume
+from resume import ResumeSettings, check_resumable, resume
 from saver import CheckpointSaver
 from train_state import TrainingParts
 from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
@@ -67,13 +67,19 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if resumed.training:
         saver.repair(resume_path, resumed.ckpt)
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
-    if not args.eval and start_epoch < args.epochs:  # a full disk stops the run before it says it continues
+    # the epoch before start_epoch, when a stop cut its evaluation short: evaluated and saved before training on
+    unevaluated = None if args.eval else resumed.unevaluated
+    writes = not args.eval and (start_epoch < args.epochs or unevaluated is not None)
+    if writes:  # a full disk stops the run before it says it continues
         saver.check_room(start_epoch, args.epochs, resume_path)
-    print_lines(resumed.message, run_dir.resume_elsewhere_note(cli.settings(run_dir.RunDirSettings, args), resume_path))
-    if not args.eval and start_epoch >= args.epochs:
+    output = cli.settings(run_dir.RunDirSettings, args)
+    print_lines(resumed.message, run_dir.resume_elsewhere_note(output, resume_path) if writes else '')
+    if not args.eval and not writes:
+        if not resumed.training:  # weights only: the run would start at --start_epoch
+            raise FlagError(nothing_to_train(args, f'{resume_path} holds weights only (no optimizer state or epoch)'))
         print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
               f'evaluating it (raise --epochs to train longer)')
-    if args.eval or start_epoch >= args.epochs:
+    if not writes:
         return evaluate_checkpoint(args, resumed.ckpt, resume_path, run, data, device, stop_flag)
     resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
 
@@ -88,8 +94,16 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                          data.dataset_train, args.log_dir, tb, device, run.amp_dtype, args.channels_last,
                          args.print_freq, bool(args.dist_eval and args.distributed), stop_flag)
     run_dir.save_args(args.output_dir, saver.run_args, device)
-    print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     start_time = time.time()
+    test_stats = ema_stats = None
+    if unevaluated is not None:
+        test_stats, ema_stats, stop_now = end_epoch.evaluate_resumed(start_epoch - 1, unevaluated)
+        if stop_now:
+            print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at the evaluation of epoch '
+                  f'{start_epoch - 1}; run the same command again to resume')
+            return exits.stopped_status(args.launcher, stop_flag)
+    if start_epoch < args.epochs:
+        print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     for epoch in range(start_epoch, args.epochs):
         data.sampler_train.set_epoch(epoch)
         schedule.start_epoch(parts.lr_scheduler, epoch)
@@ -140,9 +154,12 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     print_lines(*cli.compatibility_notes(args), *cli.augmentation_notes(args))
     output = cli.settings(run_dir.RunDirSettings, args)
     resume_path = run_dir.agree_on_resume_path(output, device)  # rank 0 decides, every rank checks its own view
+    check_resumable(resume_path, args.eval)  # a release: weights only, nothing to continue training from
+    if not args.eval and not resume_path and args.start_epoch >= args.epochs:
+        raise FlagError(nothing_to_train(args, 'there is no checkpoint to resume'))
     # what the checkpoint records decides before anything is built: it must be a classification checkpoint of our
-    # --model, its eval transform applies (its command line is read without its weights); then a batch of the size
-    # that gives must fit
+    # --model, its eval transform applies (its command line is read without its weights; a release's model card
+    # values); then a batch of the size that gives must fit
     if resume_path:
         cli.check_task('--resume', resume_path)
     recorded = checkpoint.recorded_args(resume_path) if resume_path else {}
@@ -157,6 +174,14 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     precision.set_tf32(device, args.tf32)
     run_dir.prepare_output_dir(output, device)
     return device, stop_flag, resume_path, recorded, train_mode
+
+
+def nothing_to_train(args: argparse.Namespace, why: str) -> str:
+    """The refusal of a training run whose --start_epoch is not below --epochs and that resumes no training state
+    (`why`, in words): it would evaluate the weights it starts with and pass them off as a trained run's."""
+    return (f'--start_epoch {args.start_epoch} is not below --epochs {args.epochs} and {why}: nothing to train; '
+            f'lower --start_epoch (the first epoch of a run that starts without a checkpoint) or raise --epochs, '
+            f'or evaluate weights with --eval --resume FILE')
 
 
 def print_lines(*lines: str) -> None:
@@ -447,13 +472,13 @@ def report_end(model: torch.nn.Module, start_time: float, test_stats: dict, ema_
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """main.py's entry point: parse the command line, run main() (removing an --output_dir it created when it
-    fails before writing anything: run_dir.leave_nothing_on_failure), and end as exits.finish says."""
+    """main.py's entry point: parse the command line, run main() (removing an --output_dir it created when it ends
+    without writing anything there: run_dir.leave_nothing_unused), and end as exits.finish says."""
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = cli.get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: run_dir.leave_nothing_on_failure(lambda: main(args, parser), args.output_dir),
+    return exits.finish(lambda: run_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
                         lambda: (args.num_workers, args.batch_size))
 
 

@@ -130,10 +130,15 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def json_line(obj: Any) -> str:
+    """`obj` as one strict-JSON line of log.txt, newline included (non-finite numbers written as null)."""
+    return json.dumps(json_safe(obj), allow_nan=False) + '\n'
+
+
 def write_json_line(path: Any, obj: Any) -> None:
-    """Append `obj` as one strict-JSON line (non-finite numbers written as null)."""
+    """Append `obj` as one strict-JSON line (json_line)."""
     with open(path, 'a') as f:
-        f.write(json.dumps(json_safe(obj), allow_nan=False) + '\n')
+        f.write(json_line(obj))
         f.flush()
 
 

@@ -15,6 +15,7 @@ from checkpoint import comparable
 from checkpoint_io import checkpoint_identity, describe_identity, load_checkpoint_file
 from ema import ema_decay
 from errors import CheckpointError, UserError, first_line
+from models.weight_files import is_safetensors
 from saver import CheckpointSaver, TrainingRestore
 from schedule import SCHEDULE_FLAGS
 from train_state import SKIP_COUNTS_KEY, EpochState
@@ -40,6 +41,7 @@ class Resume:
     ckpt: Any = None
     training: bool = False
     message: str = ''
+    unevaluated: dict[str, Any] | None = None  # unevaluated_epoch's entries: the epoch before start_epoch to evaluate
 
 
 def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, recorded: dict[str, Any],
@@ -64,9 +66,29 @@ def resume(path: str, saver: CheckpointSaver, settings: ResumeSettings, recorded
     print(f'Loaded weights from {path}')  # after the checks that may refuse the resume
     r.ckpt, r.training = ckpt, training
     if training:
+        r.unevaluated = unevaluated_epoch(ckpt)
         where = f'epoch {r.start_epoch} step {r.state.step}' if r.state.step else f'epoch {r.start_epoch}'
         r.message = f'Resumed from {path}: continuing at {where}, best accuracy so far {saver.max_accuracy:.2f}%'
     return r
+
+
+def unevaluated_epoch(ckpt: dict[str, Any]) -> dict[str, Any] | None:
+    """The entries of a checkpoint of a finished epoch that a stop during its evaluation saved without its accuracy
+    (no ``acc1``, a log record without test_* entries): that log record and where training stood (the RNG states and
+    skipped-step counts), with which the resumed run saves the epoch again once it has evaluated it. None for
+    any other checkpoint (an evaluated epoch, a stop inside an epoch, a reference checkpoint)."""
+    if ckpt.get('step') or 'acc1' not in ckpt or ckpt['acc1'] is not None or not isinstance(ckpt.get('log'), dict):
+        return None
+    return {k: ckpt[k] for k in ('log', 'rng_state', SKIP_COUNTS_KEY) if k in ckpt}
+
+
+def check_resumable(path: str, eval_only: bool) -> None:
+    """Refuse in one line to continue training from a release (tools/release.py's safetensors): it holds weights
+    only, no optimizer state, LR schedule or epoch to continue from; --finetune starts a run from them."""
+    if path and not eval_only and is_safetensors(path):
+        raise CheckpointError(f'--resume {path} is a release (weights only: no optimizer state, LR schedule or epoch '
+                              f'to continue from): start a training run from its weights with --finetune {path}, '
+                              f'or evaluate it with --eval --resume {path}')
 
 
 def load_agreed(path: str, device: Any) -> Any:
@@ -155,42 +177,107 @@ def _schedule_kept(ckpt: dict[str, Any], saved_args: dict[str, Any], lr_schedule
 
 def _where_training_stands(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
                            n_train_images: int | None) -> tuple[Resume, dict | None]:
-    """The epoch and EpochState the run continues from: after the checkpoint's epoch, or at the step inside it
-    where a stop saved it, with every rank's random-number state when the same number of processes resumes and
-    the data order of the epoch can be replayed (else the epoch restarts, with a note). Also this process's
-    random-number state to set before the next epoch (None: not restored, or the EpochState holds it)."""
+    """The epoch and EpochState the run continues from: after the checkpoint's epoch, or inside it where a stop
+    saved it (_inside_the_epoch). Also this process's random-number state to set before the next epoch (None: not
+    restored, or the EpochState holds it)."""
     # consecutive skipped steps survive epochs and resumes; the epoch's own count only a mid-epoch resume
     skip_counts = ckpt.get(SKIP_COUNTS_KEY) or {}
     bad_steps = int(skip_counts.get('bad_steps', 0))
-    if ckpt.get('step'):
-        r = Resume(int(ckpt['epoch']), EpochState(step=int(ckpt['step']), loss_meter=ckpt.get('loss_meter'),
-                                                  bad_steps=bad_steps,
-                                                  skipped_steps=int(skip_counts.get('skipped_steps', 0))))
-    else:
-        r = Resume(int(ckpt['epoch']) + 1, EpochState(bad_steps=bad_steps))
     world, rank = distributed.get_world_size(), distributed.get_rank()
     rng = ckpt.get('rng_state')
-    order = data_order_changes(ckpt, saved, now, n_train_images) if r.state.step else []
-    if order:
-        # the data order of the rest of the epoch depends on these: a replay would feed other images
-        print(f'Note: the checkpoint stopped inside epoch {r.start_epoch} at step {r.state.step}, and '
-              f'{", ".join(order)} since then, so the rest of that epoch cannot be replayed in its order: '
-              f'epoch {r.start_epoch} restarts from its first step')
-        epoch_rng = ckpt.get('epoch_rng_state')
-        r.state = EpochState(bad_steps=bad_steps, epoch_rng_state=epoch_rng[rank] if isinstance(epoch_rng, list)
-                             and len(epoch_rng) == world else None)
-        if r.state.epoch_rng_state is None:
+    if ckpt.get('step'):
+        return _inside_the_epoch(ckpt, saved, now, n_train_images, bad_steps), None
+    r = Resume(int(ckpt['epoch']) + 1, EpochState(bad_steps=bad_steps))
+    if isinstance(rng, list) and len(rng) == world:
+        return r, rng[rank]
+    writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
+    print(f'Note: the checkpoint was written by {writers} process(es), this run has {world}: random-number state '
+          f'not restored')
+    return r, None
+
+
+def _inside_the_epoch(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any], n_train_images: int | None,
+                      bad_steps: int) -> Resume:
+    """Where a run resumes from a stop inside an epoch: at the stop's step, replayed exactly (every rank's
+    random-number state) when the processes, batch and accumulation are the checkpoint's; with another number of
+    processes, --batch-size or --accum-steps, at the step of this run where the epoch's images continue in their
+    order (continued_step), when there is one; else, or when the order itself changed (seed, sampler, training
+    set), from the epoch's first step. Each but the exact replay with a note."""
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+    epoch, step = int(ckpt['epoch']), int(ckpt['step'])
+    skip_counts = ckpt.get(SKIP_COUNTS_KEY) or {}
+    rng, epoch_rng = ckpt.get('rng_state'), ckpt.get('epoch_rng_state')
+    same_world = isinstance(rng, list) and len(rng) == world
+    order, split = data_order_changes(ckpt, saved, now, n_train_images), split_changes(ckpt, saved, now)
+    new_step = None if order else step if not split else continued_step(ckpt, saved, now)
+    if new_step is None:
+        # the images of the rest of the epoch depend on these: a replay would feed other images
+        print(f'Note: the checkpoint stopped inside epoch {epoch} at step {step}, and {", ".join(order + split)} '
+              f'since then, so the rest of that epoch cannot be replayed in its order: epoch {epoch} restarts from '
+              f'its first step')
+        state = EpochState(bad_steps=bad_steps, epoch_rng_state=epoch_rng[rank] if same_world
+                           and isinstance(epoch_rng, list) else None)
+        if state.epoch_rng_state is None:
             print(f'Note: the checkpoint was written by {len(rng) if isinstance(rng, list) else "?"} '
                   f'process(es), this run has {world}: random-number state not restored')
-    elif isinstance(rng, list) and len(rng) == world:
-        if not r.state.step:
-            return r, rng[rank]
-        r.state.rng_state, r.state.epoch_rng_state = rng[rank], ckpt['epoch_rng_state'][rank]
+        return Resume(epoch, state)
+    try:  # the meter averages batch losses: counted in this run's batches, the average stays one per image
+        batches = int(saved['batch_size']) / int(now['batch_size'])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        batches = 1.0
+    state = EpochState(step=new_step, loss_meter=_loss_meter(ckpt.get('loss_meter'), world, rank, batches),
+                       bad_steps=bad_steps, skipped_steps=int(skip_counts.get('skipped_steps', 0)))
+    if same_world:  # every rank's streams continue (under another batch split they feed other draws)
+        state.rng_state = rng[rank]
+        state.epoch_rng_state = epoch_rng[rank] if isinstance(epoch_rng, list) else None
+    elif not split:
+        print(f'Note: the checkpoint was written by an unknown number of process(es), this run has {world}: '
+              f'random-number state not restored')
+    if split:
+        drawn = ('' if same_world else f'; the checkpoint was written by {len(rng) if isinstance(rng, list) else "?"}'
+                 f' process(es), this run has {world}: random-number state not restored, so random augmentation, '
+                 f'Mixup/CutMix, random erasing and drop path draw other values than an uninterrupted run')
+        print(f'Note: the checkpoint stopped inside epoch {epoch} at step {step}, and {", ".join(split)} since '
+              f'then: the epoch continues at step {new_step} of this run, with the images of its order that '
+              f'the stop had not reached{drawn}')
+    return Resume(epoch, state)
+
+
+def continued_step(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any]) -> int | None:
+    """The step of this run (batches per process) at which it has taken as many images of the epoch's order as the
+    checkpoint's stop had (its step x --batch-size x processes), when that ends one of its optimizer steps (a
+    whole --accum-steps window); None otherwise, or when the checkpoint records no batch. Every training sampler
+    here deals the epoch's order out to the processes in turn, one image each, so a step of any split into
+    processes and micro-batches takes the next --batch-size x processes x --accum-steps images of the order."""
+    rng = ckpt.get('rng_state')
+    try:
+        was_world = len(rng) if isinstance(rng, list) else int(saved['world_size'])
+        taken = int(ckpt['step']) * int(saved['batch_size']) * was_world
+        per_step = int(now['batch_size']) * distributed.get_world_size()
+        window = per_step * int(now.get('accum_steps') or 1)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return taken // per_step if taken % window == 0 else None
+
+
+def _loss_meter(saved: Any, world: int, rank: int, batches: float = 1.0) -> dict | None:
+    """This process's part of the epoch's loss meter (its batch losses, summed over the processes at the epoch's
+    end): its own when the checkpoint holds one per process of as many processes; with another number, all of
+    them summed on rank 0 and nothing on the others. `batches`: how many of this run's batches one of the
+    checkpoint's makes (its --batch-size over ours), by which the count and total are scaled, so that the epoch's
+    average weighs every image alike. A checkpoint holding one meter (rank 0's) gives it to every rank."""
+    if not isinstance(saved, list):
+        return saved
+    if len(saved) == world:
+        meter = saved[rank]
+    elif rank:
+        return {'total': 0.0, 'count': 0}
     else:
-        writers = len(rng) if isinstance(rng, list) else 'an unknown number of'
-        print(f'Note: the checkpoint was written by {writers} '
-              f'process(es), this run has {world}: random-number state not restored')
-    return r, None
+        meters = [m for m in saved if isinstance(m, dict)]
+        meter = {'total': sum(float(m['total']) for m in meters), 'count': sum(int(m['count']) for m in meters)}
+    if batches == 1.0 or not isinstance(meter, dict):
+        return meter
+    return {'total': float(meter['total']) * batches, 'count': round(int(meter['count']) * batches)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,17 +355,28 @@ def data_path_change(saved: dict[str, Any], data_path: str | None) -> str:
     return str(was)
 
 
-def data_order_changes(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
-                       n_train_images: int | None) -> list[str]:
+def split_changes(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs between the run that wrote the mid-epoch checkpoint `ckpt` (its command line `saved`) and this
-    one (`now`) among the things that decide which images each step of the epoch gets (processes, batch,
-    accumulation, seed, sampler, training-set size)."""
+    one (`now`) in how a step's images are split into processes and micro-batches (processes, batch,
+    accumulation): the order of the epoch's images stays, the stop's step may map onto another (continued_step)."""
     rng = ckpt.get('rng_state')
     was_world = len(rng) if isinstance(rng, list) else saved.get('world_size')
     out = []
     if was_world is not None and was_world != distributed.get_world_size():
         out.append(f'the number of processes changed ({was_world} -> {distributed.get_world_size()})')
-    for k in ('batch_size', 'accum_steps', 'seed', 'repeated_aug'):
+    for k in ('batch_size', 'accum_steps'):
+        if k in saved and k in now and _differs(saved[k], now[k]):
+            out.append(f'{_flag(k)} changed ({saved[k]} -> {now[k]})')
+    return out
+
+
+def data_order_changes(ckpt: dict[str, Any], saved: dict[str, Any], now: dict[str, Any],
+                       n_train_images: int | None) -> list[str]:
+    """What differs between the run that wrote the mid-epoch checkpoint `ckpt` (its command line `saved`) and this
+    one (`now`) among the things that decide the order of the epoch's images (seed, sampler, training-set
+    size)."""
+    out = []
+    for k in ('seed', 'repeated_aug'):
         if k in saved and k in now and _differs(saved[k], now[k]):
             out.append(f'{_flag(k)} changed ({saved[k]} -> {now[k]})')
     n = ckpt.get('n_train_images')

@@ -1,6 +1,6 @@
 """The output directory of a training run (--output_dir): which checkpoint a run resumes from, one run per
 directory (run_lock.py's lock, and a refusal to start over another run's files without --overwrite), write
-access, the run's arguments (args.json), and removing a directory a failed start created."""
+access, the run's arguments (args.json), and removing a directory a run created but wrote nothing into."""
 import json
 import os
 import tempfile
@@ -172,7 +172,7 @@ def prepare_output_dir(settings: RunDirSettings, device: Any) -> None:
 
 
 # per --output_dir made by make_output_dir in this process, the folders on its path it created, deepest first:
-# a run that fails before writing anything into them removes them again (remove_unused_output_dir)
+# a run that wrote nothing into them removes them again when it ends (remove_unused_output_dir)
 _created_dirs: dict[str, list[str]] = {}
 
 
@@ -187,24 +187,21 @@ def make_output_dir(directory: str) -> None:
         _created_dirs[os.path.abspath(directory)] = missing
 
 
-def leave_nothing_on_failure(body: Callable[[], int], directory: str) -> int:
-    """`body()` (a run's main); when it fails (an error, or a non-zero exit status) before writing anything into
-    an output `directory` it created, that folder is removed again: a run that never started leaves nothing
-    behind."""
+def leave_nothing_unused(body: Callable[[], int], directory: str) -> int:
+    """`body()` (a run's main); however it ends (an error, a non-zero exit status, or a success that wrote nothing
+    there: a resume with nothing left to train, an evaluation), an output `directory` it created and wrote nothing
+    into is removed again: a run leaves behind only what it wrote."""
     try:
         code = body()
-    except BaseException:
-        remove_unused_output_dir(directory)
-        raise
-    if code:
+    finally:
         remove_unused_output_dir(directory)
     return code
 
 
 def remove_unused_output_dir(directory: str) -> None:
-    """After a failed start, leave nothing behind: remove the folders make_output_dir created for `directory` that
-    hold nothing but this process's lock file (given up first), deepest first. A folder that existed before, or
-    that holds anything else, is left as it is (os.rmdir removes only empty folders)."""
+    """At the end of a run, leave nothing it did not write: remove the folders make_output_dir created for
+    `directory` that hold nothing but this process's lock file (given up first), deepest first. A folder that
+    existed before, or that holds anything else, is left as it is (os.rmdir removes only empty folders)."""
     for folder in _created_dirs.pop(os.path.abspath(directory), []) if directory else []:
         try:
             run_lock.remove_lone_lock(folder)

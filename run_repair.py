@@ -8,7 +8,7 @@ from typing import Any
 
 from checkpoint_io import copy_atomic, in_directory, load_checkpoint_file, run_checkpoints, write_atomic
 from errors import CheckpointError, CheckpointWriteError
-from metrics import write_log_line
+from metrics import json_line, write_log_line
 
 #: the words of a checkpoint's position key in the lines below
 _WORDS = {'epoch': ('epoch', 'epochs'), 'iter': ('iteration', 'iterations')}
@@ -124,6 +124,28 @@ def add_missing_log_line(directory: str, record: Any, key: str = 'epoch') -> Non
         write_log_line(directory, record)
         print(f'Repaired {path}: added the line of {_WORDS[key][0]} {record[key]} from the '
               f'checkpoint, which log.txt lacked (the run stopped, or could not write, before logging it)')
+
+
+def replace_log_line(directory: str, record: dict[str, Any], key: str = 'epoch') -> None:
+    """Put `record` in log.txt in place of the line with the same `key` (the line of an epoch whose evaluation a
+    stop cut short, written without its test_* entries), or append it when log.txt has none. log.txt is
+    rewritten atomically: a crash leaves the old file or the new one."""
+    path = os.path.join(directory, 'log.txt')
+    lines: list[str] = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            lines = f.readlines()
+    new, replaced = json_line(record), False
+    for i, line in enumerate(lines):
+        try:
+            same = json.loads(line).get(key) == record[key]
+        except (ValueError, AttributeError):
+            same = False
+        if same:
+            lines[i], replaced = ('' if replaced else new), True
+    if not replaced:
+        lines.append(new)
+    write_atomic(path, lambda f: f.write(''.join(lines).encode()))
 
 
 def separate_hard_links(directory: str) -> None:

@@ -198,6 +198,13 @@ class CheckpointSaver:
         """Append the epoch's record to log.txt (rank 0; a failure stops every rank with one line)."""
         append_log(self.output_dir, record, self.device)
 
+    def replace_log(self, record: dict[str, Any]) -> None:
+        """Put the epoch's record in log.txt in place of that epoch's line (run_repair.replace_log_line; rank 0, a
+        failure stops every rank with one line)."""
+        if self.output_dir:
+            distributed.on_rank0(lambda: run_repair.replace_log_line(self.output_dir, record), self.device,
+                                 f'could not rewrite {os.path.join(self.output_dir, "log.txt")}')
+
     # ---- room
     def estimate_bytes(self, resume_path: str = '') -> int:
         """Size of one of this run's checkpoints (``checkpoint_bytes``)."""

@@ -80,7 +80,7 @@ class EpochState:
     step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
     rng_state: dict | None = None        # RNG state at `step` (a mid-epoch stop)
     epoch_rng_state: dict | None = None  # RNG state before the epoch's data iterator was created
-    loss_meter: dict | None = None       # the epoch's loss meter so far: {'total': ..., 'count': ...}
+    loss_meter: dict | None = None       # this rank's loss meter of the epoch so far: {'total': ..., 'count': ...}
     bad_steps: int = 0      # consecutive skipped optimizer steps, counted across epochs
     skipped_steps: int = 0  # optimizer steps skipped so far in this epoch
 
@@ -92,10 +92,10 @@ SKIP_COUNTS_KEY = 'train_carry'
 def epoch_state_entries(state: EpochState) -> dict[str, Any]:
     """The checkpoint entries of where training stands (collective: every rank calls it). Between epochs
     (``state.step`` 0): every rank's RNG state now; inside an epoch: ``step``, every rank's RNG state at
-    the stop and before the epoch's data iterator, and the loss meter. Always the skipped-step counts."""
+    the stop and before the epoch's data iterator, and every rank's loss meter. Always the skipped-step counts."""
     skip_counts = {'bad_steps': state.bad_steps, 'skipped_steps': state.skipped_steps}
     if not state.step:
         return {'rng_state': gather_rng(get_rng_state()), SKIP_COUNTS_KEY: skip_counts}
     return {'step': state.step, 'rng_state': gather_rng(state.rng_state),
-            'epoch_rng_state': gather_rng(state.epoch_rng_state), 'loss_meter': state.loss_meter,
+            'epoch_rng_state': gather_rng(state.epoch_rng_state), 'loss_meter': gather_objects(state.loss_meter),
             SKIP_COUNTS_KEY: skip_counts}

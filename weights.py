@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from timm.models import clean_state_dict, create_model, get_pretrained_cfg
 
-from checkpoint_io import load_checkpoint_file
+from checkpoint_io import RELEASE_KEY, load_checkpoint_file
 from errors import CheckpointError
 from models.nalaformer import VARIANTS, from_reference_layout
 from models.weight_files import weights_key
@@ -180,7 +180,11 @@ def finetune_from(model: torch.nn.Module, path: str, model_name: str) -> None:
         msg = describe_mismatch(model, rest, model_name, path)
         raise CheckpointError(msg or f'{path} does not match {model_name}')
     model.load_state_dict(rest, strict=False)
-    what = f'{path} ({key} weights)' if key else path
+    release = ckpt.get(RELEASE_KEY) if isinstance(ckpt, dict) else None
+    if isinstance(release, dict):  # a release's weights are stored as 'model' whichever set it took
+        what = f'{path}, a release of {release.get("source_weights") or "a checkpoint"} weights'
+    else:
+        what = f'{path} ({key} weights)' if key else path
     if dropped:
         shapes = ', '.join(f'{k} {tuple(sd[k].shape)} -> {tuple(own[k].shape)}' for k in dropped)
         print(f'Finetune: loaded {what}; classifier re-initialised (shape differs): {shapes}')

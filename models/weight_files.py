@@ -41,12 +41,25 @@ def weights_key(ckpt: Any, which: str = 'default') -> str | None:
     return None
 
 
+def is_safetensors(path: str) -> bool:
+    """Whether the file `path` is a safetensors file (a release of tools/release.py, whatever its name ends
+    with): an 8-byte little-endian header length, then that many bytes of JSON object."""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(9)
+            size = f.seek(0, 2)
+    except OSError:
+        return False
+    n = int.from_bytes(head[:8], 'little') if len(head) == 9 else 0
+    return head[8:9] == b'{' and 2 <= n <= size - 8
+
+
 def file_num_classes(path: str, classifier: str = 'head') -> int | None:
     """Number of classes of the weights in ``path`` (a release ``.safetensors`` file, a state dict or a
     training checkpoint): the ``num_classes`` a release records, else the rows of ``<classifier>.weight``
     of the weights the rule above takes. None when the file does not tell (no classifier, unreadable)."""
     try:
-        if path.endswith('.safetensors'):
+        if is_safetensors(path):
             from safetensors import safe_open
             with safe_open(path, framework='pt') as f:
                 recorded = (f.metadata() or {}).get('num_classes', '')
@@ -79,7 +92,7 @@ def file_eval_config(path: str) -> dict[str, Any]:
     checkpoint's args (read memory-mapped: its tensors are not loaded). Empty when it records no input size or
     cannot be read (the loader that follows reports an unreadable file)."""
     try:
-        if path.endswith('.safetensors'):
+        if is_safetensors(path):
             from safetensors import safe_open
             with safe_open(path, framework='pt') as f:
                 recorded = f.metadata() or {}

@@ -661,7 +661,7 @@ def run(argv: list[str] | None = None) -> int:
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: run_dir.leave_nothing_on_failure(lambda: main(args, parser), args.output_dir),
+    return exits.finish(lambda: run_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
                         lambda: (args.num_workers, args.batch_size))
 
 

@@ -425,6 +425,36 @@ def test_an_end_of_epoch_state_resumes_at_the_next_epoch_with_the_bad_step_count
     assert _draws(entries['rng_state'][0]) == want  # between epochs: the RNG state of now
 
 
+def test_an_epoch_saved_without_its_accuracy_is_handed_to_the_resume_to_evaluate(tmp_path):
+    """A stop during an epoch's evaluation saves the epoch with no acc1 and a log record without test_* entries:
+    the resume hands that record and where training stood to main.py, which evaluates the epoch and puts the
+    complete record in place of the log line. An evaluated epoch and a stop inside an epoch hand over nothing."""
+    rng, carry = _rng_at(3), {'bad_steps': 1, 'skipped_steps': 2}
+    unevaluated = {'train_loss': 1.5, 'epoch': 2, 'max_accuracy': 40.0}
+    run = _run(tmp_path, with_state=True)
+    run.save(2, {'rng_state': [rng], 'train_carry': carry, 'log': unevaluated}, ['checkpoint.pth'])
+    r = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
+    assert r.start_epoch == 3
+    assert set(r.unevaluated) == {'log', 'rng_state', 'train_carry'}
+    assert r.unevaluated['log'] == unevaluated and r.unevaluated['train_carry'] == carry
+    assert _draws(r.unevaluated['rng_state'][0]) == _draws(rng)
+    run.record_accuracy(2, 50.0)
+    run.save(2, {'rng_state': [rng], 'log': {**unevaluated, 'test_acc1': 50.0}}, ['checkpoint.pth'])
+    assert _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth')).unevaluated is None
+    mid = train_state.epoch_state_entries(train_state.EpochState(step=3, rng_state=rng, epoch_rng_state=rng))
+    run.save(3, mid, ['checkpoint.pth'])
+    assert _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth')).unevaluated is None
+
+    log = tmp_path / 'log.txt'
+    lines = [{'epoch': 0, 'test_acc1': 30.0}, {'epoch': 1, 'train_loss': 1.5}, {'epoch': 2, 'train_loss': 1.4}]
+    log.write_text(''.join(json.dumps(x) + '\n' for x in lines))
+    run_repair.replace_log_line(str(tmp_path), {'epoch': 1, 'train_loss': 1.5, 'test_acc1': float('nan')})
+    assert [json.loads(x) for x in open(log)] == [lines[0], {'epoch': 1, 'train_loss': 1.5, 'test_acc1': None},
+                                                  lines[2]]
+    run_repair.replace_log_line(str(tmp_path), {'epoch': 3, 'test_acc1': 31.0})  # no line of it yet: appended
+    assert json.loads(open(log).readlines()[-1]) == {'epoch': 3, 'test_acc1': 31.0}
+
+
 def test_a_checkpoint_is_estimated_as_weights_and_two_optimizer_moments(tmp_path):
     run = _run(tmp_path)
     n = sum(p.numel() for p in run.model.parameters())

@@ -2,6 +2,7 @@
 previous file on a full disk or Ctrl-C, the mode of a normal write, copies that are reflinks where the
 filesystem has them, temporary files of killed writes removed."""
 import errno
+import fractions
 import io
 import os
 import shutil
@@ -50,6 +51,37 @@ def test_truncated_checkpoint_names_the_files_to_resume_from(tmp_path):
                            for n in ('best.pth', 'checkpoint_0009.pth', 'checkpoint_0004.pth'))
     assert f'--resume {best}, --resume {newest}, --resume {older}' in msg
     assert '--no-auto-resume --overwrite' in msg
+
+
+def test_a_text_file_or_a_damaged_pickle_header_names_the_files_to_resume_from(tmp_path):
+    """Neither is a checkpoint the run can use: the line says what the file is and, as for a truncated one, which
+    other checkpoints of the run to resume from."""
+    path = _write_state(tmp_path)
+    shutil.copy(path, tmp_path / 'best.pth')
+    good = path.read_bytes()
+    start = good.index(b'data.pkl') + len('data.pkl')  # the pickle follows its zip entry's local header
+    start = good.index(b'\x80\x02', start)  # its PROTO opcode
+    damaged = bytearray(good)
+    damaged[start:start + 8] = b'\xff' * 8
+    hint = f'resume from another checkpoint of the run (--resume {tmp_path / "best.pth"})'
+    for content, what in ((b'step 1200 loss 3.2\nstep 1300 loss 3.1\n', "a text file beginning 'step 1200 loss 3.2'"),
+                          (bytes(damaged), 'is corrupt: its pickled contents are damaged (Unsupported operand 255')):
+        path.write_bytes(content)
+        with pytest.raises(errors.CheckpointError) as e:
+            checkpoint_io.load_checkpoint_file(str(path))
+        msg = str(e.value)
+        assert what in msg and hint in msg and '\n' not in msg, msg
+        assert 'Python objects' not in msg
+
+
+def test_a_checkpoint_of_python_objects_is_refused_as_unsafe_not_as_damaged(tmp_path):
+    path = tmp_path / 'checkpoint.pth'
+    torch.save({'model': {}, 'lr': fractions.Fraction(1, 3)}, path)  # an object no weights-only load allows
+    with pytest.raises(errors.CheckpointError) as e:
+        checkpoint_io.load_checkpoint_file(str(path))
+    msg = str(e.value)
+    assert 'contains Python objects other than tensors and plain containers (fractions.Fraction)' in msg, msg
+    assert 'damaged' not in msg
 
 
 def test_damage_in_place_stays_in_its_file_and_names_an_older_version_linked_are_not_offered(tmp_path):

@@ -7,6 +7,7 @@ import shutil
 import tempfile
 
 import pytest
+import torch
 from conftest import TrainingRun, build_xt, optimizer_of, run_dir_of, scheduler_of
 
 import cli
@@ -140,6 +141,52 @@ def test_a_resume_is_announced_only_once_the_output_dir_can_take_the_run(data, t
     assert main.run(argv + ['--epochs', '1']) == 0  # nothing left to train: announced, then evaluated
     said = capsys.readouterr().out
     assert said.index(f'Resumed from {out / "checkpoint.pth"}: continuing at epoch 1') < said.index('Nothing to train')
+
+
+def test_a_resume_with_nothing_to_train_into_a_new_output_dir_leaves_nothing_there(data, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """The checkpoint of a finished run resumed into a new --output_dir: it is evaluated, nothing is written, and
+    the folder the run created for its files goes again (lock file and all), as after a failed start."""
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'):
+        monkeypatch.delenv(k, raising=False)
+    done = tmp_path / 'done'
+    done.mkdir()
+    args = cli.get_args_parser().parse_args(RUN + ['--data-path', data, '--output_dir', str(done)])
+    model = build_xt(3)
+    opt = optimizer_of(args, model)
+    TrainingRun(args, model, None, opt, scheduler_of(args, opt), None, 0, 'cpu').save(1, {}, ['checkpoint.pth'])
+    new = tmp_path / 'runs' / 'new'
+    assert main.run(RUN + ['--data-path', data, '--resume', str(done / 'checkpoint.pth'),
+                           '--output_dir', str(new)]) == 0
+    assert not os.path.exists(tmp_path / 'runs')
+    said = capsys.readouterr().out
+    assert 'Nothing to train' in said and 'Accuracy of the network' in said
+    assert 'into another --output_dir' not in said  # no files go there
+
+
+def test_a_start_epoch_past_the_last_epoch_without_a_checkpoint_is_refused(data, tmp_path, monkeypatch, capsys):
+    """Nothing to train and no checkpoint to evaluate: one line, exit 2, no output directory; not an evaluation of
+    the untrained weights announced as a checkpoint's."""
+    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / 'out'
+    assert main.run(RUN + ['--data-path', data, '--output_dir', str(out), '--start_epoch', '5', '--epochs', '1']) == 2
+    said = capsys.readouterr()
+    assert said.err.splitlines() == ['error: --start_epoch 5 is not below --epochs 1 and there is no checkpoint to '
+                                     'resume: nothing to train; lower --start_epoch (the first epoch of a run that '
+                                     'starts without a checkpoint) or raise --epochs, or evaluate weights with --eval '
+                                     '--resume FILE']
+    assert 'Accuracy' not in said.out and 'already finished' not in said.out
+    assert not os.path.exists(out)
+    weights = tmp_path / 'weights.pth'  # weights only: the run would start at --start_epoch as well
+    torch.save(build_xt(3).state_dict(), weights)
+    assert main.run(RUN + ['--data-path', data, '--output_dir', str(out), '--start_epoch', '5', '--epochs', '1',
+                           '--resume', str(weights)]) == 2
+    said = capsys.readouterr()
+    assert said.err.splitlines()[-1].startswith(f'error: --start_epoch 5 is not below --epochs 1 and {weights} holds '
+                                                f'weights only (no optimizer state or epoch): nothing to train')
+    assert 'Accuracy' not in said.out and 'already finished' not in said.out
+    assert not os.path.exists(out)
 
 
 # ------------------------------------------------------------------------------------------ a failed start

@@ -9,7 +9,10 @@ import torch
 from conftest import build_xt, load
 from test_checkpoint import _same, _Tiny, _xt
 
+import checkpoint
+import checkpoint_io
 import errors
+import resume
 import weights
 from tools import analyze_attention as aa
 
@@ -46,6 +49,33 @@ def test_every_single_weights_loader_takes_the_same_weights(tmp_path, with_ema, 
     ckpt['args'] = Namespace(input_size=48)
     torch.save(ckpt, path)
     assert aa.load_model('NALAFORMER_XT', str(path))[1]['input_size'] == 48
+
+
+def test_a_release_loads_as_weights_and_its_card_values_as_the_recorded_command_line(tmp_path, capsys):
+    """tools/release.py's safetensors reaches --finetune, --teacher-path and --eval --resume through the checkpoint
+    reader: its weights, and the model, input size and crop ratio it records, which main.py takes as a checkpoint's
+    command line; training cannot continue from it (weights only): one line that points to --finetune."""
+    from tools import release
+    raw, ema = _xt(1), _xt(2)
+    path = tmp_path / 'run' / 'checkpoint.pth'
+    path.parent.mkdir()
+    torch.save({'model': raw.state_dict(), 'model_ema': ema.state_dict(), 'epoch': 3,
+                'args': {'input_size': 40, 'model': 'NALAFORMER_XT'}, 'classes': ['a', 'b', 'c']}, path)
+    rel = release.release(str(path), str(tmp_path / 'rel'), weights='model_ema', flops=False)['file']
+    finetuned, teacher = _xt(9), _xt(9)
+    weights.finetune_from(finetuned, rel, 'NALAFORMER_XT')
+    weights.load_model_weights(teacher, rel, 'NALAFORMER_XT')
+    for model in (finetuned, teacher):
+        assert _same(model.state_dict(), ema.state_dict())
+    assert f'Finetune: loaded {rel}, a release of model_ema weights (all ' in capsys.readouterr().out
+    assert checkpoint.recorded_args(rel) == {'model': 'NALAFORMER_XT', 'input_size': 40, 'eval_crop_ratio': 0.875}
+    assert checkpoint_io.load_checkpoint_file(rel)['classes'] == ['a', 'b', 'c']
+    resume.check_resumable(rel, eval_only=True)
+    with pytest.raises(errors.CheckpointError) as e:
+        resume.check_resumable(rel, eval_only=False)
+    assert str(e.value) == (f'--resume {rel} is a release (weights only: no optimizer state, LR schedule or epoch to '
+                            f'continue from): start a training run from its weights with --finetune {rel}, or '
+                            f'evaluate it with --eval --resume {rel}')
 
 
 def test_select_weights_errors():

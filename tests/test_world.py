@@ -160,23 +160,66 @@ def test_a_changed_data_path_is_a_note_naming_both_paths(tmp_path, monkeypatch, 
 
 
 # ------------------------------------------------------------------------------ mid-epoch resume, other world
-def test_a_mid_epoch_checkpoint_under_another_batch_restarts_the_epoch(tmp_path, capsys):
-    run = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24)
+def _mid_epoch_checkpoint(tmp_path, argv, writers=1):
+    """A checkpoint of a stop at step 2 of epoch 1, written by `writers` processes (their entries faked)."""
+    run = _tiny_run(tmp_path, argv, n_train_images=24)
     state = train_state.EpochState(step=2, rng_state=train_state.get_rng_state(),
-                              epoch_rng_state=train_state.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
-    run.save(1, train_state.epoch_state_entries(state), ['checkpoint.pth'])
-    path = str(tmp_path / 'checkpoint.pth')
+                                   epoch_rng_state=train_state.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
+    entries = train_state.epoch_state_entries(state)
+    for key in ('rng_state', 'epoch_rng_state'):
+        entries[key] = entries[key] * writers
+    entries['loss_meter'] = [{'total': 1.0 + rank, 'count': 2} for rank in range(writers)]
+    run.save(1, entries, ['checkpoint.pth'])
+    return str(tmp_path / 'checkpoint.pth')
+
+
+def test_a_mid_epoch_checkpoint_under_another_split_continues_where_its_images_stopped(tmp_path, capsys):
+    """2 steps of 4 images (batches of 4, one process) took the first 8 images of the epoch's order:
+    another --batch-size or --accum-steps continues after them when 8 images end one of its optimizer steps; the
+    epoch restarts when they do not, or when the order itself changed."""
+    path = _mid_epoch_checkpoint(tmp_path, ['--batch-size', '4', '--accum-steps', '2'])
     same = _tiny_run(tmp_path, ['--batch-size', '4', '--accum-steps', '2'], n_train_images=24).resume(path)
-    assert (same.start_epoch, same.state.step) == (1, 2)
-    for argv, n, what in ((['--batch-size', '2', '--accum-steps', '2'], 24, '--batch-size changed (4 -> 2)'),
-                          (['--batch-size', '4', '--accum-steps', '1'], 24, '--accum-steps changed (2 -> 1)'),
-                          (['--batch-size', '4', '--accum-steps', '2'], 27, 'the training set changed (24 -> 27')):
+    assert (same.start_epoch, same.state.step, same.state.loss_meter) == (1, 2, {'total': 1.0, 'count': 2})
+    assert 'Note: the checkpoint stopped' not in capsys.readouterr().out
+    # the loss meter's 2 batch losses of 4 images count as 4 of 2 images, or 1 of 8: the average weighs images alike
+    for argv, step, meter in ((['--batch-size', '2', '--accum-steps', '2'], 4, {'total': 2.0, 'count': 4}),
+                              (['--batch-size', '4', '--accum-steps', '1'], 2, {'total': 1.0, 'count': 2}),
+                              (['--batch-size', '8', '--accum-steps', '1'], 1, {'total': 0.5, 'count': 1})):
+        r = _tiny_run(tmp_path, argv, n_train_images=24).resume(path)
+        assert (r.start_epoch, r.state.step, r.state.loss_meter) == (1, step, meter), argv
+        assert r.state.rng_state is not None  # the same processes: their random streams continue
+        out = capsys.readouterr().out
+        assert f'the epoch continues at step {step} of this run, with the images of its order that the stop had ' \
+               f'not reached' in out, out
+    for argv, n, what in ((['--batch-size', '2', '--accum-steps', '3'], 24, '--accum-steps changed (2 -> 3)'),
+                          (['--batch-size', '16', '--accum-steps', '1'], 24, '--batch-size changed (4 -> 16)'),
+                          (['--batch-size', '4', '--accum-steps', '2'], 27, 'the training set changed (24 -> 27'),
+                          (['--batch-size', '4', '--accum-steps', '2', '--seed', '1'], 24, '--seed changed (0 -> 1)')):
         capsys.readouterr()
         r = _tiny_run(tmp_path, argv, n_train_images=n).resume(path)
         assert (r.start_epoch, r.state.step, r.state.loss_meter) == (1, 0, None)
         assert r.state.epoch_rng_state is not None  # the epoch restarts from the random state it started with
         out = capsys.readouterr().out
         assert what in out and 'epoch 1 restarts from its first step' in out, out
+
+
+def test_a_mid_epoch_checkpoint_of_two_processes_continues_on_one(tmp_path, capsys):
+    """Written by 2 processes of 2 images: the stop at step 2 had taken 8 images. One process of 4 continues at
+    its step 2, its loss meter that of both processes; the random streams of 2 processes cannot be restored."""
+    path = _mid_epoch_checkpoint(tmp_path, ['--batch-size', '2'], writers=2)
+    r = _tiny_run(tmp_path, ['--batch-size', '4'], n_train_images=24).resume(path)
+    # both meters summed (total 1 + 2 over 4 batches of 2), counted in batches of 4
+    assert (r.start_epoch, r.state.step, r.state.loss_meter) == (1, 2, {'total': 1.5, 'count': 2})
+    assert r.state.rng_state is None and r.state.epoch_rng_state is None
+    out = capsys.readouterr().out
+    assert ('Note: the checkpoint stopped inside epoch 1 at step 2, and the number of processes changed (2 -> 1), '
+            '--batch-size changed (2 -> 4) since then: the epoch continues at step 2 of this run, with the images '
+            'of its order that the stop had not reached; the checkpoint was written by 2 process(es), this run has '
+            '1: random-number state not restored') in out, out
+    assert resume._loss_meter([{'total': 1.0, 'count': 2}, {'total': 2.0, 'count': 2}], 2, 1) == \
+        {'total': 2.0, 'count': 2}  # as many processes: each its own
+    assert resume._loss_meter([{'total': 1.0, 'count': 2}] * 2, 1, 0) == {'total': 2.0, 'count': 4}
+    assert resume._loss_meter([{'total': 1.0, 'count': 2}] * 2, 4, 3) == {'total': 0.0, 'count': 0}
 
 
 # ------------------------------------------------------------------------------ torchrun --max-restarts

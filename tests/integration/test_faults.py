@@ -258,6 +258,36 @@ def test_signal_stops_evaluation_at_the_next_batch(trained, mode, sig, tmp_path)
     assert waited < 30
 
 
+def test_an_epoch_whose_evaluation_a_stop_cut_short_is_evaluated_on_resume(tmp_path):
+    """SIGINT right after an epoch's last step cuts its evaluation short: the epoch is saved without its accuracy.
+    The same command evaluates it first, with the weights it ended with (EMA included): log.txt, best.pth, the
+    best accuracy and the final weights equal an uninterrupted run's. Stopped so in both epochs: once with an
+    epoch left to train after the evaluation, once with none."""
+    data = make_imagefolder(tmp_path / 'data', n_val=40)  # 120 validation images: time for the signal to land
+    # an EMA that follows the weights closely, so that epoch 1 can improve on epoch 0
+    args = BASE + ['--warmup-epochs', '0', '--model-ema-decay', '0.5', '--num_workers', '0', '--data-path', data]
+    ref, out = tmp_path / 'ref', tmp_path / 'out'
+    uninterrupted = run_main(args + ['--output_dir', str(ref)])
+    cmd = [PY, 'main.py'] + args + ['--output_dir', str(out)]
+    said = []
+    for epoch in (0, 1):
+        stdout, stderr, _ = signal_when(start_process(cmd), rf'Epoch: \[{epoch}\] Total time', signal.SIGINT)
+        assert f'Evaluation of epoch {epoch} interrupted by SIGINT' in stdout, stdout[-3000:] + stderr[-3000:]
+        assert 'test_acc1' not in load(out / 'checkpoint.pth')['log']
+        said.append(stdout)
+    said.append(run_main(args + ['--output_dir', str(out)]).stdout)  # the same command again: nothing to train
+    assert [json.loads(x) for x in open(out / 'log.txt')] == [json.loads(x) for x in open(ref / 'log.txt')]
+    for name in ('best.pth', 'checkpoint.pth'):
+        a, b = load(ref / name), load(out / name)
+        for key in ('epoch', 'max_accuracy', 'best_epoch', 'best_weights', 'best_acc1', 'acc1', 'files'):
+            assert a[key] == b[key], (name, key, a[key], b[key])
+        assert_same_weights(a, b)
+    final = [x for x in uninterrupted.stdout.splitlines() if x.startswith('Final top-1')]
+    assert final and final == [x for x in said[-1].splitlines() if x.startswith('Final top-1')]
+    assert 'Epoch 0 was saved without its accuracy' in said[1] and 'Epoch 1 was saved without' in said[2]
+    assert 'Nothing to train' not in said[2]
+
+
 # ---------------------------------------------------------------------------- killed between the writes
 def test_killed_between_the_writes_then_resumed(data, tmp_path):
     """The process dies right after checkpoint.pth of epoch 0 (always a new best) is renamed into place:

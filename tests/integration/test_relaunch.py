@@ -1,6 +1,8 @@
 """Relaunches in real processes: a second job beside a torchrun job in the same --output_dir, a resume after
-a class folder was renamed, a two-process mid-epoch stop resumed on one process, torchrun --max-restarts
-restarting a killed worker (the weights of an uninterrupted run), a killed data-loader worker."""
+a class folder was renamed, a two-process mid-epoch stop resumed on one process (the weights of an uninterrupted
+run, up to rounding, where nothing is random), torchrun --max-restarts restarting a killed worker (the weights of
+an uninterrupted run), a killed data-loader worker."""
+import json
 import os
 import re
 import signal
@@ -8,12 +10,15 @@ import subprocess
 import time
 
 import pytest
+import torch
 from cluster import children
 from conftest import (
     BASE,
     PY,
+    REPO,
     TORCHRUN,
     assert_same_weights,
+    env,
     error_line,
     free_port,
     kill_group,
@@ -71,18 +76,58 @@ def test_renamed_class_folder_stops_the_resume(tmp_path):
     assert open(os.path.join(out, 'checkpoint.pth'), 'rb').read() == before
 
 
-def test_a_two_process_mid_epoch_stop_resumed_on_one_process_restarts_the_epoch(data, tmp_path):
-    args = BASE[:-1] + ['1', '--batch-size', '2', '--num_workers', '0', '--data-path', data,
-                        '--output_dir', str(tmp_path / 'out')]
-    cmd = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1', f'--master_port={free_port()}', 'main.py'] + args
-    stdout, stderr, _ = signal_when(start_process(cmd), r'Epoch: \[0\] \[1/', signal.SIGTERM)
-    m = re.search(r'Stopped by SIGTERM at epoch 0 step (\d+)', stdout)
+FIXED_TRANSFORM = """
+import sys
+import datasets, main
+evaluation = datasets.build_transform
+# the training transform without its random crop, flip and RandAugment: the evaluation transform
+datasets.build_transform = lambda train, cfg, augment=None, data_set='', uint8=False: evaluation(False, cfg,
+                                                                                              uint8=uint8)
+sys.exit(main.run(sys.argv[1:]))
+"""
+
+
+def _weights(ck):
+    return torch.cat([v.flatten().double() for v in ck['model'].values() if v.is_floating_point()])
+
+
+def test_a_two_process_run_stopped_inside_an_epoch_ends_on_one_process_as_uninterrupted(data, tmp_path):
+    """A 2-process run stopped inside epoch 1 and relaunched on 1 process with the same global batch (--accum-steps
+    2): the epoch continues after the images the stop had reached, so every optimizer step takes the images of
+    the uninterrupted run, at its LR and EMA decay. Where nothing is drawn at random (a fixed training transform,
+    no Mixup, CutMix or erasing) and every image is normalised alone (BatchNorm in eval mode: --no-train-mode),
+    the final weights are the uninterrupted run's up to the floating-point order of the gradient sums."""
+    script = tmp_path / 'fixed_transform.py'
+    script.write_text(FIXED_TRANSFORM)
+    args = BASE[:-1] + ['2', '--batch-size', '2', '--num_workers', '0', '--data-path', data, '--no-train-mode',
+                        '--mixup', '0', '--cutmix', '0', '--reprob', '0', '--dist-timeout', '120']
+    two = TORCHRUN + ['--nproc_per_node=2', '--master_addr=127.0.0.1']
+    e = {**env(), 'PYTHONPATH': REPO}
+    ref, out = str(tmp_path / 'ref'), str(tmp_path / 'out')
+    p = subprocess.run(two + [f'--master_port={free_port()}', str(script)] + args + ['--output_dir', ref], cwd=REPO,
+                       env=e, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    proc = subprocess.Popen(two + [f'--master_port={free_port()}', str(script)] + args + ['--output_dir', out],
+                            cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    stdout, stderr, _ = signal_when(proc, r'Epoch: \[1\] \[ ?1/', signal.SIGTERM)
+    m = re.search(r'Stopped by SIGTERM at epoch 1 step (\d+)', stdout)
     assert m, stdout[-3000:] + stderr[-3000:]
-    p = run_main(args)  # one process: 12 steps an epoch instead of 6
-    assert f'stopped inside epoch 0 at step {m.group(1)}, and the number of processes changed (2 -> 1)' in p.stdout
-    assert 'epoch 0 restarts from its first step' in p.stdout and 'replaying' not in p.stdout
-    assert re.search(r'Epoch: \[0\] \[ ?0/12\]', p.stdout) and re.search(r'Epoch: \[0\] \[11/12\]', p.stdout)
-    assert 'processes 2 -> 1: global batch 4 -> 2, EMA decay ' in p.stdout  # the resume note in flag terms
+    stopped = load(os.path.join(out, 'checkpoint.pth'))
+    p = subprocess.run([PY, str(script)] + args + ['--accum-steps', '2', '--output_dir', out], cwd=REPO, env=e,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    a, b = load(os.path.join(ref, 'checkpoint.pth')), load(os.path.join(out, 'checkpoint.pth'))
+    # the weights moved on after the stop; they end where the uninterrupted run's did, up to rounding
+    moved, apart = (_weights(a) - _weights(stopped)).norm(), (_weights(a) - _weights(b)).norm()
+    assert apart < 0.05 * moved, (float(apart), float(moved))
+    logs = [[json.loads(x) for x in open(os.path.join(d, 'log.txt'))] for d in (ref, out)]
+    assert [x['epoch'] for x in logs[1]] == [0, 1]
+    assert logs[1][1]['train_loss'] == pytest.approx(logs[0][1]['train_loss'], rel=1e-3)  # both processes' losses
+    step = int(m.group(1))  # of batches of 2 on each of 2 processes: one process of batches of 2 is at twice that
+    assert (f'stopped inside epoch 1 at step {step}, and the number of processes changed (2 -> 1), --accum-steps '
+            f'changed (1 -> 2) since then: the epoch continues at step {2 * step} of this run') in p.stdout, \
+        [x for x in p.stdout.splitlines() if 'Note' in x]
 
 
 RESTART = BASE + ['--batch-size', '2', '--num_workers', '0', '--dist-timeout', '60']

@@ -20,6 +20,7 @@ from conftest import (
     accuracy_line,
     assert_same_weights,
     env,
+    error_line,
     load,
     run_main,
 )
@@ -102,6 +103,29 @@ def test_eval_sh_evaluates_at_the_size_the_checkpoint_was_trained_at(one_epoch, 
     assert p.returncode == 0, p.stderr[-3000:]
     assert '--input-size' not in p.stdout.splitlines()[0]  # the command eval.sh printed
     _evaluated_as_trained(p.stdout, log)
+
+
+def test_a_release_is_evaluated_by_eval_sh_at_its_size_and_cannot_resume_training(one_epoch, data, tmp_path):
+    """tools/release.py's file of the 32 px run's EMA weights: eval.sh (main.py --eval --resume) measures it at
+    the 32 px its metadata records, with the accuracy the run logged for those weights; a training run cannot
+    continue from it (one line, pointing to --finetune) and leaves no output directory."""
+    from tools import release
+    out, _ = one_epoch
+    log = json.loads(open(os.path.join(out, 'log.txt')).readline())
+    rel = release.release(os.path.join(out, 'checkpoint.pth'), str(tmp_path / 'rel'), weights='model_ema',
+                          flops=False)['file']
+    e = {k: v for k, v in env().items() if k not in ('SIZE', 'DRY_RUN', 'NPROC', 'NNODES')}
+    e.update(PYTHON=PY, MODEL='NALAFORMER_XT', CKPT=rel, DATA=data, BATCH='4')
+    p = subprocess.run(['bash', os.path.join(REPO, 'eval.sh'), '--device', 'cpu', '--num_workers', '0', '--no-flops'],
+                       env=e, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f'--input-size 32 and --eval-crop-ratio 1.0: as recorded in {rel}' in p.stdout
+    assert accuracy_line(p.stdout) == [f"Accuracy of the network on the 15 test images: {log['test_ema_acc1']:.2f}%"]
+    assert re.findall(r'^\* Acc@1 .* loss (\d+\.\d+)', p.stdout, re.M) == [f"{log['test_ema_loss']:.3f}"]
+    p = run_main(BASE + ['--data-path', data, '--resume', rel, '--output_dir', str(tmp_path / 'out')], check=False)
+    line = error_line(p)
+    assert f'--resume {rel} is a release (weights only' in line and f'--finetune {rel}' in line, line
+    assert p.returncode == 1 and not os.path.exists(tmp_path / 'out')
 
 
 def test_resume_gives_the_same_weights_as_a_straight_run(one_epoch, straight, data, tmp_path):
