@@ -1,7 +1,7 @@
 """Data sets and transforms, DeiT's: ``build_dataset`` (ImageNet and DIGITS as image folders, CIFAR-100,
-iNaturalist 2018/2019) and ``build_transform`` from the model's data config. docs/usage.md describes the
-data sets, their layouts, the transforms and what happens to undecodable images; image_folder.py reads
-the folders, eval_sets.py the extra evaluation sets."""
+iNaturalist 2018/2019) and ``build_transform`` from the model's data config. docs/data.md describes the
+data sets, their layouts and what happens to undecodable images, docs/evaluation.md the transforms;
+image_folder.py reads the folders, eval_sets.py the extra evaluation sets."""
 import json
 import os
 import shutil

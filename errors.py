@@ -1,5 +1,5 @@
 """Errors that end a run with one line and a non-zero exit status (no stack trace), and how that line is
-written (docs/usage.md lists the messages)."""
+written (docs/troubleshooting.md lists the messages)."""
 import argparse
 import difflib
 import sys

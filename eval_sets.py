@@ -1,6 +1,6 @@
 """Extra evaluation sets of ``--eval-sets`` (class folders named as the training classes, ImageNet-V2's
 numbered folders, a flat folder with a label file) and ImageNet-ReaL labels (``--real-labels``), which
-``engine.evaluate`` scores alongside the validation set. docs/usage.md describes the layouts."""
+``engine.evaluate`` scores alongside the validation set. docs/evaluation.md describes the layouts."""
 import json
 import os
 import pkgutil

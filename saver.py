@@ -154,8 +154,8 @@ class CheckpointSaver:
 
     # ---- writing
     def state(self, epoch: int, names: Sequence[str], extra: dict[str, Any]) -> dict[str, Any]:
-        """The checkpoint after `epoch` (docs/usage.md#checkpoints), with the entries `extra` (where training
-        stands, the epoch's log line)."""
+        """The checkpoint after `epoch` (docs/checkpoints.md#the-checkpoint-format), with the entries `extra`
+        (where training stands, the epoch's log line)."""
         parts = self.parts
         state = {
             'model': parts.model.state_dict(),
