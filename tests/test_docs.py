@@ -1,11 +1,13 @@
-"""What README.md and docs/ say about a command agrees with what the command does (as far as a CPU run
-allows): every README command runs as written, its Python lines run, which weights `--finetune` takes, the
-smoke and analysis sections (`make demo`'s figure: tests/integration/test_commands.py)."""
+"""What README.md and docs/ say agrees with the code and stays a reference (as far as a CPU run allows): every
+README command runs as written, its Python lines run, which weights `--finetune` takes, the smoke and analysis
+sections, every link and anchor resolves, no page grows past 400 lines or tells history (`make demo`'s figure:
+tests/integration/test_commands.py)."""
 import argparse
 import os
 import re
 import shlex
 import subprocess
+import unicodedata
 
 import pytest
 import torch
@@ -32,10 +34,9 @@ def test_finetune_takes_the_weights_the_docs_name(tmp_path, capsys):
     w = 'patch_embed.proj.0.weight'
     assert torch.equal(dst.state_dict()[w], ema[w])
 
-    usage = _read('docs/usage.md')
-    rule = usage.split('## Which weights a loader takes', 1)[1].split('\n## ', 1)[0]
+    rule = _section('docs/tools.md', '## Which weights a loader takes')
     assert 'else **`model_ema`**' in rule and '`main.py --finetune`' in rule
-    for doc in ('README.md', 'docs/usage.md', 'finetune.sh'):
+    for doc in ('README.md', *_pages(), 'finetune.sh'):
         text = ' '.join(_read(doc).replace('#', ' ').split())
         assert not re.search(r"--finetune` loads the checkpoint's `model` weights|its model weights are loaded",
                              text), doc
@@ -45,11 +46,16 @@ def _section(doc, heading):
     return _read(doc).split(heading, 1)[1].split('\n## ', 1)[0]
 
 
+def _pages():
+    """The reference pages: docs/*.md (docs/results/ keeps dated raw output and history)."""
+    return sorted(os.path.join('docs', f) for f in os.listdir(os.path.join(REPO, 'docs')) if f.endswith('.md'))
+
+
 def test_the_smoke_section_lists_the_paths_and_counts_of_tools_smoke():
-    """docs/usage.md names every path of tools/smoke.py and says what --quick runs on a CPU, counted from
+    """docs/tools.md names every path of tools/smoke.py and says what --quick runs on a CPU, counted from
     tools/smoke.py itself."""
     from tools import smoke
-    text = ' '.join(_section('docs/usage.md', '## Smoke test on a new machine').split())
+    text = ' '.join(_section('docs/tools.md', '## Smoke test on a new machine').split())
     assert all(f'`{row.name}`' in text for row in smoke.ROWS), [r.name for r in smoke.ROWS if f'`{r.name}`' not in text]
     quick = [row for row in smoke.ROWS if not smoke.skip_reason(row, 'cpu', True) and row.in_process is None]
     runs = sum(2 if row.then is not None else 1 for row in quick)
@@ -73,16 +79,16 @@ def test_the_analysis_commands_use_the_image_count_of_the_measurements():
 
 def test_the_python_snippet_says_where_it_runs():
     """README's Python lines import this repository's `models`: the line before them says to run them from
-    the repository root (or with it on PYTHONPATH), and usage.md explains the choice."""
+    the repository root (or with it on PYTHONPATH), and docs/install.md explains the choice."""
     readme = _read('README.md')
     before = readme.split('```python\nimport torch, timm, models', 1)[0].rstrip().rsplit('\n\n', 1)[-1]
     assert 'From the repository root' in before and 'PYTHONPATH' in before, before
-    where = _section('docs/usage.md', '## Where to run the code: the repository root')
+    where = _section('docs/install.md', '## Where to run the code: the repository root')
     assert "ModuleNotFoundError: No module named 'models'" in where and 'torch.hub.load' in where
 
 
 def test_the_readme_says_where_bf16_is_fast_and_how_long_make_smoke_takes():
-    """Each smoke time in the README comes with the load it was measured at, as docs/usage.md records it
+    """Each smoke time in the README comes with the load it was measured at, as docs/tools.md records it
     (seconds and raw log)."""
     text = ' '.join(_read('README.md').split())
     bf16 = re.search(r'`--amp bf16` is the fast precision on GPUs with bf16 tensor cores[^`]*?\)\.', text)
@@ -92,11 +98,11 @@ def test_the_readme_says_where_bf16_is_fast_and_how_long_make_smoke_takes():
                       r'at ([\d–]+)\)', text)
     assert smoke, text
     quick, quick_load, loaded, loaded_load, full, full_load = smoke.groups()
-    usage = ' '.join(_section('docs/usage.md', '## Smoke test on a new machine').split())
+    section = ' '.join(_section('docs/tools.md', '## Smoke test on a new machine').split())
     for minutes, load, tail in ((quick, quick_load, r'\)'), (loaded, loaded_load, ',')):
-        m = re.search(rf'`make smoke` took {re.escape(minutes)} minutes \((\d+) s, load average {load}{tail}', usage)
-        assert m and abs(int(m.group(1)) / 60 - float(minutes)) <= 0.051, (minutes, load, usage)
-    assert re.search(rf'`--all` {re.escape(full)} minutes \(\d+ s, [^)]*load average {full_load}\)', usage), usage
+        m = re.search(rf'`make smoke` took {re.escape(minutes)} minutes \((\d+) s, load average {load}{tail}', section)
+        assert m and abs(int(m.group(1)) / 60 - float(minutes)) <= 0.051, (minutes, load, section)
+    assert re.search(rf'`--all` {re.escape(full)} minutes \(\d+ s, [^)]*load average {full_load}\)', section), section
     assert 'wall time 242s' in _read('docs/results/smoke_cpu_loaded_2026-12-07.log')
 
 
@@ -115,20 +121,96 @@ def test_the_readme_benchmark_commands_say_how_long_they_take():
 
 
 def test_the_docs_give_no_test_count_that_goes_stale():
-    for doc in ('README.md', *(os.path.join('docs', f) for f in os.listdir(os.path.join(REPO, 'docs'))
-                               if f.endswith('.md'))):
+    for doc in ('README.md', *_pages()):
         assert not re.search(r'\b\d{3,} tests\b', _read(doc)), doc
 
 
 def test_the_failure_table_keeps_each_row_short():
-    """docs/usage.md's failure table: one short line per row (what happened, what you see and do); the long
-    explanations live in their sections, the list of checked flags in Training options."""
-    table = _section('docs/usage.md', '## When things go wrong').split('\n\n| what happened |', 1)[1]
+    """docs/troubleshooting.md's failure table: one short line per row (what happened, what you see and do); the
+    long explanations live in their pages, the list of checked flags in training.md's Training options."""
+    table = _read('docs/troubleshooting.md').split('\n\n| what happened |', 1)[1]
     rows = [line for line in table.split('\n\n', 1)[0].splitlines() if line.startswith('| ')][1:]
     assert len(rows) >= 20
     long = [row for row in rows if len(row.replace('|', ' ').split()) > 40]
     assert not long, long
-    assert '**Flag checks.**' in _section('docs/usage.md', '## Training options')
+    assert '**Flag checks.**' in _section('docs/training.md', '## Training options')
+
+
+def test_no_reference_page_is_over_400_lines_and_the_readme_stays_short():
+    long = {page: n for page in _pages() if (n := len(_read(page).splitlines())) > 400}
+    assert not long, long
+    assert len(_read('README.md').splitlines()) <= 160
+
+
+#: a commit hash: 7 to 40 hex digits with a letter and a digit among them (the release digest that tools.md and the
+#: README show as an example file name, 1a2b3c4d, is not one)
+_HASH = re.compile(r'(?<![\w-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])')
+_HISTORY = re.compile(r'\bno longer\b|\bFixed:|\bthis branch\b|\bbase commit\b|\bas of (?:this|today)\b|'
+                      r'\b(?:before|now)(?: \([^)|]*\))?(?:, run \d+)? *\|', re.I)  # the last: a before/now column
+
+
+def test_readme_and_reference_pages_tell_no_history():
+    """README.md and docs/*.md say what the code does; commit hashes, changelog words and before/now columns belong
+    to docs/results/ (the dated raw output and history files)."""
+    for doc in ('README.md', *_pages()):
+        text = _read(doc)
+        hashes = [h for h in _HASH.findall(text) if h != '1a2b3c4d']
+        assert not hashes, (doc, hashes)
+        assert not _HISTORY.search(text), (doc, _HISTORY.search(text).group(0))
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: link text kept, lower case, punctuation but '-' and '_' dropped,
+    spaces as '-'."""
+    text = re.sub(r'\[([^\]]*)\]\([^)]*\)', r'\1', heading.strip().replace('`', '')).lower()
+    return ''.join('-' if c == ' ' else c for c in text if c in '-_ ' or unicodedata.category(c)[0] in 'LN')
+
+
+def _anchors(path: str) -> set[str]:
+    found, seen = set(), {}
+    text = re.sub(r'^```.*?^```', '', _read(path), flags=re.S | re.M)
+    for m in re.finditer(r'^#{1,6} +(.+?) *$', text, re.M):
+        slug = _anchor(m.group(1))
+        found.add(slug if slug not in seen else f'{slug}-{seen[slug]}')
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def _broken(source: str, target: str) -> str | None:
+    """Why `target`, a link in `source` (paths from the repository root), does not resolve; None when it does."""
+    file, _, anchor = target.partition('#')
+    path = os.path.normpath(os.path.join(os.path.dirname(source), file)) if file else source
+    if not os.path.exists(os.path.join(REPO, path)):
+        return f'no file {path}'
+    if anchor and path.endswith('.md') and anchor not in _anchors(path):
+        return f'no heading #{anchor} in {path}'
+    return None
+
+
+def test_every_link_into_the_docs_resolves():
+    """Every relative link and #anchor of README.md and docs/ (GitHub's anchors), every docs/... reference in the
+    code's comments, docstrings and messages, and the index: docs/README.md links every page, README.md the index."""
+    docs = ['README.md'] + sorted(os.path.relpath(os.path.join(d, f), REPO) for d, _, files in
+                                  os.walk(os.path.join(REPO, 'docs')) for f in files if f.endswith('.md'))
+    broken = []
+    for doc in docs:
+        text = re.sub(r'`[^`\n]*`', '', re.sub(r'^```.*?^```', '', _read(doc), flags=re.S | re.M))
+        for target in re.findall(r'\]\(([^)\s]+)\)', text):
+            if not re.match(r'[a-z]+:', target) and (why := _broken(doc, target)):
+                broken.append(f'{doc}: {target}: {why}')
+    skip = {'.git', 'docs', 'output', 'data', 'node_modules'}
+    for d, dirs, files in os.walk(REPO):
+        dirs[:] = [x for x in dirs if x not in skip and not x.startswith('.')]
+        for f in files:
+            if f.endswith(('.py', '.sh', '.sbatch')) or f == 'Makefile':
+                path = os.path.relpath(os.path.join(d, f), REPO)
+                for m in re.finditer(r'docs/([\w/.-]+?\.md(?:#[\w-]+)?)', _read(path)):
+                    if why := _broken('README.md', 'docs/' + m.group(1)):
+                        broken.append(f'{path}: docs/{m.group(1)}: {why}')
+    assert not broken, '\n'.join(broken)
+    index = _read('docs/README.md')
+    assert not [p for p in _pages() if p != 'docs/README.md' and f'({os.path.basename(p)})' not in index]
+    assert '(docs/README.md)' in _read('README.md')
 
 
 def test_the_cpu_only_install_takes_torch_from_the_given_index_first(tmp_path):
@@ -152,9 +234,9 @@ def test_the_cpu_only_install_takes_torch_from_the_given_index_first(tmp_path):
             assert SpecifierSet(f'=={pins[name]}').contains(f'{pins[name]}+cpu')
 
 
-def test_make_test_duration_is_in_usage_not_in_the_readme():
+def test_make_test_duration_is_in_the_install_page_not_in_the_readme():
     assert re.search(r'`make test` runs the whole suite, about \d+ minutes on a 2-core machine',
-                     ' '.join(_read('docs/usage.md').split()))
+                     ' '.join(_read('docs/install.md').split()))
     assert not re.search(r'make test[^\n]*minutes', _read('README.md'))
 
 
