@@ -9,7 +9,7 @@ detectors' FLOPs at 1280x800 as papers report them.
     python detection/benchmark.py --flops                  # fvcore multiply-adds at 1280x800, backbone and the rest
 
 Per model: parameters, the median of the timed steps as img/s, the first model's img/s over this one's, and the peak
-tensor memory of one step above what was live before it (tools/benchmark.py's measure). Every image of the batch
+tensor memory of one step above what was live before it (tools/timing.py). Every image of the batch
 carries the same 12 boxes with masks (80 classes), so the RoI sampling has positives as on COCO. Backbones are
 timm's features_only models without pretrained weights (Swin built for any input size); the speed does not depend on
 the weights.
@@ -33,7 +33,7 @@ from detection.model import build_detector, count_detector_flops, param_groups  
 from errors import FlagParser  # noqa: E402
 from precision import amp_dtype, autocast, set_tf32  # noqa: E402
 from segmentation.upernet_benchmark import timed  # noqa: E402
-from tools.benchmark import peak_bytes  # noqa: E402
+from tools.timing import peak_bytes  # noqa: E402
 
 DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny,pvt_v2_b2'
 
