@@ -30,10 +30,9 @@ elif os.path.dirname(_HERE) not in sys.path:
 import torch  # noqa: E402
 
 from detection.model import build_detector, count_detector_flops, param_groups  # noqa: E402
-from errors import FlagParser  # noqa: E402
-from precision import amp_dtype, autocast, set_tf32  # noqa: E402
-from segmentation.upernet_benchmark import timed  # noqa: E402
-from tools.benchmark import peak_bytes  # noqa: E402
+from run.errors import FlagParser  # noqa: E402
+from tools.timing import peak_bytes, time_call  # noqa: E402
+from training.step import amp_dtype, autocast, set_tf32  # noqa: E402
 
 DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny,pvt_v2_b2'
 
@@ -85,7 +84,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(args.steps):
         for name in names[i % len(names):] + names[:i % len(names)]:  # a rotating order
-            times[name].append(timed(steps[name], device))
+            times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
         print(f'round {i + 1} of {args.steps}: ' + ', '.join(f'{n} {times[n][-1]:.2f}s' for n in names), flush=True)
     rows = []
     for name in names:

@@ -21,10 +21,10 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-import distributed
 from detection.coco import AnnotationError, error_line
-from errors import UserError
-from precision import autocast
+from run import distributed
+from run.errors import UserError
+from training.step import autocast
 
 #: the first six of COCOeval's stats, by the names mmdet logs them with
 STAT_NAMES = ('AP', 'AP50', 'AP75', 'APs', 'APm', 'APl')

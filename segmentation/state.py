@@ -17,20 +17,22 @@ from typing import Any
 
 import torch
 
-import distributed
-from checkpoint import comparable, saved_args
-from checkpoint_io import (
+from run import distributed
+from run.checkpoint import (
+    append_log,
     checkpoint_identity,
+    comparable,
     describe_identity,
     in_directory,
     load_checkpoint_file,
+    saved_args,
+    write_state,
 )
-from errors import CheckpointError, first_line
-from run_repair import repair
-from saver import append_log, write_state
+from run.errors import CheckpointError, first_line
+from run.output_dir import repair
+from run.resume import gather_rng, get_rng_state, set_rng_state
+from run.weights import load_weights_into
 from segmentation.backbone import TASK
-from train_state import gather_rng, get_rng_state, set_rng_state
-from weights import load_weights_into
 
 #: the flags that shape the model: a checkpoint loads only into a model built with the same (--decoder first: the
 #: recipe's defaults of the others depend on it)

@@ -30,23 +30,16 @@ import timm  # noqa: E402
 import torch  # noqa: E402
 
 import cli  # noqa: E402
-import cpu  # noqa: E402
-import distributed  # noqa: E402
-import exits  # noqa: E402
-import loaders  # noqa: E402
-import optim_step  # noqa: E402
-import precision  # noqa: E402
-import run_dir  # noqa: E402
 import samplers  # noqa: E402
-import saver  # noqa: E402
-import signals  # noqa: E402
-from checkpoint import args_to_dict  # noqa: E402
-from errors import FlagError, NonFiniteLossError, UserError, eprint, unknown_model  # noqa: E402
-from image_folder import DataLayoutError  # noqa: E402
 from models import VARIANTS  # noqa: E402
+from run import checkpoint, distributed, output_dir, process  # noqa: E402
+from run.errors import FlagError, NonFiniteLossError, UserError, eprint, unknown_model  # noqa: E402
+from run.resume import preserved_rng  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
-from train_state import preserved_rng  # noqa: E402
+from training import loaders  # noqa: E402
+from training.image_folder import DataLayoutError  # noqa: E402
+from training.step import OptimizerStep, amp_dtype, check_bf16, set_tf32  # noqa: E402
 
 #: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
 #: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
@@ -185,7 +178,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
         if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: {cli.not_a_file(path)}')
-    if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
+    if args.eval and not output_dir.find_resume_path(cli.settings(output_dir.OutputDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.aug_test and not args.eval:
         parser.error('--aug-test is a test of a checkpoint: use it with --eval (training evaluates single-scale, '
@@ -248,24 +241,6 @@ def lr_at(it: int, args: argparse.Namespace) -> float:
     return lr
 
 
-class IterationSampler(torch.utils.data.Sampler):
-    """This rank's (epoch, index) keys from iteration `start` on, without end. Epoch e is torch's
-    DistributedSampler order of epoch e (shuffled with seed + e, padded to a multiple of the processes) cut to
-    whole batches, so iteration `it` is step it % steps of epoch it // steps, whatever was run before."""
-
-    def __init__(self, n: int, world: int, rank: int, batch_size: int, seed: int, start: int = 0):
-        self.n, self.world, self.rank, self.batch_size, self.seed, self.start = n, world, rank, batch_size, seed, start
-        self.steps = -(-n // world) // batch_size  # whole batches per epoch
-
-    def __iter__(self):
-        epoch, skip = divmod(self.start, self.steps)
-        while True:
-            order = torch.utils.data.DistributedSampler(range(self.n), self.world, self.rank, shuffle=True,
-                                                        seed=self.seed)
-            order.set_epoch(epoch)
-            for index in list(order)[skip * self.batch_size:self.steps * self.batch_size]:
-                yield epoch, index
-            epoch, skip = epoch + 1, 0
 
 
 def build_data(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]:
@@ -287,13 +262,13 @@ def build_loaders(args, train_set, val_set, start_iter: int):
     share with --dist-eval)."""
     world, rank = distributed.get_world_size(), distributed.get_rank()
     common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and str(args.device).startswith('cuda'),
-                  worker_init_fn=signals.worker_init_fn)
+                  worker_init_fn=process.worker_init_fn)
     sampler_val = (samplers.DistributedEvalSampler(val_set, world, rank) if args.dist_eval and world > 1
                    else torch.utils.data.SequentialSampler(val_set))
     val = loaders.DataLoader(val_set, sampler=sampler_val, batch_size=1, **common)
     if train_set is None:
         return None, val
-    sampler = IterationSampler(len(train_set), world, rank, args.batch_size, args.seed, start_iter)
+    sampler = samplers.IterationSampler(len(train_set), world, rank, args.batch_size, args.seed, start_iter)
     if sampler.steps == 0:
         raise UserError(f'the training set ({len(train_set)} images) gives no full batch of {args.batch_size} per '
                         f'process on {world} process(es); lower --batch-size')
@@ -325,28 +300,28 @@ def eval_record(result: dict, args, **extra) -> dict:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     validate_args(args, parser)
-    process = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
-    vars(args).update(dataclasses.asdict(process))
+    launched = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
+    vars(args).update(dataclasses.asdict(launched))
     if args.amp == 'bf16':  # on the process's own GPU
-        precision.check_bf16(args.device)
-    stop_flag = signals.StopFlag()
+        check_bf16(args.device)
+    stop_flag = process.StopFlag()
     stop_flag.install()
     device = torch.device(args.device)
     if device.type == 'cpu' and args.cpu_malloc == 'retain':
-        cpu.retain_freed_cpu_memory()
+        process.retain_freed_cpu_memory()
     if args.num_workers is None:
-        args.num_workers, why = cpu.default_num_workers()
+        args.num_workers, why = process.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process ({why})')
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
-    output = cli.settings(run_dir.RunDirSettings, args)
-    resume_path = run_dir.agree_on_resume_path(output, device)
+    output = cli.settings(output_dir.OutputDirSettings, args)
+    resume_path = output_dir.agree_on_resume_path(output, device)
     # the flags the command line leaves out: the checkpoint's (its command line only is read), else the recipe's
     distributed.on_every_rank(lambda: take_flags(args, resume_path), device, f'--resume {resume_path}')
     check_sizes(args, device)
     timm.utils.random_seed(args.seed, rank)
-    precision.set_tf32(device, args.tf32)
-    run_dir.prepare_output_dir(output, device)
+    set_tf32(device, args.tf32)
+    output_dir.prepare_output_dir(output, device)
     train_set, val_set = build_data(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '
           f'{args.num_classes} classes')
@@ -364,24 +339,24 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     train_model, bare, _ = distributed.wrap_model(model, device, distributed=args.distributed, sync_bn=args.sync_bn,
                                                   compile=False)
     optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
-    amp_dtype = precision.amp_dtype(args.amp)
+    amp = amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
-    checkpoints = state.SegCheckpoints(args.output_dir, args_to_dict(args), bare, optimizer, scaler, device,
+    checkpoints = state.SegCheckpoints(args.output_dir, checkpoint.args_to_dict(args), bare, optimizer, scaler, device,
                                        n_parameters)
     if args.eval:
-        return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype, stop_flag)
+        return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp, stop_flag)
     resumed = checkpoints.resume(resume_path)
     # room for checkpoint.pth, its replacement while it is written and best.pth
-    saver.check_room(args.output_dir, saver.checkpoint_bytes(bare, resume_path=resume_path), device)
+    checkpoint.check_room(args.output_dir, checkpoint.checkpoint_bytes(bare, resume_path=resume_path), device)
     if resumed.ckpt is not None:
         due = '; its evaluation, which the stop left due, comes first' if resumed.eval_due else ''
         print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}{due}')
         resumed.ckpt = None
-    run_dir.save_args(args.output_dir, checkpoints.run_args, device)
+    output_dir.save_args(args.output_dir, checkpoints.run_args, device)
     warn_global_batch(args)
     train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
-    step = optim_step.OptimizerStep(optimizer, device, amp_dtype, scaler, args.clip_grad)
-    run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag)
+    step = OptimizerStep(optimizer, device, amp_dtype=amp, scaler=scaler, clip_grad=args.clip_grad)
+    run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp, stop_flag)
     return train(run, optimizer, resumed.start_iter, train_loader, resumed.eval_due)
 
 
@@ -411,7 +386,7 @@ def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dty
     result = evaluate(args, model, val_loader, device, amp_dtype, stop_flag)
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
-        return exits.stopped_status(args.launcher, stop_flag, saved=False)
+        return process.stopped_status(args.launcher, stop_flag, saved=False)
     print(miou.class_table(result))
     print(miou.summary_line(result, args.eval_mode))
     checkpoints.append_log(eval_record(result, args, eval=path, iter=ckpt.get('iter')))
@@ -450,14 +425,14 @@ class Run:
 
     def save(self, done: int, eval_due: bool = False) -> None:
         """checkpoint.pth after `done` iterations."""
-        self.checkpoints.save(done, [saver.LAST], self.extra(eval_due))
+        self.checkpoints.save(done, [checkpoint.LAST], self.extra(eval_due))
 
     def stopped(self, done: int, eval_due: bool = False) -> int:
         """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
         due = f' (its evaluation of iteration {done} is still due: the resumed run does it first)' if eval_due else ''
         print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
               f'checkpoint saved{due}; run the same command again to resume')
-        return exits.stopped_status(self.args.launcher, self.stop_flag)
+        return process.stopped_status(self.args.launcher, self.stop_flag)
 
     def next_batch(self, batches):
         """The next training batch, or None when this process cannot read it: its one line is then kept for the
@@ -506,10 +481,10 @@ class Run:
         print(f'Iteration {done}: ' + miou.summary_line(result, self.args.eval_mode))
         record = eval_record(result, self.args, iter=done, train_loss=self.progress.take_mean(),
                              lr=lr_at(done - 1, self.args))
-        names, self.last = [saver.LAST], result['mIoU']
+        names, self.last = [checkpoint.LAST], result['mIoU']
         if result['mIoU'] > self.best:
             self.best, self.best_iter = result['mIoU'], done
-            names.append(saver.BEST)
+            names.append(checkpoint.BEST)
         self.checkpoints.save(done, names, {**self.extra(), 'log': record})
         self.checkpoints.append_log(record)
         return self.stopped(done) if stop else None
@@ -656,13 +631,13 @@ class Progress:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """The entry point: parse, run, and end as exits.finish says (one line per error)."""
+    """The entry point: parse, run, and end as process.finish says (one line per error)."""
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: run_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
-                        lambda: (args.num_workers, args.batch_size))
+    return process.finish(lambda: output_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
+                          lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

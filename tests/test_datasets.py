@@ -19,7 +19,7 @@ from image_folders import (
 from PIL import Image
 
 import datasets as D
-import image_folder as IF
+from training import image_folder as IF
 
 
 # ---------------------------------------------------------------------------- builders

@@ -10,9 +10,9 @@ from PIL import Image
 from test_engine import count_host_reads
 from torch.utils.data import DataLoader
 
+import datasets as E
 import engine
-import eval_sets as E
-import image_folder as IF
+from training import image_folder as IF
 
 
 def test_real_labels_on_a_set_of_other_images_is_a_flag_error(tmp_path, capsys, monkeypatch):

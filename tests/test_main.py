@@ -11,13 +11,12 @@ import torch
 from conftest import optimizer_of, parse, scheduler_of
 from image_folders import loaders_of
 
-import checkpoint
 import cli
 import datasets
-import distributed
 import main
 import models
 from models.flop_count import count_flops
+from run import checkpoint, distributed
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -64,7 +63,7 @@ def test_grad_checkpointing_reaches_the_model_and_keeps_its_gradients(monkeypatc
 
 
 def test_grad_checkpointing_of_a_model_without_it_is_one_line(capsys):
-    from errors import FlagError
+    from run.errors import FlagError
     with pytest.raises(FlagError) as e:
         main.build_model(parse('--model', 'dla46_c', '--grad-checkpointing'), 3)
     assert str(e.value).startswith('--grad-checkpointing: dla46_c does not support gradient checkpointing')

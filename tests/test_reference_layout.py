@@ -9,10 +9,9 @@ import torch
 from conftest import REPO, TrainingRun, optimizer_of, scheduler_of
 from reference_impl import read_keys, reference_forward
 
-import checkpoint
 import cli
-import weights
 from models.nalaformer import checkpoint_filter_fn, from_reference_layout, is_reference_layout, to_reference_layout
+from run import checkpoint, weights
 from tools import analyze_attention, predict, release
 
 KEYS = os.path.join(REPO, 'tests', 'reference', 'NALAFORMER_XT.keys.txt')

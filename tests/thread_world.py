@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-import distributed
+from run import distributed
 
 
 class Hang(AssertionError):

@@ -62,8 +62,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import timm
 
-from errors import FlagParser
 from models import VARIANTS
+from run.errors import FlagParser
 from tools import timing
 from tools.published import published_top1
 

@@ -32,9 +32,9 @@ from timm.models import load_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from errors import FlagParser, unknown_model
 from models import VARIANTS  # importing models registers the variants
 from models.compat import dynamo_onnx_export_error, export_dim, export_program_error
+from run.errors import FlagParser, unknown_model
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')
 INPUT_NAME, OUTPUT_NAME = 'images', 'logits'

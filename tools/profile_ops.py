@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402
-from errors import FlagParser, unknown_model  # noqa: E402
 from models import VARIANTS  # noqa: E402
+from run.errors import FlagParser, unknown_model  # noqa: E402
 from tools.timing import DTYPES, create_any, make_step, quiet_profiler  # noqa: E402
 
 STAGES = ('stem', 'stage1', 'stage2', 'stage3', 'stage4', 'head', 'optimizer')

@@ -39,11 +39,10 @@ import timm
 
 import datasets
 import models  # noqa: F401  (registers the variants)
-from checkpoint import saved_args
-from checkpoint_io import load_checkpoint_file
-from errors import FlagParser, UserError, unknown_model
 from models.nalaformer import VARIANTS, to_reference_layout
-from weights import model_for_weights, select_weights
+from run.checkpoint import load_checkpoint_file, saved_args
+from run.errors import FlagParser, UserError, unknown_model
+from run.weights import model_for_weights, select_weights
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 #: The model card's line for each key layout a release can have.

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from errors import PeerLostError, UserError, first_line
+from run.errors import PeerLostError, UserError, first_line
 
 
 def is_dist_avail_and_initialized() -> bool:
