@@ -33,8 +33,9 @@ import cli  # noqa: E402
 import samplers  # noqa: E402
 from models import VARIANTS  # noqa: E402
 from run import checkpoint, distributed, output_dir, process  # noqa: E402
+from run.checkpoint import TrainingParts  # noqa: E402
 from run.errors import FlagError, NonFiniteLossError, UserError, eprint, unknown_model  # noqa: E402
-from run.resume import preserved_rng  # noqa: E402
+from run.resume import preserved_rng, rng_state_entries  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from training import loaders  # noqa: E402
@@ -341,11 +342,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
     amp = amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
-    checkpoints = state.SegCheckpoints(args.output_dir, checkpoint.args_to_dict(args), bare, optimizer, scaler, device,
-                                       n_parameters)
+    checkpoints = checkpoint.IterationCheckpoints(
+        task=backbone.TASK, output_dir=args.output_dir, parts=TrainingParts(bare, optimizer=optimizer,
+                                                                            loss_scaler=scaler),
+        run_args=checkpoint.args_to_dict(args), n_parameters=n_parameters, device=device)
     if args.eval:
         return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp, stop_flag)
-    resumed = checkpoints.resume(resume_path)
+    resumed = state.resume_from(resume_path, checkpoints)
     # room for checkpoint.pth, its replacement while it is written and best.pth
     checkpoint.check_room(args.output_dir, checkpoint.checkpoint_bytes(bare, resume_path=resume_path), device)
     if resumed.ckpt is not None:
@@ -381,7 +384,7 @@ def check_validation_labels(args, val_set, device) -> None:
 
 def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dtype, stop_flag) -> int:
     """--eval: the scores of the checkpoint's weights, printed and appended to --output_dir/log.txt."""
-    ckpt = checkpoints.load(path)
+    ckpt = state.load_weights(path, checkpoints)
     _, val_loader = build_loaders(args, None, val_set, 0)
     result = evaluate(args, model, val_loader, device, amp_dtype, stop_flag)
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
@@ -418,14 +421,15 @@ class Run:
         self.progress = Progress(args, resumed.start_iter, resumed.progress)
 
     def extra(self, eval_due: bool = False) -> dict:
-        """The checkpoint entries of the loop's own state; `eval_due`: the evaluation of the saved iteration is
-        still to be done (the resumed run does it first)."""
-        return {'bad_steps': self.bad, 'best_miou': self.best, 'best_iter': self.best_iter, 'eval_due': eval_due,
-                'progress': self.progress.state()}
+        """The checkpoint entries of the loop's own state (collective: every rank's random-number state is gathered):
+        ``rng_state``, ``bad_steps``, ``best_miou`` and ``best_iter``, ``eval_due`` (the evaluation of the saved
+        iteration is still to be done: the resumed run does it first) and ``progress`` (segmentation/state.py)."""
+        return {**rng_state_entries(), 'bad_steps': self.bad, 'best_miou': self.best, 'best_iter': self.best_iter,
+                'eval_due': eval_due, 'progress': self.progress.state()}
 
     def save(self, done: int, eval_due: bool = False) -> None:
         """checkpoint.pth after `done` iterations."""
-        self.checkpoints.save(done, [checkpoint.LAST], self.extra(eval_due))
+        self.checkpoints.save(done, self.extra(eval_due), [checkpoint.LAST])
 
     def stopped(self, done: int, eval_due: bool = False) -> int:
         """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
@@ -485,7 +489,7 @@ class Run:
         if result['mIoU'] > self.best:
             self.best, self.best_iter = result['mIoU'], done
             names.append(checkpoint.BEST)
-        self.checkpoints.save(done, names, {**self.extra(), 'log': record})
+        self.checkpoints.save(done, {**self.extra(), 'log': record}, names)
         self.checkpoints.append_log(record)
         return self.stopped(done) if stop else None
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from image_folders import make_imagefolder
+from helpers.image_folders import make_imagefolder
 
 import cli
 import main

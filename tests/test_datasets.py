@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from image_folders import (
+from helpers.image_folders import (
     assert_one_line_error,
     dataset_of,
     device_loader_of,

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from image_folders import assert_one_line_error, dataset_of, eval_sets_of, make_args, make_folder, save_img
+from helpers.image_folders import assert_one_line_error, dataset_of, eval_sets_of, make_args, make_folder, save_img
 from PIL import Image
 from test_engine import count_host_reads
 from torch.utils.data import DataLoader

@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from image_folders import assert_one_line_error, dataset_of, make_args, make_folder, save_img
+from helpers.image_folders import assert_one_line_error, dataset_of, make_args, make_folder, save_img
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 

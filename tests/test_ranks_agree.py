@@ -10,8 +10,8 @@ import socket
 import pytest
 import torch
 from conftest import parse, run_dir_of
+from helpers.thread_world import ThreadWorld
 from test_world import _tiny_run
-from thread_world import ThreadWorld
 from torchvision.datasets import ImageFolder
 
 import utils
@@ -181,7 +181,7 @@ def test_ranks_that_read_the_same_checkpoint_resume_alike(tmp_path, monkeypatch)
 
 # ------------------------------------------------------------------------------------ the data every rank sees
 def test_a_rank_that_sees_other_data_stops_every_rank(world, data, tmp_path):
-    from image_folders import make_imagefolder
+    from helpers.image_folders import make_imagefolder
     other = make_imagefolder(tmp_path / 'other', n_train=9)  # one more training image per class on rank 1's node
 
     def facts(rank):

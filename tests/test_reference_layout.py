@@ -7,7 +7,7 @@ import os
 import timm
 import torch
 from conftest import REPO, TrainingRun, optimizer_of, scheduler_of
-from reference_impl import read_keys, reference_forward
+from helpers.reference_impl import read_keys, reference_forward
 
 import cli
 from models.nalaformer import checkpoint_filter_fn, from_reference_layout, is_reference_layout, to_reference_layout

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from timm.utils import ModelEmaV3
 
+from run import resume
 from run.errors import first_line
-from run.resume import changed_flags, differs, flag_of
 
 # --------------------------------------------------------------------------------------------------
 # The optimizer
@@ -257,21 +257,22 @@ def flag_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if not saved:
         return []
     out = []
-    sizes = [f'{"processes" if k == "world_size" else flag_of(k)} {saved.get(k, 1)} -> {now.get(k, 1)}'
+    sizes = [f'{"processes" if k == "world_size" else resume.flag_of(k)} {saved.get(k, 1)} -> {now.get(k, 1)}'
              for k in ('batch_size', 'world_size', 'accum_steps')
-             if k in saved and differs(saved.get(k, 1), now.get(k, 1))]
+             if k in saved and resume.differs(saved.get(k, 1), now.get(k, 1))]
     effects = []
     gb_was, gb_now = _global_batch(saved), _global_batch(now)
     if gb_was is not None and gb_was != gb_now:
         effects.append(f'global batch {gb_was} -> {gb_now}')
-    if 'lr' in saved and differs(saved['lr'], now.get('lr')):  # both scaled by the global batch (not --unscale-lr)
+    # both LRs are scaled by the global batch (not --unscale-lr)
+    if 'lr' in saved and resume.differs(saved['lr'], now.get('lr')):
         effects.append(f'LR {float(saved["lr"]):.4g} -> {float(now["lr"]):.4g}')
     ema_was, ema_now = _ema_decay(saved), _ema_decay(now)
-    if ema_was is not None and ema_now is not None and differs(ema_was, ema_now):
+    if ema_was is not None and ema_now is not None and resume.differs(ema_was, ema_now):
         effects.append(f'EMA decay {ema_was:.8g} -> {ema_now:.8g}')
     if sizes or effects:
         out.append(', '.join(sizes) + (': ' if sizes and effects else '') + ', '.join(effects))
-    out += changed_flags(saved, now, SCHEDULE_FLAGS)
+    out += resume.changed_flags(saved, now, SCHEDULE_FLAGS)
     return out
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import PY, REPO, env, run_main, untrained_eval_argv
-from image_folders import dataset_of, eval_sets_of, make_args
+from helpers.image_folders import dataset_of, eval_sets_of, make_args
 from PIL import Image
 
 pytestmark = pytest.mark.slow  # main.py, make's flags, torch.hub and torchrun in real processes

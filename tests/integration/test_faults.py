@@ -31,7 +31,7 @@ from conftest import (
     signal_when,
     start_process,
 )
-from image_folders import make_imagefolder
+from helpers.image_folders import make_imagefolder
 
 from run import checkpoint, output_dir, process
 from training import loaders
