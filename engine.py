@@ -284,7 +284,7 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
     every rank are summed with all_reduce, so each image counts once whatever the number of processes.
     A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval).
 
-    With `real` (eval_sets.RealLabels), the batches are (images, target, index) (eval_sets.WithIndex) and
+    With `real` (datasets.RealLabels), the batches are (images, target, index) (datasets.WithIndex) and
     stats['real'] holds the ImageNet-ReaL top-1/top-5 of the same predictions and `n`, the images scored
     (those with a ReaL label); its counts travel in the same collective as the others.
 

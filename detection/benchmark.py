@@ -53,7 +53,7 @@ def synthetic_batch(batch_size: int, size: tuple[int, int], device: torch.device
     return images, [dict(target) for _ in range(batch_size)]
 
 
-def make_step(name: str, args: argparse.Namespace, device: torch.device):
+def detector_step(name: str, args: argparse.Namespace, device: torch.device):
     """A training step of Mask R-CNN over `name` on one fixed batch (optimizer included), and its parameters."""
     torch.manual_seed(0)
     model = build_detector(name, 80).to(device).train()
@@ -77,7 +77,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     names = args.models.split(',')
     steps, optimizers, params = {}, {}, {}
     for name in names:
-        steps[name], optimizers[name], params[name] = make_step(name, args, device)
+        steps[name], optimizers[name], params[name] = detector_step(name, args, device)
         for _ in range(args.warmup):
             steps[name]()
         print(f'{name}: built, {args.warmup} warm-up step(s)', flush=True)

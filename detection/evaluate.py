@@ -137,7 +137,8 @@ def evaluate(model: torch.nn.Module, loader: Any, coco_gt: COCO, label_to_catego
     its own share of the images (an image seen twice is an error: it would count its detections twice)."""
     def predict_here() -> dict[str, Any]:
         try:
-            return predict(model, loader, device, label_to_category, amp_dtype, stop_flag, print_freq, show)
+            return predict(model, loader, device, label_to_category, amp_dtype=amp_dtype, stop_flag=stop_flag,
+                           print_freq=print_freq, show=show)
         except AnnotationError as e:  # also raised in a loader worker: its one line
             raise UserError(error_line(e)) from e
 

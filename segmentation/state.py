@@ -93,7 +93,7 @@ def _builds_same(key: str, saved: Any, given: Any) -> bool:
     return saved == given or (key == 'aux_weight' and bool(saved) == bool(given))
 
 
-def load_weights(path: str, checkpoints: IterationCheckpoints) -> dict[str, Any]:
+def load_checkpoint_weights(path: str, checkpoints: IterationCheckpoints) -> dict[str, Any]:
     """`path` loaded on every rank, checked to be the same segmentation checkpoint everywhere (one line for a rank
     that cannot read it or reads another file, a classification checkpoint, a file of another model), its weights
     loaded into the model (--eval)."""

@@ -166,7 +166,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Flags that cannot work together: argparse's two lines (exit 2) before anything starts."""
     if args.model is not None and not timm.is_model(args.model):
         parser.error(unknown_model(args.model, VARIANTS, timm.list_models()))
@@ -244,7 +244,7 @@ def lr_at(it: int, args: argparse.Namespace) -> float:
 
 
 
-def build_data(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]:
+def seg_datasets(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]:
     """(training set or None for --eval, validation set); a wrong layout is one line."""
     try:
         pipeline = ade.TrainPipeline(crop=(args.crop_size, args.crop_size), img_scale=tuple(args.img_scale),
@@ -258,7 +258,7 @@ def build_data(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]
     return train, val
 
 
-def build_loaders(args, train_set, val_set, start_iter: int):
+def seg_loaders(args, train_set, val_set, start_iter: int):
     """(training batches from `start_iter` on, or None; validation loader of one image a batch, this rank's
     share with --dist-eval)."""
     world, rank = distributed.get_world_size(), distributed.get_rank()
@@ -279,14 +279,14 @@ def build_loaders(args, train_set, val_set, start_iter: int):
     return train, val
 
 
-def evaluate(args, model, val_loader, device, amp_dtype, stop_flag) -> dict:
+def evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag) -> dict:
     """The validation scores of `model` (one pass, exact over the processes with --dist-eval)."""
     try:
         with preserved_rng():
-            return miou.evaluate(model, val_loader, args.num_classes, device, amp_dtype, args.eval_mode,
-                                 args.crop_size, args.slide_stride, sum_over_ranks=args.dist_eval and args.distributed,
-                                 stop_flag=stop_flag, print_freq=max(1, args.print_freq),
-                                 class_names=val_loader.dataset.classes)
+            return miou.evaluate(model, val_loader, args.num_classes, device, amp_dtype=amp_dtype, mode=args.eval_mode,
+                                 crop=args.crop_size, stride=args.slide_stride,
+                                 sum_over_ranks=args.dist_eval and args.distributed, stop_flag=stop_flag,
+                                 print_freq=max(1, args.print_freq), class_names=val_loader.dataset.classes)
     except ade.LabelError as e:
         raise UserError(ade.error_line(e)) from e
 
@@ -300,7 +300,7 @@ def eval_record(result: dict, args, **extra) -> dict:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
-    validate_args(args, parser)
+    check_flags(args, parser)
     launched = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
     vars(args).update(dataclasses.asdict(launched))
     if args.amp == 'bf16':  # on the process's own GPU
@@ -323,7 +323,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     timm.utils.random_seed(args.seed, rank)
     set_tf32(device, args.tf32)
     output_dir.prepare_output_dir(output, device)
-    train_set, val_set = build_data(args)
+    train_set, val_set = seg_datasets(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '
           f'{args.num_classes} classes')
     if train_set is not None:
@@ -347,7 +347,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                                             loss_scaler=scaler),
         run_args=checkpoint.args_to_dict(args), n_parameters=n_parameters, device=device)
     if args.eval:
-        return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp, stop_flag)
+        return evaluate_seg_checkpoint(args, checkpoints, resume_path, val_set=val_set, amp_dtype=amp,
+                                       stop_flag=stop_flag)
     resumed = state.resume_from(resume_path, checkpoints)
     # room for checkpoint.pth, its replacement while it is written and best.pth
     checkpoint.check_room(args.output_dir, checkpoint.checkpoint_bytes(bare, resume_path=resume_path), device)
@@ -357,9 +358,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         resumed.ckpt = None
     output_dir.save_args(args.output_dir, checkpoints.run_args, device)
     warn_global_batch(args)
-    train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
+    train_loader, val_loader = seg_loaders(args, train_set, val_set, resumed.start_iter)
     step = OptimizerStep(optimizer, device, amp_dtype=amp, scaler=scaler, clip_grad=args.clip_grad)
-    run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp, stop_flag)
+    run = Run(args, train_model=train_model, step=step, checkpoints=checkpoints, resumed=resumed,
+              val_loader=val_loader, amp_dtype=amp, stop_flag=stop_flag)
     return train(run, optimizer, resumed.start_iter, train_loader, resumed.eval_due)
 
 
@@ -382,11 +384,12 @@ def check_validation_labels(args, val_set, device) -> None:
                         f'classes as 1..{args.num_classes}')
 
 
-def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dtype, stop_flag) -> int:
+def evaluate_seg_checkpoint(args, checkpoints, path, *, val_set, amp_dtype, stop_flag) -> int:
     """--eval: the scores of the checkpoint's weights, printed and appended to --output_dir/log.txt."""
-    ckpt = state.load_weights(path, checkpoints)
-    _, val_loader = build_loaders(args, None, val_set, 0)
-    result = evaluate(args, model, val_loader, device, amp_dtype, stop_flag)
+    model, device = checkpoints.parts.model, checkpoints.device
+    ckpt = state.load_checkpoint_weights(path, checkpoints)
+    _, val_loader = seg_loaders(args, None, val_set, 0)
+    result = evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag)
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
         return process.stopped_status(args.launcher, stop_flag, saved=False)
@@ -409,16 +412,17 @@ class StopRequest:
 
 
 class Run:
-    """What the training loop works with: the flags, the model as trained (DDP) and as saved (bare), the optimizer
-    step, the checkpoints, the loaders, the device and precision, the stop flag, and the best mIoU so far."""
+    """What the training loop works with: the flags, the model as trained (DDP) and as saved (bare: the one
+    `checkpoints` saves), the optimizer step, the checkpoints (and their device), the validation loader, the
+    precision, the stop flag, and the best mIoU so far."""
 
-    def __init__(self, args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag):
-        self.args, self.train_model, self.bare, self.step = args, train_model, bare, step
-        self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, device
+    def __init__(self, args, *, train_model, step, checkpoints, resumed, val_loader, amp_dtype, stop_flag):
+        self.args, self.train_model, self.bare, self.step = args, train_model, checkpoints.parts.model, step
+        self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, checkpoints.device
         self.amp_dtype, self.stop_flag, self.request = amp_dtype, stop_flag, StopRequest(stop_flag)
         self.best, self.best_iter, self.bad = resumed.best_miou, resumed.best_iter, resumed.bad_steps
         self.last = resumed.last_miou  # of the last evaluation
-        self.progress = Progress(args, resumed.start_iter, resumed.progress)
+        self.progress = IterationProgress(args, resumed.start_iter, resumed.progress)
 
     def extra(self, eval_due: bool = False) -> dict:
         """The checkpoint entries of the loop's own state (collective: every rank's random-number state is gathered):
@@ -474,7 +478,8 @@ class Run:
         the evaluation short (its checkpoint keeps it due) or arrived meanwhile, else None."""
         _sync_bn_buffers(self.args, self.bare)
         self.save(done, eval_due=True)
-        result = evaluate(self.args, self.bare, self.val_loader, self.device, self.amp_dtype, self.stop_flag)
+        result = evaluate_segmentor(self.args, self.bare, self.val_loader, self.device, self.amp_dtype,
+                                    self.stop_flag)
         self.train_model.train()
         # every process takes the same path below (log.txt's line is written in a collective)
         aborted, stop = (v > 0 for v in distributed.all_reduce_max(
@@ -501,7 +506,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
     args = run.args
     criterion = SegLoss(args.aux_weight)
     if args.eval_at_start and start == 0:
-        result = evaluate(args, run.bare, run.val_loader, run.device, run.amp_dtype, None)
+        result = evaluate_segmentor(args, run.bare, run.val_loader, run.device, run.amp_dtype, None)
         print(miou.class_table(result))
         print('Before training: ' + miou.summary_line(result, args.eval_mode))
         run.checkpoints.append_log(eval_record(result, args, iter=0))
@@ -532,7 +537,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
             return code
         if not due and done % args.save_interval == 0:
             run.save(done)
-    return finish(args, run.bare, run.best, run.best_iter, run.last)
+    return training_done(args, run.bare, run.best, run.best_iter, run.last)
 
 
 def warn_global_batch(args) -> None:
@@ -560,7 +565,7 @@ def _sync_bn_buffers(args, model) -> None:
         timm.utils.distribute_bn(model, distributed.get_world_size(), reduce=False)
 
 
-def finish(args, bare, best: float, best_iter: int | None, last: float | None) -> int:
+def training_done(args, bare, best: float, best_iter: int | None, last: float | None) -> int:
     """The end of a finished run: each rank's weight digest under DDP, the mIoU of the final weights (`last`,
     the evaluation of the last iteration) and the best one."""
     if args.distributed:  # DDP keeps the weights identical: every rank says so
@@ -572,7 +577,7 @@ def finish(args, bare, best: float, best_iter: int | None, last: float | None) -
     return 0
 
 
-class Progress:
+class IterationProgress:
     """A progress line every --print-freq iterations: iteration, ETA, LR, mean loss since the last line, img/s;
     once, a note when a line's batches held no labelled pixel (the loss is then 0). The losses and the labelled
     pixel counts stay on the device until a line is printed. `state()` is what a checkpoint keeps of it (the

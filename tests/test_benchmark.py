@@ -163,7 +163,7 @@ def test_no_tf32_note_off_cuda(capsys):
 
 
 def test_published_top1_of_variants_and_listed_peers():
-    from tools.published import PUBLISHED_TOP1, published_top1
+    from tools.benchmark import PUBLISHED_TOP1, published_top1
     assert published_top1('NALAFORMER_T') == 82.6 and published_top1('nalaformer_xt') == 79.1
     assert published_top1('convnext_tiny.fb_in1k') == 82.1 and published_top1('convnext_atto') is None
     assert all(benchmark.timm.is_model(name) and 'arXiv:' in source for name, (_, source) in PUBLISHED_TOP1.items())

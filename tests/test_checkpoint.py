@@ -1,7 +1,7 @@
-"""The run's checkpoints (checkpoint.py): best weights, one serialisation copied to every name, crash repair on
-resume, log.txt after a resume from an older checkpoint, optimizer flags on resume, and the epoch state a
-resume continues from. Tiny models in-process; the file layer's tests are in test_checkpoint_io.py, the
-killed-process runs in integration/test_faults.py."""
+"""The run's checkpoints (run/checkpoint.py, restored by run/resume.py): best weights, one serialisation copied to
+every name, crash repair on resume, log.txt after a resume from an older checkpoint, optimizer flags on resume,
+and the epoch state a resume continues from. Tiny models in-process; the file layer's tests are in
+test_checkpoint_io.py, the killed-process runs in integration/test_faults.py."""
 import errno
 import json
 import os

@@ -1,4 +1,4 @@
-"""checkpoint_io.py, the file layer of the checkpoints: checksums that find damage, atomic writes that keep the
+"""The file layer of the checkpoints (run/checkpoint.py): checksums that find damage, atomic writes that keep the
 previous file on a full disk or Ctrl-C, the mode of a normal write, copies that are reflinks where the
 filesystem has them, temporary files of killed writes removed."""
 import errno

@@ -1,4 +1,5 @@
-"""eval_sets.py and main.py --eval with extra evaluation sets (--eval-sets) and ImageNet-ReaL (--real-labels)."""
+"""The extra evaluation sets of datasets.py (--eval-sets) and ImageNet-ReaL (--real-labels), and main.py --eval
+with them."""
 import json
 import os
 from types import SimpleNamespace

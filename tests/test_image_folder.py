@@ -1,4 +1,4 @@
-"""image_folder.py: class folders read by the builders (non-image files, links), undecodable images
+"""training/image_folder.py: class folders read by the builders (non-image files, links), undecodable images
 replaced and recorded or raised, and image decoding."""
 import os
 import warnings

@@ -1,6 +1,6 @@
-"""optim_step.py: one optimizer step from a window of micro-batches (gradient accumulation equal to one large
+"""training/step.py: one optimizer step from a window of micro-batches (gradient accumulation equal to one large
 batch, a non-finite micro-batch skipping its window, DDP synchronising once per window, one host read per
-step in fp32 and fp16, two gloo ranks skipping alike), the TF32 flags, and the EMA update."""
+step in fp32 and fp16, two gloo ranks skipping alike) and the TF32 flags; training/optim.py's EMA update."""
 import pytest
 import torch
 from test_engine import Loader, assert_bitwise_equal, batches, bn_model, ce, linear_model, poisoned

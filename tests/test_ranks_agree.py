@@ -1,6 +1,6 @@
-"""Ranks that must agree, with two ranks as threads (thread_world): whatever fails on rank 0 alone (log.txt, a
-checkpoint that cannot be pickled, the lock file, the repairs at resume, TensorBoard) stops every rank with one
-line instead of leaving the others waiting in their next collective; the checkpoint a run resumes from is
+"""Ranks that must agree, with two ranks as threads (helpers/thread_world.py): whatever fails on rank 0 alone
+(log.txt, a checkpoint that cannot be pickled, the lock file, the repairs at resume, TensorBoard) stops every rank
+with one line instead of leaving the others waiting in their next collective; the checkpoint a run resumes from is
 rank 0's decision, and a rank that does not see it, or reads another file under its name, stops every rank; so
 does a rank that sees other data. Every rank issues the same collectives in the same order."""
 import errno

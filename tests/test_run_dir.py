@@ -1,4 +1,4 @@
-"""The output directory of a run (run_dir.py): one run per directory unless --overwrite, and room and
+"""The output directory of a run (run/output_dir.py): one run per directory unless --overwrite, and room and
 write access for the checkpoints before training (and before a resume is announced)."""
 import errno
 import os

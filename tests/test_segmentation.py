@@ -1,6 +1,7 @@
-"""segmentation/: the ADE20K layout and its one-line errors, the training pipeline, the UperNet head's shapes
-and names, the --pretrained loading rules, the confusion matrix and scores, the schedule and the sampler that
-resumes mid-epoch. Real processes (exact distributed mIoU, resume): tests/integration/test_segmentation_runs.py."""
+"""segmentation/: the ADE20K layout and its one-line errors, the training pipeline, the UperNet head's shapes and
+names, the --pretrained loading rules, the confusion matrix and scores, the schedule and the sampler that resumes
+mid-epoch (samplers.IterationSampler). Real processes (exact distributed mIoU, resume):
+tests/integration/test_segmentation_runs.py."""
 import json
 import os
 import re

@@ -1,4 +1,4 @@
-"""TensorBoard logging (metrics.TensorBoardLogger): the logger writes readable events; the engine calls it once per
+"""TensorBoard logging (utils.TensorBoardLogger): the logger writes readable events; the engine calls it once per
 optimizer step."""
 import importlib.util
 

@@ -108,4 +108,4 @@ def test_predict_names_the_variant_meant():
     from run.errors import UserError
     from tools import predict
     with pytest.raises(UserError, match=r"unknown model 'nalaformer-t' \(did you mean NALAFORMER_T\?\)"):
-        predict.build_model('nalaformer-t', {}, 'c.pth')
+        predict.predicting_model('nalaformer-t', {}, 'c.pth')

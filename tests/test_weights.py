@@ -1,4 +1,4 @@
-"""Weights into a model (weights.py, models/weight_files.py): the one rule by which every single-weights loader
+"""Weights into a model (run/weights.py, models/weight_files.py): the one rule by which every single-weights loader
 takes its weights, and the one-line diagnosis of files and weights that do not fit the model."""
 import fractions
 from argparse import Namespace

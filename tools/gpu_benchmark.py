@@ -47,8 +47,8 @@ class BatchList(list):
         self.batch_size = batch_size
 
 
-def preset_model_row(name: str, label: str, fast_path: bool, compile_model: bool, x: torch.Tensor,
-                     target: torch.Tensor, args: argparse.Namespace) -> dict:
+def preset_model_row(name: str, label: str, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace, *,
+                     fast_path: bool = True, compile_model: bool = False) -> dict:
     """Training and inference img/s and peak step memory of one model (``make_step``: main.py's optimizer
     step; a no-grad eval forward), with the time of the warm-up steps (which compile, with --compile)."""
     device, dtype = torch.device(args.device), timing.DTYPES[args.dtype]
@@ -190,9 +190,9 @@ def gpu_preset(args: argparse.Namespace) -> list[dict]:
           + f', budget {args.budget:.0f} s', flush=True)
     rows = []
     for name in ours:
-        rows.append(preset_model_row(name, name, True, False, x, target, args))
-        rows.append(preset_model_row(name, f'{name} (plain path)', False, False, x, target, args))
-    rows += [preset_model_row(name, name, True, False, x, target, args) for name in peers]
+        rows.append(preset_model_row(name, name, x, target, args))
+        rows.append(preset_model_row(name, f'{name} (plain path)', x, target, args, fast_path=False))
+    rows += [preset_model_row(name, name, x, target, args) for name in peers]
     engine_rows = []
     for name in ours:
         engine_rows.append(preset_engine_row(name, x, target, args))
@@ -209,7 +209,7 @@ def gpu_preset(args: argparse.Namespace) -> list[dict]:
                       f'to {slowest:.0f} s', flush=True)
                 rows.append(dict(part='model', model=name, compile=True, skipped=True))
                 continue
-            row = preset_model_row(name, name, True, True, x, target, args)
+            row = preset_model_row(name, name, x, target, args, compile_model=True)
             slowest = max(slowest, row['train_warmup_s'] + row['inference_warmup_s'])
             rows.append(row)
     print(f'tools/gpu_benchmark.py took {time.perf_counter() - start:.0f} s')

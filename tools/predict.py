@@ -105,7 +105,7 @@ def load_weights(path: str, weights: str = 'default') -> tuple[dict[str, torch.T
     return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio', classes)
 
 
-def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+def predicting_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
     """``model_name`` with the classifier size of ``sd``, loaded strictly, in eval mode."""
     if not timm.is_model(model_name):
         raise UserError(unknown_model(model_name, VARIANTS, timm.list_models()))
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_name = args.model or recorded.get('model')
         if not model_name:
             raise UserError(f'{args.checkpoint} does not record its model; pass --model NAME')
-        model = build_model(model_name, sd, args.checkpoint).to(args.device)
+        model = predicting_model(model_name, sd, args.checkpoint).to(args.device)
         class_names, names_from = class_names_for(args, recorded, model.num_classes)
         note = cli.override_note('--input-size', args.input_size, recorded.get('input_size'), args.checkpoint)
         if note:

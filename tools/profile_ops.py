@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     for size, batch_size in zip(args.sizes, batch_sizes):
         for mode in args.modes:
             for name in [args.model] + [n for n in args.compare if n != args.model]:
-                result = run(name, size, batch_size, mode, args.steps, args.warmup, args.fast_path, args.dtype)
+                result = run(name, size, batch_size, mode, steps=args.steps, warmup=args.warmup,
+                             fast_path=args.fast_path, dtype=args.dtype)
                 print(format_result(result) + '\n', flush=True)
                 results.append(result)
                 if args.json:

@@ -268,8 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default='see the LICENSE of the NaLaFormer repository and the terms of the training data')
     args = parser.parse_args(argv)
     try:
-        info = release(args.checkpoint, args.output_dir, args.weights, args.name, args.model, args.flops,
-                       args.license_line, args.reference_layout)
+        info = release(args.checkpoint, args.output_dir, weights=args.weights, name=args.name, model_name=args.model,
+                       flops=args.flops, license_line=args.license_line, reference_layout=args.reference_layout)
     except UserError as e:
         parser.exit(2, f'{parser.prog}: error: {e}\n')
     print(f"Released {info['choice']}")

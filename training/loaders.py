@@ -189,7 +189,7 @@ def batch_random_erasing(augment: Any, device: Any) -> Callable | None:
 
 
 class DeviceLoader:
-    """The batches of ``loader`` (uint8 images first, then targets and anything else, such as eval_sets.WithIndex's
+    """The batches of ``loader`` (uint8 images first, then targets and anything else, such as datasets.WithIndex's
     indices) on ``device``, the images as float32 normalised with ``mean``/``std`` (of the 0..1 scale, as
     a data config gives them): the same operations, in the same order, as ToTensor and Normalize in a CPU
     transform, so the values are those of the CPU transform bit for bit.

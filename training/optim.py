@@ -25,7 +25,7 @@ FUSED_OPTIMIZERS = ('adam', 'adamw')
 @dataclass(frozen=True)
 class OptimizerSettings:
     """The optimizer flags, each named as its argparse destination; `lr` is the run's base LR (scaled by the
-    global batch: schedule.scaled_lr)."""
+    global batch: scaled_lr)."""
     opt: str
     lr: float
     weight_decay: float

@@ -112,7 +112,7 @@ class OptimizerStep:
                  index: int = 0, n_steps: int | None = None, stop_flag: Any = None,
                  grad_norm: bool = False) -> StepOutcome | None:
         """Run micro-batch `index` of an epoch of `n_steps` (None: no end). Returns None inside a window,
-        the StepOutcome at its last micro-batch. `stop_flag` (a signals.StopFlag) is read once per optimizer
+        the StepOutcome at its last micro-batch. `stop_flag` (a run.process.StopFlag) is read once per optimizer
         step; `grad_norm` asks for the gradient norm in the outcome."""
         if self._window_end is None:  # the first micro-batch of a window
             end = (index // self.accum_steps + 1) * self.accum_steps
