@@ -549,7 +549,7 @@ def settings(kind: type[Settings], args: argparse.Namespace) -> Settings:
 # --------------------------------------------------------------------------------------------------
 #: Lower bounds of a NaLaFormer's activation memory, in fp32, from its widths. A training block keeps at least
 #: this many values per token and channel for its backward (measured: 18.5 to 21.3 on the fast path, more on the
-#: plain path; docs/usage.md, "Sizes and memory"); with --grad-checkpointing it keeps its input alone (1).
+#: plain path; docs/training.md, "Sizes and memory"); with --grad-checkpointing it keeps its input alone (1).
 BLOCK_SAVED_VALUES = 18
 #: ... and the stem keeps at least this many bytes per input pixel per channel of its output (measured: 5.6 to 6.1).
 STEM_SAVED_BYTES = 5

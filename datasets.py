@@ -3,8 +3,8 @@ iNaturalist 2018/2019) and ``build_transform`` from the model's data config; the
 ``--eval-sets`` (class folders named as the training classes, ImageNet-V2's numbered folders, a flat folder with a
 label file) and ImageNet-ReaL labels (``--real-labels``), which ``engine.evaluate`` scores alongside the validation
 set; and mmcv's rescaling of an image to a scale, which both dense tasks (segmentation/, detection/) use.
-docs/usage.md describes the data sets, their layouts, the transforms and what happens to undecodable images;
-training/image_folder.py reads the folders."""
+docs/data.md describes the data sets, their layouts and what happens to undecodable images, docs/evaluation.md the
+transforms and the extra sets' layouts; training/image_folder.py reads the folders."""
 import json
 import os
 import pkgutil

@@ -9,7 +9,7 @@ detectors' FLOPs at 1280x800 as papers report them.
     python detection/benchmark.py --flops                  # fvcore multiply-adds at 1280x800, backbone and the rest
 
 Per model: parameters, the median of the timed steps as img/s, the first model's img/s over this one's, and the peak
-tensor memory of one step above what was live before it (tools/benchmark.py's measure). Every image of the batch
+tensor memory of one step above what was live before it (tools/timing.py). Every image of the batch
 carries the same 12 boxes with masks (80 classes), so the RoI sampling has positives as on COCO. Backbones are
 timm's features_only models without pretrained weights (Swin built for any input size); the speed does not depend on
 the weights.

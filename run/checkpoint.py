@@ -655,9 +655,9 @@ class RunCheckpoints:
 
     # ---- writing
     def state(self, epoch: int, names: Sequence[str], extra: dict[str, Any]) -> dict[str, Any]:
-        """The checkpoint after `epoch` (docs/usage.md#checkpoints), with the entries `extra` (where training stands:
-        resume.epoch_state_entries; the epoch's log record). A dict with the reference checkpoints' entries (the
-        weights in this model's key layout; loaders also take the reference layout), loadable with
+        """The checkpoint after `epoch` (docs/checkpoints.md#the-checkpoint-format), with the entries `extra` (where
+        training stands: resume.epoch_state_entries; the epoch's log record). A dict with the reference checkpoints'
+        entries (the weights in this model's key layout; loaders also take the reference layout), loadable with
         ``torch.load(weights_only=True)``:
 
             model, model_ema         state dicts without a ``module.`` prefix (model_ema only with an EMA)

@@ -1,6 +1,6 @@
 """Errors that end a run with one line and a non-zero exit status (no stack trace), and how that line is
 written: the cause of a failed write, a URL where a local file was expected, the closest name to a mistyped one,
-and the command line's two-line flag errors (docs/usage.md lists the messages)."""
+and the command line's two-line flag errors (docs/troubleshooting.md lists the messages)."""
 import argparse
 import difflib
 import errno

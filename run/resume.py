@@ -107,7 +107,7 @@ def rank_rng_state(ckpt: dict[str, Any]) -> dict | None:
 class EpochState:
     """Where training stands inside an epoch: the first step not yet run, what a resume at that step needs,
     and the skipped-step counts. engine.train_one_epoch takes and returns it; epoch_state_entries and
-    checkpoint.RunCheckpoints save it, resume loads it (docs/usage.md#checkpoints)."""
+    checkpoint.RunCheckpoints save it, resume loads it (docs/checkpoints.md#the-checkpoint-format)."""
     step: int = 0                           # the first step of the epoch not yet run (0: the epoch's start)
     rng_state: dict | None = None        # RNG state at `step` (a mid-epoch stop)
     epoch_rng_state: dict | None = None  # RNG state before the epoch's data iterator was created

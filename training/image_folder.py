@@ -1,6 +1,6 @@
 """Fault-tolerant image folders and image decoding: one-line layout errors, undecodable images replaced and
 recorded (or raised with ``--strict-data``), counted non-image files and refused directory links.
-docs/usage.md describes the layouts and the bad-sample rules."""
+docs/data.md describes the layouts and the bad-sample rules."""
 import os
 import warnings
 from typing import Any, Callable
