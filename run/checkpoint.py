@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import stat
 import tempfile
@@ -482,7 +483,6 @@ def refuse_other_task(flag: str, path: str) -> None:
     """Refuse, in one line (FlagError), a checkpoint that another task wrote (its 'task' entry: segmentation,
     detection) given to main.py, saying what it is and the command that takes it; its recorded --data-path goes
     into that command. A file that cannot be read passes: loading it later says why."""
-    import shlex
     try:
         ckpt = load_checkpoint_file(path, verify=False, mmap=True)
     except (CheckpointError, OSError):

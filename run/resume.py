@@ -205,6 +205,32 @@ def check_model_flags(saved: dict[str, Any], now: dict[str, Any], keys: Sequence
         raise CheckpointError(f'{path} holds a model built with {" ".join(other)}; pass the same flags')
 
 
+# --------------------------------------------------------------------------------------------------
+# Resuming a classification run
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResumeSettings:
+    """The flags a resume reads, each named as its argparse destination."""
+    model: str                # whose weights the checkpoint must hold
+    opt: str                  # the optimizer state must be of this kind
+    data_path: str | None     # where the data are now (a changed path is noted)
+    start_epoch: int          # where a run without a checkpoint starts
+
+
+@dataclass
+class Resume:
+    """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), the
+    checkpoint it was read from (None when the run starts fresh), whether its training state was restored (not
+    only its weights), and the line that announces it (main.py prints it once --output_dir is known to take the
+    run's checkpoints)."""
+    start_epoch: int = 0
+    state: EpochState = field(default_factory=EpochState)
+    ckpt: Any = None
+    training: bool = False
+    message: str = ''
+    unevaluated: dict[str, Any] | None = None  # unevaluated_epoch's entries: the epoch before start_epoch to evaluate
+
+
 @dataclass(frozen=True)
 class TrainingRestore:
     """What a training resume restores besides the weights, as resume.py decided it."""
@@ -284,32 +310,6 @@ def restore(checkpoints: RunCheckpoints, ckpt: dict[str, Any], path: str, model_
     if ema is not None and not ema_saved:
         print('Warning: the checkpoint has no EMA weights; the EMA restarts from the model weights')
         ema.module.load_state_dict(parts.model.state_dict())
-
-
-# --------------------------------------------------------------------------------------------------
-# Resuming a classification run
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ResumeSettings:
-    """The flags a resume reads, each named as its argparse destination."""
-    model: str                # whose weights the checkpoint must hold
-    opt: str                  # the optimizer state must be of this kind
-    data_path: str | None     # where the data are now (a changed path is noted)
-    start_epoch: int          # where a run without a checkpoint starts
-
-
-@dataclass
-class Resume:
-    """Where a resumed run continues: the epoch, the EpochState to start it with (a step inside it), the
-    checkpoint it was read from (None when the run starts fresh), whether its training state was restored (not
-    only its weights), and the line that announces it (main.py prints it once --output_dir is known to take the
-    run's checkpoints)."""
-    start_epoch: int = 0
-    state: EpochState = field(default_factory=EpochState)
-    ckpt: Any = None
-    training: bool = False
-    message: str = ''
-    unevaluated: dict[str, Any] | None = None  # unevaluated_epoch's entries: the epoch before start_epoch to evaluate
 
 
 def resume(path: str, checkpoints: RunCheckpoints, settings: ResumeSettings, recorded: dict[str, Any], *,
