@@ -1,33 +1,25 @@
-"""main.py's command line: the flags in groups, their types and ranges, the checks of flags against each
-other, against the checkpoint files they name and against the machine's memory (whether one batch of the size
-fits), the settings resolved from them once the run starts (the evaluation transform a checkpoint records, the
-train mode), and what the optimizer and schedule flags build. Every process of a launched job parses the same
-command line; a bad one ends in one error line (and a pointer to --help) before anything starts.
+"""main.py's command line: the flags in groups, their types, ranges and choices, the checks of flags against each
+other and against the machine's memory (whether one batch of the size fits), and the settings resolved from them
+once the run starts (the evaluation transform a checkpoint records, the train mode). It imports nothing that
+trains, reads or writes: the checks that need an optimizer, a schedule or a checkpoint built or read are their
+owners' (main.check_command_line runs them). Every process of a launched job parses the same command line; a bad
+one ends in one error line (and a pointer to --help) before anything starts.
 """
 import argparse
 import dataclasses
 import math
 import os
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import timm
 import torch
 
-import checkpoint_io
-import cpu
-import datasets
-import distributed
-import loaders
-import metrics
-import run_dir
-from checkpoint import saved_args
-from cpu import DEFAULT_NUM_WORKERS
-from errors import CheckpointError, FlagError, FlagParser, first_line, unknown_model
 from models.nalaformer import VARIANTS
-from optimizer import OptimizerSettings, build_optimizer
-from schedule import SCHEDULERS, Schedule, build_lr_scheduler
+from run import distributed
+from run.errors import CheckpointError, FlagError, FlagParser, first_line, is_url, unknown_model
+from run.process import DEFAULT_NUM_WORKERS, available_memory
 
-T = TypeVar('T')
+Settings = TypeVar('Settings')
 
 
 def ranged(kind=float, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -70,6 +62,14 @@ MIN_INPUT_SIZE = 32
 COLOR_JITTER = 0.4
 #: timm's resize methods for the training crop (timm.data.transforms' names, and 'random')
 TRAIN_INTERPOLATIONS = ('bicubic', 'bilinear', 'nearest', 'box', 'hamming', 'lanczos', 'random')
+#: the --data-set names datasets.build_dataset knows
+DATA_SETS: tuple[str, ...] = ('CIFAR', 'IMNET', 'INAT', 'INAT19', 'DIGITS')
+#: the --inat-category choices: the fields of iNaturalist's categories.json a class can be named by
+INAT_CATEGORIES: tuple[str, ...] = ('kingdom', 'phylum', 'class', 'order', 'supercategory', 'family', 'genus', 'name')
+# the --sched choices: the schedules of timm's create_scheduler_v2 that fit a per-epoch step without a metric:
+# 'plateau' needs a validation metric at every step, is deprecated by timm and cannot save its state in a checkpoint
+# (a resumed run would restart it); 'none' builds no scheduler at all
+SCHEDULERS = ('cosine', 'tanh', 'step', 'constant', 'multistep', 'poly', 'wsd', 'rsqrt')
 
 
 class LauncherArgumentParser(FlagParser):
@@ -146,7 +146,7 @@ def _optimizer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _learning_rate_schedule_flags(parser: argparse.ArgumentParser) -> None:
-    """The 'Learning rate schedule' flags (schedule.Schedule holds what they set)."""
+    """The 'Learning rate schedule' flags (training.optim.Schedule holds what they set)."""
     g = parser.add_argument_group('Learning rate schedule')
     g.add_argument('--sched', default='cosine', type=str, choices=SCHEDULERS)
     g.add_argument('--lr', type=POSITIVE, default=5e-4, metavar='LR', help='base LR at global batch 512')
@@ -212,8 +212,8 @@ def _data_flags(parser: argparse.ArgumentParser) -> None:
     """The 'Data' flags."""
     g = parser.add_argument_group('Data')
     g.add_argument('--data-path', default=None, type=str, help='dataset root (DIGITS: ./data/digits)')
-    g.add_argument('--data-set', default='IMNET', choices=datasets.DATA_SETS, type=str)
-    g.add_argument('--inat-category', default='name', choices=datasets.INAT_CATEGORIES)
+    g.add_argument('--data-set', default='IMNET', choices=DATA_SETS, type=str)
+    g.add_argument('--inat-category', default='name', choices=INAT_CATEGORIES)
     g.add_argument('--eval-crop-ratio', default=None, type=ranged(float, 0, 1, lo_open=True),
                    help="evaluation: resize to input-size / ratio, then center-crop input-size "
                         "(default: the model's crop_pct, 0.875; evaluating or resuming a checkpoint: the "
@@ -334,6 +334,20 @@ def augmentation_notes(args: argparse.Namespace) -> list:
             f'only without --aa, or with a 3a policy); add --aa none to jitter colours instead']
 
 
+#: the line of --log-dir without TensorBoard installed
+INSTALL_HINT = '--log-dir needs TensorBoard, which is not installed: pip install tensorboard'
+
+
+def tensorboard_missing() -> str | None:
+    """None when TensorBoard can be used, else a one-line message that says how to install it."""
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        return INSTALL_HINT
+    return None
+
+
 def check_accum_steps(args: argparse.Namespace, batches: int, images: int) -> None:
     """Refuse (FlagError) an --accum-steps above the `batches` an epoch of `images` training images gives each
     process: every optimizer step would then accumulate fewer batches than the global batch its LR and EMA decay
@@ -349,8 +363,9 @@ def check_accum_steps(args: argparse.Namespace, batches: int, images: int) -> No
 
 
 def validate_args(args, parser):
-    """Incompatible or impossible flags: argparse-style error before any process group or data loader.
-    (Ranges of single flags are their argparse types.)"""
+    """Incompatible or impossible flags: argparse-style error before any process group or data loader (ranges of
+    single flags are their argparse types). The checks that need their owners run after it, in
+    main.check_command_line."""
     if not timm.is_model(args.model):
         parser.error(unknown_model(args.model, VARIANTS, timm.list_models()) + ' (any timm model name works too)')
     if args.distillation_type != 'none':
@@ -374,27 +389,19 @@ def validate_args(args, parser):
     if args.epochs < 1 and not args.eval:
         parser.error('--epochs must be at least 1')
     # files: rank 0 checks them here (all ranks would print the same line); a file that another node does not
-    # see stops every rank with one line once they load it (run_dir.agree_on_resume_path, distributed.on_every_rank)
+    # see stops every rank with one line once they load it (output_dir.agree_on_resume_path, on_every_rank)
     rank0 = distributed.launch_env()[0] == 0
     for flag, path in (('--resume', args.resume), ('--finetune', args.finetune), ('--teacher-path', args.teacher_path)):
         if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: ' + ('checkpoints must be local files: downloading is disabled'
-                                               if checkpoint_io.is_url(path) else not_a_file(path)))
-    if args.finetune and rank0:
-        try:
-            check_task('--finetune', args.finetune)
-        except FlagError as e:
-            parser.error(str(e))
+                                               if is_url(path) else not_a_file(path)))
     if args.real_labels is not None and args.data_set != 'IMNET':
         parser.error(f'--real-labels: ImageNet-ReaL needs the 1000-class ImageNet validation set (--data-set IMNET), '
                      f'not --data-set {args.data_set}; drop --real-labels')
-    if args.eval and not args.finetune and not run_dir.find_resume_path(settings(run_dir.RunDirSettings, args)):
-        parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.resume and args.finetune:
         parser.error('--resume and --finetune exclude each other (resume continues a run; finetune starts a new one)')
-    if args.log_dir:
-        if metrics.tensorboard_missing():
-            parser.error(metrics.tensorboard_missing())
+    if args.log_dir and tensorboard_missing():
+        parser.error(tensorboard_missing())
     if args.compile and not hasattr(torch, 'compile'):
         parser.error('--compile needs torch >= 2.0')
     if args.world_size not in (1, world):  # 1, the default, takes the launcher's count
@@ -408,9 +415,6 @@ def validate_args(args, parser):
     if args.cutmix_minmax is not None and not 0 < args.cutmix_minmax[0] < args.cutmix_minmax[1]:
         parser.error(f'--cutmix-minmax needs 0 < MIN < MAX <= 1, got {args.cutmix_minmax[0]} {args.cutmix_minmax[1]}')
     check_device(args.device, world, parser)
-    check_optimizer(args, parser)
-    check_scheduler(args, parser)
-    check_auto_augment(args.aa, parser)
 
 
 def check_device(device, world, parser):
@@ -428,33 +432,8 @@ def check_device(device, world, parser):
                      f'(cuda:0 .. cuda:{torch.cuda.device_count() - 1})')
 
 
-def check_optimizer(args, parser):
-    """--opt against timm's optimizer registry (an optional `lookahead_` prefix, as timm allows), then built
-    once on a dummy parameter so that missing packages and bad --opt-betas/--opt-eps/--momentum show here."""
-    import difflib
-
-    from timm.optim import list_optimizers
-    known = list_optimizers()
-    name = args.opt.lower()
-    base = name.removeprefix('lookahead_')
-    if base not in known:
-        close = difflib.get_close_matches(base, known, n=3)
-        parser.error(f'--opt {args.opt}: unknown optimizer' + (f"; did you mean {', '.join(close)}?" if close else '')
-                     + f' ({len(known)} names in timm.optim.list_optimizers(), e.g. adamw, sgd, lamb)')
-    try:
-        build_optimizer(torch.nn.Linear(1, 1), settings(OptimizerSettings, args))
-    except Exception as e:  # any failure here is a bad flag or a missing optional package
-        parser.error(f'--opt {args.opt}: cannot build it with these flags ({first_line(e)})')
 
 
-def check_scheduler(args, parser):
-    """Build the --sched schedule once on a dummy optimizer: timm checks its flag combinations
-    (e.g. wsd's --decay-epochs against --epochs) only when it is built."""
-    try:
-        build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr),
-                           settings(Schedule, args))
-    except (ValueError, AssertionError, TypeError) as e:
-        parser.error(f'--sched {args.sched}: {first_line(e)}')
 
 
 def check_auto_augment(aa, parser):
@@ -488,32 +467,8 @@ def not_a_file(path: str) -> str:
     return f'a directory, not a checkpoint; pass one of the checkpoints in it: {shown}'
 
 
-#: the checkpoints of the other tasks (the 'task' entry they carry) -> the script that writes and evaluates them
-TASK_SCRIPTS = {'segmentation': 'segmentation/train.py', 'detection': 'detection/train.py'}
 
 
-def check_task(flag: str, path: str) -> None:
-    """Refuse, in one line (FlagError), a checkpoint that another task wrote (its 'task' entry: segmentation,
-    detection) given to main.py, saying what it is and the command that takes it; its recorded --data-path goes
-    into that command. A file that cannot be read passes: loading it later says why."""
-    import shlex
-    try:
-        ckpt = checkpoint_io.load_checkpoint_file(path, verify=False, mmap=True)
-    except (CheckpointError, OSError):
-        return
-    task = ckpt.get('task') if isinstance(ckpt, dict) else None
-    if not isinstance(task, str) or task == 'classification':
-        return
-    script = TASK_SCRIPTS.get(task)
-    if script is None:
-        raise FlagError(f'{flag} {path} is a {task} checkpoint, not a classification one; main.py takes '
-                        f'classification checkpoints')
-    data = saved_args(ckpt).get('data_path')
-    command = f'python {script} --eval --resume {shlex.quote(path)}' + (f' --data-path {shlex.quote(data)}'
-                                                                           if data else '')
-    raise FlagError(f'{flag} {path} is a {task} checkpoint (written by {script}), not a classification one: '
-                    f'evaluate it with `{command}` (or continue its training with --resume instead of --eval); '
-                    f'main.py takes classification checkpoints')
 
 
 #: the flags that decide the evaluation transform; a checkpoint records them in its args
@@ -528,6 +483,15 @@ def check_recorded_model(args: argparse.Namespace, path: str, recorded: dict) ->
     if saved and str(saved).upper() != str(args.model).upper():
         raise CheckpointError(f'{path} is a checkpoint of --model {saved}, but this run has --model {args.model}: '
                               f'pass --model {saved}, or another checkpoint')
+
+
+def override_note(flag: str, given: Any, recorded: Any, source: str) -> str:
+    """The note every entry point prints when a flag of the evaluation transform given on the command line
+    differs from the value the checkpoint ``source`` records (the command line wins); '' when they agree or
+    one of them is missing."""
+    if given is None or recorded is None or given == recorded:
+        return ''
+    return f'Note: {flag} {given} on the command line, {recorded} in {source}; using {given}'
 
 
 def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict) -> None:
@@ -549,8 +513,7 @@ def resolve_eval_transform(args: argparse.Namespace, path: str, recorded: dict) 
             if saved is not None:
                 taken.append(f'{flag} {saved}')
         else:
-            notes.append(datasets.override_note(flag, given, "none (the model's crop_pct)" if saved is None
-                                                else saved, path))
+            notes.append(override_note(flag, given, "none (the model's crop_pct)" if saved is None else saved, path))
     if taken:
         print(f"{' and '.join(taken)}: as recorded in {path} (pass the flag to choose another)")
     for note in filter(None, notes):
@@ -575,7 +538,7 @@ def mixup_is_active(args: argparse.Namespace) -> bool:
     return args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
 
 
-def settings(kind: type[T], args: argparse.Namespace) -> T:
+def settings(kind: type[Settings], args: argparse.Namespace) -> Settings:
     """The settings object `kind` (a dataclass whose fields are named as flags' argparse destinations) of the
     command line `args`: the one place where the parsed flags are handed to the code below main.py."""
     return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(kind)})
@@ -613,14 +576,14 @@ def bytes_per_pixel(model: str, training: bool, half: bool = False, recompute: b
 
 def device_memory(device: torch.device) -> tuple[int | None, str]:
     """(bytes one process's batch may take at most on `device`, in words): a GPU's total memory; on the CPU
-    cpu.available_memory(). (None, '') where it cannot be read."""
+    process.available_memory(). (None, '') where it cannot be read."""
     if device.type == 'cuda':
         if not torch.cuda.is_available():
             return None, ''
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         return props.total_memory, f'the {gib(props.total_memory)} of cuda:{index} ({props.name})'
-    memory, what = cpu.available_memory()
+    memory, what = available_memory()
     return memory, f'the {gib(memory)} of {what} of this machine' if memory is not None else ''
 
 
@@ -651,9 +614,21 @@ def largest_side(per_pixel: float, batch: int, memory: int, multiple: int = MIN_
     return side - side % multiple
 
 
+def val_batch_size(batch_size: int) -> int:
+    """The validation batch of a --batch-size: 1.5 times as large, as DeiT's (evaluation keeps no activations)."""
+    return int(1.5 * batch_size)
+
+
+def model_input_size(model: str) -> int:
+    """The input size (one side) of timm model `model` when --input-size is not given: its pretrained_cfg's, timm's
+    default for a model without one (datasets.data_config reads the same)."""
+    cfg = timm.models.get_pretrained_cfg(model) or timm.models.PretrainedCfg()
+    return int(cfg.input_size[-1])
+
+
 def check_batch_fits(args: argparse.Namespace, device: torch.device) -> None:
     """Refuse, in one line (FlagError), an --input-size at which one training batch (--batch-size) or one
-    evaluation batch (loaders.val_batch_size) of the model cannot fit in the device's memory, by bytes_per_pixel's
+    evaluation batch (val_batch_size) of the model cannot fit in the device's memory, by bytes_per_pixel's
     lower bound, naming the largest size and batch that would: before anything of that size is allocated. Models
     other than the NaLaFormer variants pass."""
     memory, memory_words = device_memory(device)
@@ -661,10 +636,9 @@ def check_batch_fits(args: argparse.Namespace, device: torch.device) -> None:
     train = bytes_per_pixel(args.model, training=True, half=half, recompute=args.grad_checkpointing or args.compile)
     if memory is None or train is None:
         return
-    size = args.input_size or datasets.data_config(args.model)['input_size'][-1]
+    size = args.input_size or model_input_size(args.model)
     batches = [] if args.eval else [('one training batch', train, lambda b: b)]
-    batches.append(('one evaluation batch', bytes_per_pixel(args.model, training=False, half=half),
-                    loaders.val_batch_size))
+    batches.append(('one evaluation batch', bytes_per_pixel(args.model, training=False, half=half), val_batch_size))
     for what, per_pixel, images in batches:
         problem = batch_too_big(what=f'--input-size {size}: {what} (--batch-size {args.batch_size})',
                                 model=args.model, per_pixel=per_pixel, pixels=size * size, shape=f'{size}x{size}',

@@ -1,24 +1,30 @@
-"""Train for one epoch and evaluate (DeiT's engine, with exact distributed evaluation, gradient accumulation,
-a graceful stop at optimizer-step boundaries, mid-epoch resume and a bounded number of skipped non-finite
-steps that leave the model exactly as it was).
+"""Train for one epoch, evaluate, and end the epoch (DeiT's engine, with exact distributed evaluation, gradient
+accumulation, a graceful stop at optimizer-step boundaries, mid-epoch resume and a bounded number of skipped
+non-finite steps that leave the model exactly as it was).
 
-`train_one_epoch` runs an optim_step.OptimizerStep per window of micro-batches; `TrainSettings` holds the loop's
-settings for a run; it takes and returns a train_state.EpochState, where training stands inside an epoch (with
-the random-number state that makes a resumed epoch replay its batches); `evaluate_models` scores several models
-(the model and its EMA) in one pass over the validation set."""
+`train_one_epoch` runs a training.step.OptimizerStep per window of micro-batches; `TrainSettings` holds the loop's
+settings for a run; it takes and returns a run.resume.EpochState, where training stands inside an epoch (with the
+random-number state that makes a resumed epoch replay its batches); `evaluate_models` scores several models (the
+model and its EMA) in one pass over the validation set. `EpochEnd` ends every epoch the same way on every rank, in
+the same order: BatchNorm statistics and the EMA made rank 0's, the model and its EMA evaluated, every rank agreeing
+whether that evaluation was cut short and whether to stop, the best accuracy noted, the checkpoints saved (the
+epoch's log line inside them) and the line appended to log.txt and TensorBoard. An epoch whose evaluation a stop cut
+short is saved without its accuracy; the resumed run evaluates it first (EpochEnd.evaluate_resumed)."""
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
-from timm.utils import unwrap_model
+from timm.utils import distribute_bn, unwrap_model
 
-from distributed import get_world_size, is_dist_avail_and_initialized
-from errors import NonFiniteLossError, eprint
-from metrics import MetricLogger, SmoothedValue
-from optim_step import OptimizerStep
-from precision import autocast
-from train_state import EpochState, get_rng_state, set_rng_state
+from run import distributed
+from run.checkpoint import RunCheckpoints
+from run.distributed import get_world_size, is_dist_avail_and_initialized
+from run.errors import NonFiniteLossError, eprint
+from run.resume import EpochState, epoch_state_entries, get_rng_state, preserved_rng, set_rng_state
+from training import image_folder
+from training.step import OptimizerStep, autocast
+from utils import MetricLogger, SmoothedValue
 
 
 @dataclass
@@ -127,14 +133,10 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
     progress line are read from the device when the line is printed (every `settings.print_freq` steps).
 
     `state` (an EpochState; a fresh epoch without one) is where the epoch starts; the result's state is
-    where training continues: the stop point after a stop signal, else the start of the next epoch. The
-    count of consecutive skipped steps carries over; more than `settings.max_bad_steps` of them raise
-    NonFiniteLossError.
-
-    Resuming in the middle of an epoch (`state.step` > 0, always a window boundary): the RNG state from
-    before the epoch's data iterator was created is restored, the first `state.step` batches are loaded
-    again but not trained on (so the random augmentations of data-loader workers come out identical), then
-    the RNG state saved at the stop point is restored.
+    where training continues: the stop point after a stop signal (_stop_point), else the start of the next epoch.
+    The count of consecutive skipped steps carries over; more than `settings.max_bad_steps` of them raise
+    NonFiniteLossError. Resuming in the middle of an epoch (`state.step` > 0) replays the batches before it
+    (_replayed).
     """
     settings = settings or TrainSettings()
     state = replace(state) if state is not None else EpochState()
@@ -146,13 +148,7 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
         metric_logger.meters['loss'].total, metric_logger.meters['loss'].count = (state.loss_meter['total'],
                                                                                    state.loss_meter['count'])
     pending = _StepValues(metric_logger, logger)
-
-    if state.epoch_rng_state is not None:
-        set_rng_state(state.epoch_rng_state)
-    epoch_rng_state = get_rng_state()
-    start_step = state.step
-    if start_step > 0:
-        print(f'Resuming epoch {epoch} at step {start_step}: replaying the data order of the first {start_step} steps')
+    epoch_rng_state = _epoch_start(epoch, state)
     batch_size = data_loader.batch_size or 1
     world = get_world_size()
     n_steps = len(data_loader)
@@ -160,9 +156,7 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
     for i, (samples, targets) in enumerate(metric_logger.log_every(
             data_loader, settings.print_freq, f'Epoch: [{epoch}]', images_per_step=batch_size * world,
             before_line=pending.flush)):
-        if i < start_step:
-            if i == start_step - 1 and state.rng_state is not None:
-                set_rng_state(state.rng_state)
+        if _replayed(i, state):
             continue
         samples = samples.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
@@ -186,15 +180,42 @@ def train_one_epoch(model: torch.nn.Module, criterion: Callable[..., torch.Tenso
 
         if out.stop and i + 1 < n_steps:
             pending.flush()
-            meter = metric_logger.meters['loss']
-            return EpochResult(stats={}, stopped=True, state=replace(
-                state, step=i + 1, rng_state=get_rng_state(), epoch_rng_state=epoch_rng_state,
-                loss_meter={'total': meter.total, 'count': meter.count}))
+            return _stop_point(state, i + 1, metric_logger, epoch_rng_state)
 
     pending.flush()
     return EpochResult(stats=_epoch_stats(metric_logger, optimizer, state, device),
                        stopped=bool(stop_flag is not None and stop_flag.requested),
                        state=EpochState(bad_steps=state.bad_steps))
+
+
+def _epoch_start(epoch: int, state: EpochState) -> dict:
+    """The random-number state the epoch's data iterator is created with (returned: a stop inside the epoch saves
+    it): a resumed epoch's, restored from `state`, else this process's now."""
+    if state.epoch_rng_state is not None:
+        set_rng_state(state.epoch_rng_state)
+    if state.step > 0:
+        print(f'Resuming epoch {epoch} at step {state.step}: replaying the data order of the first {state.step} steps')
+    return get_rng_state()
+
+
+def _replayed(i: int, state: EpochState) -> bool:
+    """The mid-epoch replay: whether batch `i` comes before the step a resumed epoch starts at (`state.step`, always a
+    window boundary), so it is loaded again but not trained on (the random augmentations of the data-loader workers
+    come out identical); at the last of them the random-number state saved at the stop point is restored."""
+    if i >= state.step:
+        return False
+    if i == state.step - 1 and state.rng_state is not None:
+        set_rng_state(state.rng_state)
+    return True
+
+
+def _stop_point(state: EpochState, next_step: int, metric_logger: MetricLogger, epoch_rng_state: dict) -> EpochResult:
+    """The result of an epoch a stop signal cut short before `next_step`: where a resume continues (that step, this
+    process's random-number state now and before the epoch's data iterator, the loss so far); no stats."""
+    meter = metric_logger.meters['loss']
+    return EpochResult(stats={}, stopped=True, state=replace(
+        state, step=next_step, rng_state=get_rng_state(), epoch_rng_state=epoch_rng_state,
+        loss_meter={'total': meter.total, 'count': meter.count}))
 
 
 def _epoch_stats(metric_logger: MetricLogger, optimizer: Any, state: EpochState, device: Any) -> dict:
@@ -211,8 +232,9 @@ def _epoch_stats(metric_logger: MetricLogger, optimizer: Any, state: EpochState,
 def evaluate(data_loader, model, device, amp_dtype=None, channels_last=False, print_freq=10, header='Test:',
              sum_over_ranks=False, stop_flag=None, real=None):
     """`evaluate_models` of one model: its stats."""
-    return evaluate_models(data_loader, {'': model}, device, amp_dtype, channels_last, print_freq, header,
-                           sum_over_ranks, stop_flag, real)['']
+    return evaluate_models(data_loader, {'': model}, device, amp_dtype=amp_dtype, channels_last=channels_last,
+                           print_freq=print_freq, header=header, sum_over_ranks=sum_over_ranks, stop_flag=stop_flag,
+                           real=real)['']
 
 
 def _stats_of(row: list[float], k: int, with_real: bool) -> dict:
@@ -262,7 +284,7 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
     every rank are summed with all_reduce, so each image counts once whatever the number of processes.
     A stop signal ends the loop early: stats['aborted'] is then true (on every rank with dist-eval).
 
-    With `real` (eval_sets.RealLabels), the batches are (images, target, index) (eval_sets.WithIndex) and
+    With `real` (datasets.RealLabels), the batches are (images, target, index) (datasets.WithIndex) and
     stats['real'] holds the ImageNet-ReaL top-1/top-5 of the same predictions and `n`, the images scored
     (those with a ReaL label); its counts travel in the same collective as the others.
 
@@ -318,3 +340,147 @@ def evaluate_models(data_loader: Any, models: dict[str, torch.nn.Module], device
             break
         print(result_line(stats))
     return results
+
+
+# --------------------------------------------------------------------------------------------------
+# The end of an epoch
+# --------------------------------------------------------------------------------------------------
+def accuracy_line(stats: dict, n_images: int, tag: str = '', label: str = '') -> str:
+    """The accuracy line of one evaluation of the validation set of `n_images` images."""
+    line = f"Accuracy of the {tag}network{label} on the {stats['n']} test images: {stats['acc1']:.2f}%"
+    if stats['n'] != n_images or stats.get('seen', stats['n']) != n_images:
+        line += f" (evaluated {stats['n']} of {n_images} images; undecodable ones excluded)"
+    return line
+
+
+@dataclass
+class EpochEnd:
+    """What the end of every epoch of a run works with: the run's checkpoints (and the parts they save: the bare
+    model, whose BatchNorm statistics are made rank 0's, and its EMA), the validation loader and what evaluates on
+    it (the bare model or compiled, the EMA's compiled module or None), the training set (its undecodable files are
+    counted) and TensorBoard's --log-dir with rank 0's logger (None elsewhere)."""
+    checkpoints: RunCheckpoints
+    loader_val: Any
+    eval_model: torch.nn.Module
+    eval_ema: torch.nn.Module | None
+    dataset_train: Any
+    log_dir: str
+    tensorboard: Any
+    amp_dtype: torch.dtype | None
+    channels_last: bool
+    print_freq: int
+    sum_over_ranks: bool              # exact distributed evaluation (--dist-eval)
+    stop_flag: Any
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.checkpoints.parts.model
+
+    @property
+    def model_ema(self) -> Any:
+        return self.checkpoints.parts.model_ema
+
+    @property
+    def device(self) -> torch.device:
+        return self.checkpoints.device
+
+    def __call__(self, epoch: int, result: EpochResult) -> tuple[dict, dict | None, bool]:
+        """End `epoch`, trained as `result` says: (the model's validation stats, the EMA's or None, whether
+        every rank stops now)."""
+        if distributed.is_dist_avail_and_initialized():
+            # BatchNorm running statistics are per-rank (DDP re-broadcasts rank 0's before each forward) and
+            # so are the EMA's: make every rank hold rank 0's, as in the checkpoint, before evaluating
+            distribute_bn(self.model, distributed.get_world_size(), reduce=False)
+            if self.model_ema is not None:  # a CPU EMA (--model-ema-force-cpu) goes through the device under NCCL
+                distributed.broadcast_tensors_(list(self.model_ema.module.state_dict().values()), device=self.device)
+        # distinct files: with repeated augmentation one bad file is read on up to 3 ranks
+        bad = image_folder.bad_sample_count_all_ranks(self.dataset_train, self.device)
+        return self.evaluate_and_save(epoch, result.stats, bad, lambda: epoch_state_entries(result.state),
+                                      result.stopped)
+
+    def evaluate_resumed(self, epoch: int, unevaluated: dict[str, Any]) -> tuple[dict, dict | None, bool]:
+        """End `epoch` as an uninterrupted run would have, after a resume from its checkpoint, which a stop during
+        its evaluation saved without its accuracy (`unevaluated`: its log record and where training stood, as
+        resume.Resume holds them): the weights it ended with, EMA included, restored from that checkpoint, are
+        evaluated, the best accuracy noted, the checkpoints saved again with it and its log.txt line completed.
+        A stop that cuts this evaluation short too leaves everything as it was."""
+        record = unevaluated['log']
+        print(f'Epoch {epoch} was saved without its accuracy (a stop cut its evaluation short): evaluating it now, '
+              f'with the weights it ended with')
+        train_stats = {k[len('train_'):]: v for k, v in record.items() if k.startswith('train_')}
+        entries = {k: v for k, v in unevaluated.items() if k != 'log'}
+        return self.evaluate_and_save(epoch, train_stats, int(record.get('bad_train_images') or 0),
+                                      lambda: entries, stopped=False, resumed=True)
+
+    def evaluate_and_save(self, epoch: int, train_stats: dict, bad: int, entries: Callable[[], dict[str, Any]],
+                          stopped: bool, resumed: bool = False) -> tuple[dict, dict | None, bool]:
+        """Evaluate the weights after `epoch` (the RNG state left as it was), let every rank agree whether that was
+        cut short and whether to stop, note the accuracy, save the checkpoints (`entries()`: where training
+        stands, a collective) with the epoch's log record, and write that record to log.txt (`resumed`: in place
+        of the line written without its accuracy) and TensorBoard. `stopped`: the epoch's training was stopped."""
+        with preserved_rng():  # evaluating leaves the random stream as training left it (exact resume)
+            test_stats, ema_stats = self.evaluate()
+        # all ranks agree whether the evaluation was cut short and whether to stop after this epoch
+        flags = [float(test_stats['aborted'] or bool(ema_stats and ema_stats['aborted'])),
+                 float(self.stop_flag.requested or stopped)]
+        if distributed.is_dist_avail_and_initialized():
+            flags = distributed.all_reduce_max(flags, self.device)
+        eval_aborted, stop_now = flags[0] > 0, flags[1] > 0
+        if eval_aborted and resumed:  # its checkpoint and log line stay as they are: the next resume tries again
+            print(f'Evaluation of epoch {epoch} interrupted by {self.stop_flag.name() or "a stop signal"} again: '
+                  f'its checkpoint stays without its accuracy, and the same command evaluates it')
+            return test_stats, ema_stats, True
+        improved = self.report(epoch, test_stats, ema_stats, eval_aborted, bad)
+        record = log_record(epoch, train_stats, None if eval_aborted else test_stats,
+                            None if eval_aborted else ema_stats, self.checkpoints, bad)
+        # the epoch's log line travels in the checkpoint: a crash before the append loses nothing
+        self.checkpoints.save_epoch(epoch, {**entries(), 'log': record}, improved)
+        if resumed:
+            self.checkpoints.replace_log(record)
+        else:
+            self.checkpoints.append_log(record)
+        if self.log_dir:  # every rank agrees on rank 0's write (the logger is rank 0's alone)
+            distributed.on_rank0(lambda: self.tensorboard.log_epoch(record, epoch), self.device,
+                                 f'--log-dir {self.log_dir}: cannot write TensorBoard events')
+        return test_stats, ema_stats, stop_now
+
+    def evaluate(self) -> tuple[dict, dict | None]:
+        """The validation stats of the model and of its EMA (None without one), from one pass over the validation
+        set: each batch goes through both. An EMA kept on the CPU (--model-ema-force-cpu) is evaluated on the
+        device, where the data is."""
+        options = dict(amp_dtype=self.amp_dtype, channels_last=self.channels_last, print_freq=self.print_freq,
+                       sum_over_ranks=self.sum_over_ranks, stop_flag=self.stop_flag)
+        if self.model_ema is None:
+            return evaluate(self.loader_val, self.eval_model, self.device, **options), None
+        with distributed.moved_to(self.model_ema.module, self.device):
+            models = {'': self.eval_model, 'EMA': self.eval_ema or self.model_ema.module}
+            stats = evaluate_models(self.loader_val, models, self.device, **options)
+        return stats[''], stats['EMA']
+
+    def report(self, epoch: int, test_stats: dict, ema_stats: dict | None, eval_aborted: bool, bad: int) -> bool:
+        """Print the epoch's accuracy lines and the best so far; whether the epoch is the best (never when its
+        evaluation was cut short: it is saved without its accuracy)."""
+        improved = False
+        if eval_aborted:
+            print(f'Evaluation of epoch {epoch} interrupted by {self.stop_flag.name() or "a stop signal"}: '
+                  f'the epoch is saved without its accuracy, and the same command evaluates it first')
+        else:
+            n_val = len(self.loader_val.dataset)
+            print(accuracy_line(test_stats, n_val))
+            if ema_stats:
+                print(accuracy_line(ema_stats, n_val, 'EMA '))
+            improved = self.checkpoints.record_accuracy(epoch, test_stats['acc1'],
+                                                        ema_stats['acc1'] if ema_stats else None)
+        print(f'Max accuracy: {self.checkpoints.max_accuracy:.2f}%'
+              + (f'  (undecodable training images so far: {bad})' if bad else ''))
+        return improved
+
+
+def log_record(epoch: int, train_stats: dict, test_stats: dict | None, ema_stats: dict | None,
+               checkpoints: RunCheckpoints, bad: int) -> dict[str, Any]:
+    """The epoch's log.txt line (test_* and test_ema_* only when its evaluation finished)."""
+    return {**{f'train_{k}': v for k, v in train_stats.items()},
+            **({f'test_{k}': v for k, v in test_stats.items() if k != 'aborted'} if test_stats else {}),
+            **({f'test_ema_{k}': v for k, v in ema_stats.items() if k != 'aborted'} if ema_stats else {}),
+            'epoch': epoch, 'n_parameters': checkpoints.n_parameters, 'max_accuracy': checkpoints.max_accuracy,
+            'bad_train_images': bad}

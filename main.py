@@ -22,33 +22,19 @@ from typing import Any, Sequence
 import timm
 import torch
 
-import checkpoint
 import cli
-import cpu
 import datasets
-import distributed
 import engine
-import eval_sets
-import exits
-import image_folder
-import loaders
-import metrics
-import optim_step
-import precision
-import run_dir
-import schedule
-import signals
-import train_state
-from ema import ModelEma, ema_decay
-from epoch_end import EpochEnd, accuracy_line
-from errors import FlagError, UserError, first_line
+import utils
 from losses import DistillationLoss
 from models.flop_count import count_flops
-from optimizer import OptimizerSettings, build_optimizer
-from resume import ResumeSettings, check_resumable, resume
-from saver import CheckpointSaver
-from train_state import TrainingParts
-from weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
+from run import checkpoint, distributed, output_dir, process
+from run.checkpoint import RunCheckpoints, TrainingParts
+from run.errors import FlagError, UserError, first_line
+from run.resume import ResumeSettings, check_resumable, epoch_state_entries, resume
+from run.weights import classifier_keys, finetune_from, load_model_weights, load_weights_into, select_weights
+from training import image_folder, loaders, optim
+from training.step import OptimizerStep, amp_dtype, check_bf16, set_tf32
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -59,41 +45,44 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     data = build_data(args, device)
     run = build_training(args, data, device, train_mode)
     # --eval checks the validation set's classes against the checkpoint's, a resume the training set's
-    saver = CheckpointSaver(args.output_dir, args.save_freq, run.parts, checkpoint.args_to_dict(args),
-                            run.n_parameters, device,
-                            classes=datasets.data_classes(data.dataset_val if args.eval else data.dataset_train),
-                            n_train_images=len(data.dataset_train) if data.dataset_train is not None else None)
-    resumed = resume(resume_path, saver, cli.settings(ResumeSettings, args), recorded, eval_only=args.eval)
-    if resumed.training:
-        saver.repair(resume_path, resumed.ckpt)
+    checkpoints = RunCheckpoints(
+        output_dir=args.output_dir, parts=run.parts, run_args=checkpoint.args_to_dict(args),
+        n_parameters=run.n_parameters, device=device, save_freq=args.save_freq,
+        classes=datasets.data_classes(data.dataset_val if args.eval else data.dataset_train),
+        n_train_images=len(data.dataset_train) if data.dataset_train is not None else None)
+    resumed = resume(resume_path, checkpoints, cli.settings(ResumeSettings, args), recorded, eval_only=args.eval,
+                     changes=optim.flag_changes(recorded, checkpoints.run_args))
     start_epoch, state = resumed.start_epoch, resumed.state  # state: a step inside start_epoch, skipped steps
     # the epoch before start_epoch, when a stop cut its evaluation short: evaluated and saved before training on
     unevaluated = None if args.eval else resumed.unevaluated
     writes = not args.eval and (start_epoch < args.epochs or unevaluated is not None)
     if writes:  # a full disk stops the run before it says it continues
-        saver.check_room(start_epoch, args.epochs, resume_path)
-    output = cli.settings(run_dir.RunDirSettings, args)
-    print_lines(resumed.message, run_dir.resume_elsewhere_note(output, resume_path) if writes else '')
+        checkpoints.check_room(start_epoch, args.epochs, resume_path)
+    output = cli.settings(output_dir.OutputDirSettings, args)
+    print_lines(resumed.message, output_dir.resume_elsewhere_note(output, resume_path) if writes else '')
     if not args.eval and not writes:
         if not resumed.training:  # weights only: the run would start at --start_epoch
             raise FlagError(nothing_to_train(args, f'{resume_path} holds weights only (no optimizer state or epoch)'))
         print(f'Nothing to train: the checkpoint already finished epoch {start_epoch - 1} of --epochs {args.epochs}; '
               f'evaluating it (raise --epochs to train longer)')
     if not writes:
-        return evaluate_checkpoint(args, resumed.ckpt, resume_path, run, data, device, stop_flag)
+        return evaluate_checkpoint(args, ckpt=resumed.ckpt, path=resume_path, run=run, data=data, device=device,
+                                   stop_flag=stop_flag)
     resumed.ckpt = None  # the loaded copy of the checkpoint is not needed while training
 
     parts = run.parts
-    step = optim_step.OptimizerStep(parts.optimizer, device, run.amp_dtype, parts.loss_scaler, args.clip_grad,
-                                    args.clip_mode, args.accum_steps)
+    step = OptimizerStep(parts.optimizer, device, amp_dtype=run.amp_dtype, scaler=parts.loss_scaler,
+                         clip_grad=args.clip_grad, clip_mode=args.clip_mode, accum_steps=args.accum_steps)
     settings = engine.TrainSettings(channels_last=args.channels_last, print_freq=args.print_freq,
                                     max_bad_steps=args.max_bad_steps, train_mode=args.train_mode)
     random_erasing = loaders.batch_random_erasing(cli.settings(datasets.Augmentation, args), device)
-    tb = metrics.tensorboard_logger(args.log_dir, device)
-    end_epoch = EpochEnd(data.loader_val, run.eval_model, parts.model, parts.model_ema, run.eval_ema, saver,
-                         data.dataset_train, args.log_dir, tb, device, run.amp_dtype, args.channels_last,
-                         args.print_freq, bool(args.dist_eval and args.distributed), stop_flag)
-    run_dir.save_args(args.output_dir, saver.run_args, device)
+    tb = utils.tensorboard_logger(args.log_dir, device)
+    end_epoch = engine.EpochEnd(
+        checkpoints=checkpoints, loader_val=data.loader_val, eval_model=run.eval_model, eval_ema=run.eval_ema,
+        dataset_train=data.dataset_train, log_dir=args.log_dir, tensorboard=tb, amp_dtype=run.amp_dtype,
+        channels_last=args.channels_last, print_freq=args.print_freq,
+        sum_over_ranks=bool(args.dist_eval and args.distributed), stop_flag=stop_flag)
+    output_dir.save_args(args.output_dir, checkpoints.run_args, device)
     start_time = time.time()
     test_stats = ema_stats = None
     if unevaluated is not None:
@@ -101,27 +90,27 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if stop_now:
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at the evaluation of epoch '
                   f'{start_epoch - 1}; run the same command again to resume')
-            return exits.stopped_status(args.launcher, stop_flag)
+            return process.stopped_status(args.launcher, stop_flag)
     if start_epoch < args.epochs:
         print(f'Start training for {args.epochs} epochs' + (f' (from epoch {start_epoch})' if start_epoch else ''))
     for epoch in range(start_epoch, args.epochs):
         data.sampler_train.set_epoch(epoch)
-        schedule.start_epoch(parts.lr_scheduler, epoch)
-        result = engine.train_one_epoch(run.train_model, run.criterion, data.loader_train, step, epoch, settings,
-                                        parts.model_ema, data.mixup_fn, state, stop_flag, logger=tb,
-                                        random_erasing=random_erasing)
+        optim.start_epoch(parts.lr_scheduler, epoch)
+        result = engine.train_one_epoch(run.train_model, run.criterion, data.loader_train, step, epoch,
+                                        settings=settings, model_ema=parts.model_ema, mixup_fn=data.mixup_fn,
+                                        state=state, stop_flag=stop_flag, logger=tb, random_erasing=random_erasing)
         state = result.state
         if result.stopped and state.step:  # inside the epoch: saved where it stopped
-            where = saver.save_stop(epoch, train_state.epoch_state_entries(state))
+            where = checkpoints.save_stop(epoch, epoch_state_entries(state))
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} at epoch {epoch} step '
                   f'{state.step}; checkpoint {where}; run the same command again to resume')
-            return exits.stopped_status(args.launcher, stop_flag)
+            return process.stopped_status(args.launcher, stop_flag)
         test_stats, ema_stats, stop_now = end_epoch(epoch, result)
         if stop_now:
             print(f'Stopped by {stop_flag.name() or "a stop signal on another rank"} after epoch {epoch}; '
                   f'checkpoint saved; run the same command again to resume')
-            return exits.stopped_status(args.launcher, stop_flag)
-    report_end(parts.model, start_time, test_stats, ema_stats, saver.max_accuracy)
+            return process.stopped_status(args.launcher, stop_flag)
+    report_end(parts.model, start_time, test_stats, ema_stats, checkpoints.max_accuracy)
     return 0
 
 
@@ -132,28 +121,28 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     """Check the flags, join the processes, take the device, install the stop flag, say what runs, seed and
     prepare --output_dir: (device, stop flag, the checkpoint to resume or evaluate ('' for none), the command
     line it records, the train-mode line)."""
-    cli.validate_args(args, parser)
+    check_command_line(args, parser)
     train_mode = cli.resolve_train_mode(args)
     want_cuda = str(args.device).startswith('cuda')
-    process = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
-    vars(args).update(dataclasses.asdict(process))  # rank, world size, launcher, device: recorded in checkpoints
+    launched = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
+    vars(args).update(dataclasses.asdict(launched))  # rank, world size, launcher, device: recorded in checkpoints
     if args.amp == 'bf16':  # on the process's own GPU, now the current one
-        precision.check_bf16(args.device)
-    stop_flag = signals.StopFlag()
+        check_bf16(args.device)
+    stop_flag = process.StopFlag()
     stop_flag.install()
     if want_cuda and args.device == 'cpu':
         print('No GPU available: running on the CPU')
     device = torch.device(args.device)
-    if device.type == 'cpu' and args.cpu_malloc == 'retain' and not cpu.retain_freed_cpu_memory():
+    if device.type == 'cpu' and args.cpu_malloc == 'retain' and not process.retain_freed_cpu_memory():
         print('--cpu-malloc retain: this C library has no mallopt; using its defaults')
     print(f'Launcher: {args.launcher}, {distributed.get_world_size()} process(es), backend '
           f'{args.dist_backend or "none"}, device {device}')
     if args.num_workers is None:
-        args.num_workers, why = cpu.default_num_workers()
+        args.num_workers, why = process.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process (the default: {why}; --num_workers N sets it)')
     print_lines(*cli.compatibility_notes(args), *cli.augmentation_notes(args))
-    output = cli.settings(run_dir.RunDirSettings, args)
-    resume_path = run_dir.agree_on_resume_path(output, device)  # rank 0 decides, every rank checks its own view
+    output = cli.settings(output_dir.OutputDirSettings, args)
+    resume_path = output_dir.agree_on_resume_path(output, device)  # rank 0 decides, every rank checks its own view
     check_resumable(resume_path, args.eval)  # a release: weights only, nothing to continue training from
     if not args.eval and not resume_path and args.start_epoch >= args.epochs:
         raise FlagError(nothing_to_train(args, 'there is no checkpoint to resume'))
@@ -161,7 +150,7 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     # --model, its eval transform applies (its command line is read without its weights; a release's model card
     # values); then a batch of the size that gives must fit
     if resume_path:
-        cli.check_task('--resume', resume_path)
+        checkpoint.refuse_other_task('--resume', resume_path)
     recorded = checkpoint.recorded_args(resume_path) if resume_path else {}
     cli.check_recorded_model(args, resume_path, recorded)
     cli.resolve_eval_transform(args, resume_path, recorded)
@@ -171,9 +160,30 @@ def start(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[to
     random_seed(args.seed, distributed.get_rank())  # torch, numpy and python seeded with --seed + rank
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
-    precision.set_tf32(device, args.tf32)
-    run_dir.prepare_output_dir(output, device)
+    set_tf32(device, args.tf32)
+    output_dir.prepare_output_dir(output, device)
     return device, stop_flag, resume_path, recorded, train_mode
+
+
+def check_command_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The command line checked before anything starts, a bad one ending in argparse's two lines (exit 2): the flags
+    against each other (cli.validate_args), then the checks that need their owners: --finetune's file is no other
+    task's checkpoint, --eval has a checkpoint to evaluate, the optimizer and the LR schedule build, the --aa policy
+    parses."""
+    cli.validate_args(args, parser)
+    if args.finetune and distributed.launch_env()[0] == 0:  # rank 0 reads the file: all ranks would say the same
+        try:
+            checkpoint.refuse_other_task('--finetune', args.finetune)
+        except FlagError as e:
+            parser.error(str(e))
+    if args.eval and not args.finetune and not output_dir.find_resume_path(
+            cli.settings(output_dir.OutputDirSettings, args)):
+        parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
+    problem = (optim.optimizer_problem(cli.settings(optim.OptimizerSettings, args))
+               or optim.schedule_problem(cli.settings(optim.Schedule, args), args.lr))
+    if problem:
+        parser.error(problem)
+    cli.check_auto_augment(args.aa, parser)
 
 
 def nothing_to_train(args: argparse.Namespace, why: str) -> str:
@@ -195,7 +205,7 @@ def start_lines(args: argparse.Namespace, resume_path: str) -> tuple[str, str]:
     where the whole command line goes: --output_dir/args.json when training starts), and with --print-args the
     whole command line as one JSON line ('' without)."""
     data = args.data_set + (f' at {args.data_path}' if args.data_path else '')
-    where = (f'into {args.output_dir} (every argument: {os.path.join(args.output_dir, run_dir.ARGS_NAME)})'
+    where = (f'into {args.output_dir} (every argument: {os.path.join(args.output_dir, output_dir.ARGS_NAME)})'
              if args.output_dir else 'without --output_dir (nothing saved)')
     line = (f'Run: evaluating {resume_path or args.finetune} as {args.model} on {data} (--print-args prints every '
             f'argument)'
@@ -236,12 +246,12 @@ def build_datasets(args: argparse.Namespace, cfg: dict) -> tuple[Any, Any, int, 
         dataset_val, nb_val = datasets.build_dataset(False, source, val_transform)
         if (args.eval_sets or args.real_labels is not None) and not args.eval:
             raise UserError('--eval-sets and --real-labels are evaluated only with --eval; add --eval')
-        extra_sets = eval_sets.build_eval_sets(args.eval_sets, dataset_val, val_transform, args.strict_data,
+        extra_sets = datasets.build_eval_sets(args.eval_sets, dataset_val, val_transform, args.strict_data,
                                                args.follow_links)
         real = None
         if args.real_labels is not None:
             try:
-                real = eval_sets.RealLabels(dataset_val, args.real_labels or None)
+                real = datasets.RealLabels(dataset_val, args.real_labels or None)
             except image_folder.DataLayoutError as e:  # the flag does not fit this validation set
                 raise FlagError(str(e)) from e
     except image_folder.DataLayoutError as e:
@@ -258,7 +268,7 @@ def build_data(args: argparse.Namespace, device: torch.device) -> Data:
     dataset_train, dataset_val, nb_classes, extra_sets, real = build_datasets(args, cfg)
     # with ReaL labels the validation batches carry the sample indices the labels are looked up by
     sampler_train, loader_train, loader_val = loaders.build_loaders(
-        dataset_train, dataset_val if real is None else eval_sets.WithIndex(dataset_val),
+        dataset_train, dataset_val if real is None else datasets.WithIndex(dataset_val),
         cli.settings(loaders.LoaderSettings, args))
     loader_val = loaders.device_loader(loader_val, cfg, device)
     if loader_train is not None:
@@ -279,8 +289,9 @@ def build_data(args: argparse.Namespace, device: torch.device) -> Data:
         mixup_fn = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                          prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                          label_smoothing=args.smoothing, num_classes=nb_classes)
-    return Data(cfg, dataset_train, dataset_val, nb_classes, extra_sets, real, sampler_train, loader_train,
-                loader_val, mixup_fn)
+    return Data(cfg=cfg, dataset_train=dataset_train, dataset_val=dataset_val, nb_classes=nb_classes,
+                extra_sets=extra_sets, real=real, sampler_train=sampler_train, loader_train=loader_train,
+                loader_val=loader_val, mixup_fn=mixup_fn)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,16 +366,16 @@ def build_training(args: argparse.Namespace, data: Data, device: torch.device, t
     global_batch = args.batch_size * distributed.get_world_size() * args.accum_steps  # images per optimizer step
     model_ema = None
     if args.model_ema and not args.eval:  # --eval measures the EMA weights the checkpoint holds
-        decay = ema_decay(args.model_ema_decay, global_batch)
-        model_ema = ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
+        decay = optim.ema_decay(args.model_ema_decay, global_batch)
+        model_ema = optim.ModelEma(model, decay=decay, device='cpu' if args.model_ema_force_cpu else None)
         print(f'Model EMA: decay {decay:.8g} (= {args.model_ema_decay} ** ({global_batch} / 512))')
     train_model, bare, eval_model = distributed.wrap_model(model, device, distributed=args.distributed,
                                                            sync_bn=args.sync_bn, compile=args.compile)
     eval_ema = torch.compile(model_ema.module) if args.compile and model_ema is not None else None
-    args.lr = schedule.scaled_lr(args.lr, global_batch, args.unscale_lr)
-    optimizer = build_optimizer(bare, cli.settings(OptimizerSettings, args))
-    lr_schedule = cli.settings(schedule.Schedule, args)
-    lr_scheduler = schedule.build_lr_scheduler(optimizer, lr_schedule)
+    args.lr = optim.scaled_lr(args.lr, global_batch, args.unscale_lr)
+    optimizer = optim.build_optimizer(bare, cli.settings(optim.OptimizerSettings, args))
+    lr_schedule = cli.settings(optim.Schedule, args)
+    lr_scheduler = optim.build_lr_scheduler(optimizer, lr_schedule)
     loss_scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     accum = f' = {args.batch_size} x {distributed.get_world_size()} x {args.accum_steps} accumulated' \
         if args.accum_steps > 1 else ''
@@ -374,13 +385,15 @@ def build_training(args: argparse.Namespace, data: Data, device: torch.device, t
           f'LR {args.lr:.3g} (global batch {global_batch}{accum}), {args.sched} schedule, warmup '
           f'{args.warmup_epochs} epochs from {args.warmup_lr}, min {args.min_lr}; {numbers}')
     if not args.eval:
-        print_lines(schedule.lr_floor_note(args.lr, lr_schedule, global_batch, args.unscale_lr),
-                    schedule.warmup_note(args.lr, lr_schedule))
+        print_lines(optim.lr_floor_note(args.lr, lr_schedule, global_batch, args.unscale_lr),
+                    optim.warmup_note(args.lr, lr_schedule))
     criterion = DistillationLoss(build_criterion(args, data.mixup_fn is not None),
                                  build_teacher(args, data.nb_classes, device), args.distillation_type,
                                  args.distillation_alpha, args.distillation_tau)
-    return Training(TrainingParts(bare, model_ema, optimizer, lr_scheduler, loss_scaler), train_model, eval_model,
-                    eval_ema, precision.amp_dtype(args.amp), criterion, n_parameters)
+    parts = TrainingParts(bare, model_ema=model_ema, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          loss_scaler=loss_scaler)
+    return Training(parts=parts, train_model=train_model, eval_model=eval_model, eval_ema=eval_ema,
+                    amp_dtype=amp_dtype(args.amp), criterion=criterion, n_parameters=n_parameters)
 
 
 def build_criterion(args: argparse.Namespace, mixup_active: bool) -> torch.nn.Module:
@@ -419,7 +432,7 @@ def accuracies(stats: dict) -> str:
     return f"Acc@1 {stats['acc1']:.2f}%" + (f' Acc@{key[3:]} {stats[key]:.2f}%' if key else '')
 
 
-def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, run: Training, data: Data,
+def evaluate_checkpoint(args: argparse.Namespace, *, ckpt: Any, path: str, run: Training, data: Data,
                         device: torch.device, stop_flag: Any) -> int:
     """--eval (or a run with nothing left to train): the accuracy of the loaded weights on the validation set,
     the --eval-sets and ImageNet-ReaL; a checkpoint `ckpt` with an EMA is measured twice, one labelled line per
@@ -438,14 +451,14 @@ def evaluate_checkpoint(args: argparse.Namespace, ckpt: Any, path: str, run: Tra
     if first['aborted']:
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"} after '
               f'{first["seen"]} of {len(dataset_val)} images: no accuracy reported')
-        return exits.stopped_status(args.launcher, stop_flag, saved=False)
+        return process.stopped_status(args.launcher, stop_flag, saved=False)
     extra = [(name, ds, engine.evaluate_models(
         loaders.device_loader(loaders.build_loaders(None, ds, cli.settings(loaders.LoaderSettings, args))[2],
                               data.cfg, device), runners, device, run.amp_dtype,
         args.channels_last, args.print_freq, header=f'{name}:', sum_over_ranks=sum_over_ranks))
         for name, ds in data.extra_sets]
     for label, test_stats in test.items():
-        print(accuracy_line(test_stats, len(dataset_val), label=label))
+        print(engine.accuracy_line(test_stats, len(dataset_val), label=label))
         for name, ds, stats in extra:
             stats = stats[label]
             print(f"{name}{label}: {accuracies(stats)} on {stats['n']} of {len(ds)} images")
@@ -473,13 +486,13 @@ def report_end(model: torch.nn.Module, start_time: float, test_stats: dict, ema_
 
 def run(argv: Sequence[str] | None = None) -> int:
     """main.py's entry point: parse the command line, run main() (removing an --output_dir it created when it ends
-    without writing anything there: run_dir.leave_nothing_unused), and end as exits.finish says."""
+    without writing anything there: output_dir.leave_nothing_unused), and end as process.finish says."""
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = cli.get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: run_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
-                        lambda: (args.num_workers, args.batch_size))
+    return process.finish(lambda: output_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
+                          lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

@@ -1,4 +1,5 @@
-"""Samplers: repeated augmentation (DeiT ``RASampler``) and an exact distributed eval sampler.
+"""Samplers: repeated augmentation (DeiT ``RASampler``), an exact distributed eval sampler, and the endless
+sampler of a run counted in iterations (segmentation's ``IterationSampler``).
 
 ``RASampler(dataset, num_replicas=None, rank=None, shuffle=True, num_repeats=3, seed=0)``
     DeiT semantics (timm's ``RepeatAugSampler`` is the same algorithm but has no seed, hence this
@@ -13,6 +14,8 @@
 ``DistributedEvalSampler(dataset, num_replicas=None, rank=None)``
     Rank ``r`` gets indices ``r, r + R, r + 2R, ...`` in increasing order: no padding, every index
     exactly once over all ranks (ranks beyond ``len(dataset)`` get none). ``set_epoch`` is a no-op.
+``IterationSampler(n, world, rank, batch_size, seed, start=0)``
+    This rank's (epoch, index) keys from iteration ``start`` on, without end; see the class.
 """
 import math
 from typing import Iterator, Sized
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-__all__ = ['RASampler', 'DistributedEvalSampler']
+__all__ = ['RASampler', 'DistributedEvalSampler', 'IterationSampler']
 
 
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -94,3 +97,23 @@ class DistributedEvalSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """No-op (the evaluation order does not depend on the epoch)."""
+
+
+class IterationSampler(torch.utils.data.Sampler):
+    """This rank's (epoch, index) keys from iteration `start` on, without end. Epoch e is torch's
+    DistributedSampler order of epoch e (shuffled with seed + e, padded to a multiple of the processes) cut to
+    whole batches, so iteration `it` is step it % steps of epoch it // steps, whatever was run before."""
+
+    def __init__(self, n: int, world: int, rank: int, batch_size: int, seed: int, start: int = 0):
+        self.n, self.world, self.rank, self.batch_size, self.seed, self.start = n, world, rank, batch_size, seed, start
+        self.steps = -(-n // world) // batch_size  # whole batches per epoch
+
+    def __iter__(self):
+        epoch, skip = divmod(self.start, self.steps)
+        while True:
+            order = torch.utils.data.DistributedSampler(range(self.n), self.world, self.rank, shuffle=True,
+                                                        seed=self.seed)
+            order.set_epoch(epoch)
+            for index in list(order)[skip * self.batch_size:self.steps * self.batch_size]:
+                yield epoch, index
+            epoch, skip = epoch + 1, 0

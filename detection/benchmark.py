@@ -30,10 +30,9 @@ elif os.path.dirname(_HERE) not in sys.path:
 import torch  # noqa: E402
 
 from detection.model import build_detector, count_detector_flops, param_groups  # noqa: E402
-from errors import FlagParser  # noqa: E402
-from precision import amp_dtype, autocast, set_tf32  # noqa: E402
-from segmentation.upernet_benchmark import timed  # noqa: E402
-from tools.timing import peak_bytes  # noqa: E402
+from run.errors import FlagParser  # noqa: E402
+from tools.timing import peak_bytes, time_call  # noqa: E402
+from training.step import amp_dtype, autocast, set_tf32  # noqa: E402
 
 DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny,pvt_v2_b2'
 
@@ -54,7 +53,7 @@ def synthetic_batch(batch_size: int, size: tuple[int, int], device: torch.device
     return images, [dict(target) for _ in range(batch_size)]
 
 
-def make_step(name: str, args: argparse.Namespace, device: torch.device):
+def detector_step(name: str, args: argparse.Namespace, device: torch.device):
     """A training step of Mask R-CNN over `name` on one fixed batch (optimizer included), and its parameters."""
     torch.manual_seed(0)
     model = build_detector(name, 80).to(device).train()
@@ -78,14 +77,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
     names = args.models.split(',')
     steps, optimizers, params = {}, {}, {}
     for name in names:
-        steps[name], optimizers[name], params[name] = make_step(name, args, device)
+        steps[name], optimizers[name], params[name] = detector_step(name, args, device)
         for _ in range(args.warmup):
             steps[name]()
         print(f'{name}: built, {args.warmup} warm-up step(s)', flush=True)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(args.steps):
         for name in names[i % len(names):] + names[:i % len(names)]:  # a rotating order
-            times[name].append(timed(steps[name], device))
+            times[name].append(time_call(steps[name], device, 1, warmup=0)[0])
         print(f'round {i + 1} of {args.steps}: ' + ', '.join(f'{n} {times[n][-1]:.2f}s' for n in names), flush=True)
     rows = []
     for name in names:

@@ -38,9 +38,9 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from torch.utils.data import Dataset, Sampler
 
-from errors import first_line
-from image_folder import DataLayoutError
-from segmentation.ade import rescale_size, resize_image
+from datasets import rescale_size, resize_image
+from run.errors import first_line
+from training.image_folder import DataLayoutError
 
 SPLITS = {'train': 'train2017', 'val': 'val2017'}
 LAYOUT = ('train2017/ and val2017/ (the images) and annotations/instances_{train,val}2017.json, as COCO 2017 '

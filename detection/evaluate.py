@@ -21,10 +21,10 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-import distributed
 from detection.coco import AnnotationError, error_line
-from errors import UserError
-from precision import autocast
+from run import distributed
+from run.errors import UserError
+from training.step import autocast
 
 #: the first six of COCOeval's stats, by the names mmdet logs them with
 STAT_NAMES = ('AP', 'AP50', 'AP75', 'APs', 'APm', 'APl')
@@ -137,7 +137,8 @@ def evaluate(model: torch.nn.Module, loader: Any, coco_gt: COCO, label_to_catego
     its own share of the images (an image seen twice is an error: it would count its detections twice)."""
     def predict_here() -> dict[str, Any]:
         try:
-            return predict(model, loader, device, label_to_category, amp_dtype, stop_flag, print_freq, show)
+            return predict(model, loader, device, label_to_category, amp_dtype=amp_dtype, stop_flag=stop_flag,
+                           print_freq=print_freq, show=show)
         except AnnotationError as e:  # also raised in a loader worker: its one line
             raise UserError(error_line(e)) from e
 

@@ -25,7 +25,6 @@ from mmdet's, the parts here follow mmdet:
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import timm
@@ -47,7 +46,8 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 import models  # noqa: F401  (registers the NaLaFormer variants)
 from detection.coco import TrainPipeline
-from errors import CheckpointError, UserError
+from run.errors import UserError
+from run.weights import load_backbone_weights
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # mmdet's img_norm_cfg (123.675, 116.28, 103.53) / 255
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -385,16 +385,9 @@ def build_detector(name: str, num_classes: int, mask: bool = True, heads: Heads 
 
 def load_pretrained(detector: Detector, path: str, name: str) -> str:
     """Load the backbone of `detector` from the classification checkpoint or release in `path` (the EMA weights when
-    the file has them; every backbone tensor with its shape; the classifier dropped): segmentation's loader, on the
-    timm backbone alone. Returns the line that says what was loaded."""
-    from segmentation.backbone import load_pretrained as load_backbone
-    try:
-        return load_backbone(SimpleNamespace(backbone=detector.backbone.body), path, name)
-    except CheckpointError as e:
-        if 'is a segmentation checkpoint' in str(e):
-            raise CheckpointError(f'--pretrained {path} is a segmentation checkpoint; pass classification weights of '
-                                  f'--model {name} (a checkpoint of main.py or a release)') from e
-        raise
+    the file has them; every backbone tensor with its shape; the classifier dropped): run.weights'
+    load_backbone_weights, on the timm backbone alone. Returns the line that says what was loaded."""
+    return load_backbone_weights(detector.backbone.body, path, name, 'detection')
 
 
 def param_groups(model: nn.Module, weight_decay: float, norm_bias_decay: bool = False) -> list[dict[str, Any]]:

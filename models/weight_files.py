@@ -5,7 +5,7 @@ Training checkpoints hold the raw weights (``model``) and often an EMA of them (
 that needs one set takes them in timm's order (the order of ``timm.create_model(checkpoint_path=...)``):
 ``state_dict_ema``, ``model_ema``, ``state_dict``, ``model``, else the file itself as a bare state dict.
 It lives beside the models so that ``pretrained_cfg_overlay=dict(file=...)`` follows it without the
-training code; loading for training, with one-line diagnoses, is the repository's weights.py.
+training code; loading for training, with one-line diagnoses, is the repository's run/weights.py.
 """
 import argparse
 import zipfile

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
-from errors import first_line
-from image_folder import DataLayoutError
+from datasets import rescale_size, resize_image
+from run.errors import first_line
+from training.image_folder import DataLayoutError
 
 IGNORE_INDEX = 255
 MEAN = (123.675, 116.28, 103.53)  # mmseg's img_norm_cfg (RGB, 0..255)
@@ -168,22 +169,6 @@ def check_labels(pairs: list[tuple[str, str]], num_classes: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # Resizing (OpenCV's sampling grid: half-pixel centres, no antialiasing, as mmcv's imresize)
 # --------------------------------------------------------------------------------------------------
-def rescale_size(h: int, w: int, scale: tuple[float, float]) -> tuple[int, int]:
-    """(height, width) of an image rescaled, aspect ratio kept, to fit `scale` = (long edge, short edge)
-    (mmcv's rescale_size)."""
-    factor = min(max(scale) / max(h, w), min(scale) / min(h, w))
-    return int(h * factor + 0.5), int(w * factor + 0.5)
-
-
-def resize_image(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """Bilinear resize of an HxWx3 uint8 image to `size` (height, width), rounded back to uint8."""
-    if image.shape[:2] == tuple(size):
-        return image
-    t = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].float()
-    t = F.interpolate(t, size=size, mode='bilinear', align_corners=False)
-    return t[0].round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
-
-
 def resize_label(label: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """Nearest-neighbour resize of an HxW label map to `size` (height, width)."""
     if label.shape == tuple(size):

@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from distributed import is_dist_avail_and_initialized
-from precision import autocast
+from run.distributed import is_dist_avail_and_initialized
 from segmentation.ade import IGNORE_INDEX
+from training.step import autocast
 
 
 def confusion_matrix(pred: torch.Tensor, label: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -30,23 +30,17 @@ import timm  # noqa: E402
 import torch  # noqa: E402
 
 import cli  # noqa: E402
-import cpu  # noqa: E402
-import distributed  # noqa: E402
-import exits  # noqa: E402
-import loaders  # noqa: E402
-import optim_step  # noqa: E402
-import precision  # noqa: E402
-import run_dir  # noqa: E402
 import samplers  # noqa: E402
-import saver  # noqa: E402
-import signals  # noqa: E402
-from checkpoint import args_to_dict  # noqa: E402
-from errors import FlagError, NonFiniteLossError, UserError, eprint, unknown_model  # noqa: E402
-from image_folder import DataLayoutError  # noqa: E402
 from models import VARIANTS  # noqa: E402
+from run import checkpoint, distributed, output_dir, process  # noqa: E402
+from run.checkpoint import TrainingParts  # noqa: E402
+from run.errors import FlagError, NonFiniteLossError, UserError, eprint, unknown_model  # noqa: E402
+from run.resume import preserved_rng, rng_state_entries  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
-from train_state import preserved_rng  # noqa: E402
+from training import loaders  # noqa: E402
+from training.image_folder import DataLayoutError  # noqa: E402
+from training.step import OptimizerStep, amp_dtype, check_bf16, set_tf32  # noqa: E402
 
 #: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
 #: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
@@ -172,7 +166,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Flags that cannot work together: argparse's two lines (exit 2) before anything starts."""
     if args.model is not None and not timm.is_model(args.model):
         parser.error(unknown_model(args.model, VARIANTS, timm.list_models()))
@@ -185,7 +179,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
         if path and rank0 and not os.path.isfile(path):
             parser.error(f'{flag} {path}: {cli.not_a_file(path)}')
-    if args.eval and not run_dir.find_resume_path(cli.settings(run_dir.RunDirSettings, args)):
+    if args.eval and not output_dir.find_resume_path(cli.settings(output_dir.OutputDirSettings, args)):
         parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
     if args.aug_test and not args.eval:
         parser.error('--aug-test is a test of a checkpoint: use it with --eval (training evaluates single-scale, '
@@ -248,27 +242,9 @@ def lr_at(it: int, args: argparse.Namespace) -> float:
     return lr
 
 
-class IterationSampler(torch.utils.data.Sampler):
-    """This rank's (epoch, index) keys from iteration `start` on, without end. Epoch e is torch's
-    DistributedSampler order of epoch e (shuffled with seed + e, padded to a multiple of the processes) cut to
-    whole batches, so iteration `it` is step it % steps of epoch it // steps, whatever was run before."""
-
-    def __init__(self, n: int, world: int, rank: int, batch_size: int, seed: int, start: int = 0):
-        self.n, self.world, self.rank, self.batch_size, self.seed, self.start = n, world, rank, batch_size, seed, start
-        self.steps = -(-n // world) // batch_size  # whole batches per epoch
-
-    def __iter__(self):
-        epoch, skip = divmod(self.start, self.steps)
-        while True:
-            order = torch.utils.data.DistributedSampler(range(self.n), self.world, self.rank, shuffle=True,
-                                                        seed=self.seed)
-            order.set_epoch(epoch)
-            for index in list(order)[skip * self.batch_size:self.steps * self.batch_size]:
-                yield epoch, index
-            epoch, skip = epoch + 1, 0
 
 
-def build_data(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]:
+def seg_datasets(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]:
     """(training set or None for --eval, validation set); a wrong layout is one line."""
     try:
         pipeline = ade.TrainPipeline(crop=(args.crop_size, args.crop_size), img_scale=tuple(args.img_scale),
@@ -282,18 +258,18 @@ def build_data(args: argparse.Namespace) -> tuple[ade.ADE20K | None, ade.ADE20K]
     return train, val
 
 
-def build_loaders(args, train_set, val_set, start_iter: int):
+def seg_loaders(args, train_set, val_set, start_iter: int):
     """(training batches from `start_iter` on, or None; validation loader of one image a batch, this rank's
     share with --dist-eval)."""
     world, rank = distributed.get_world_size(), distributed.get_rank()
     common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and str(args.device).startswith('cuda'),
-                  worker_init_fn=signals.worker_init_fn)
+                  worker_init_fn=process.worker_init_fn)
     sampler_val = (samplers.DistributedEvalSampler(val_set, world, rank) if args.dist_eval and world > 1
                    else torch.utils.data.SequentialSampler(val_set))
     val = loaders.DataLoader(val_set, sampler=sampler_val, batch_size=1, **common)
     if train_set is None:
         return None, val
-    sampler = IterationSampler(len(train_set), world, rank, args.batch_size, args.seed, start_iter)
+    sampler = samplers.IterationSampler(len(train_set), world, rank, args.batch_size, args.seed, start_iter)
     if sampler.steps == 0:
         raise UserError(f'the training set ({len(train_set)} images) gives no full batch of {args.batch_size} per '
                         f'process on {world} process(es); lower --batch-size')
@@ -303,14 +279,14 @@ def build_loaders(args, train_set, val_set, start_iter: int):
     return train, val
 
 
-def evaluate(args, model, val_loader, device, amp_dtype, stop_flag) -> dict:
+def evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag) -> dict:
     """The validation scores of `model` (one pass, exact over the processes with --dist-eval)."""
     try:
         with preserved_rng():
-            return miou.evaluate(model, val_loader, args.num_classes, device, amp_dtype, args.eval_mode,
-                                 args.crop_size, args.slide_stride, sum_over_ranks=args.dist_eval and args.distributed,
-                                 stop_flag=stop_flag, print_freq=max(1, args.print_freq),
-                                 class_names=val_loader.dataset.classes)
+            return miou.evaluate(model, val_loader, args.num_classes, device, amp_dtype=amp_dtype, mode=args.eval_mode,
+                                 crop=args.crop_size, stride=args.slide_stride,
+                                 sum_over_ranks=args.dist_eval and args.distributed, stop_flag=stop_flag,
+                                 print_freq=max(1, args.print_freq), class_names=val_loader.dataset.classes)
     except ade.LabelError as e:
         raise UserError(ade.error_line(e)) from e
 
@@ -324,30 +300,30 @@ def eval_record(result: dict, args, **extra) -> dict:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
-    validate_args(args, parser)
-    process = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
-    vars(args).update(dataclasses.asdict(process))
+    check_flags(args, parser)
+    launched = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
+    vars(args).update(dataclasses.asdict(launched))
     if args.amp == 'bf16':  # on the process's own GPU
-        precision.check_bf16(args.device)
-    stop_flag = signals.StopFlag()
+        check_bf16(args.device)
+    stop_flag = process.StopFlag()
     stop_flag.install()
     device = torch.device(args.device)
     if device.type == 'cpu' and args.cpu_malloc == 'retain':
-        cpu.retain_freed_cpu_memory()
+        process.retain_freed_cpu_memory()
     if args.num_workers is None:
-        args.num_workers, why = cpu.default_num_workers()
+        args.num_workers, why = process.default_num_workers()
         print(f'Data loader: {args.num_workers} workers per process ({why})')
     world, rank = distributed.get_world_size(), distributed.get_rank()
     print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
-    output = cli.settings(run_dir.RunDirSettings, args)
-    resume_path = run_dir.agree_on_resume_path(output, device)
+    output = cli.settings(output_dir.OutputDirSettings, args)
+    resume_path = output_dir.agree_on_resume_path(output, device)
     # the flags the command line leaves out: the checkpoint's (its command line only is read), else the recipe's
     distributed.on_every_rank(lambda: take_flags(args, resume_path), device, f'--resume {resume_path}')
     check_sizes(args, device)
     timm.utils.random_seed(args.seed, rank)
-    precision.set_tf32(device, args.tf32)
-    run_dir.prepare_output_dir(output, device)
-    train_set, val_set = build_data(args)
+    set_tf32(device, args.tf32)
+    output_dir.prepare_output_dir(output, device)
+    train_set, val_set = seg_datasets(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '
           f'{args.num_classes} classes')
     if train_set is not None:
@@ -364,24 +340,28 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     train_model, bare, _ = distributed.wrap_model(model, device, distributed=args.distributed, sync_bn=args.sync_bn,
                                                   compile=False)
     optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
-    amp_dtype = precision.amp_dtype(args.amp)
+    amp = amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
-    checkpoints = state.SegCheckpoints(args.output_dir, args_to_dict(args), bare, optimizer, scaler, device,
-                                       n_parameters)
+    checkpoints = checkpoint.IterationCheckpoints(
+        task=backbone.TASK, output_dir=args.output_dir, parts=TrainingParts(bare, optimizer=optimizer,
+                                                                            loss_scaler=scaler),
+        run_args=checkpoint.args_to_dict(args), n_parameters=n_parameters, device=device)
     if args.eval:
-        return evaluate_checkpoint(args, checkpoints, resume_path, bare, val_set, device, amp_dtype, stop_flag)
-    resumed = checkpoints.resume(resume_path)
+        return evaluate_seg_checkpoint(args, checkpoints, resume_path, val_set=val_set, amp_dtype=amp,
+                                       stop_flag=stop_flag)
+    resumed = state.resume_from(resume_path, checkpoints)
     # room for checkpoint.pth, its replacement while it is written and best.pth
-    saver.check_room(args.output_dir, saver.checkpoint_bytes(bare, resume_path=resume_path), device)
+    checkpoint.check_room(args.output_dir, checkpoint.checkpoint_bytes(bare, resume_path=resume_path), device)
     if resumed.ckpt is not None:
         due = '; its evaluation, which the stop left due, comes first' if resumed.eval_due else ''
         print(f'Resumed from {resume_path}: continuing at iteration {resumed.start_iter} of {args.iters}{due}')
         resumed.ckpt = None
-    run_dir.save_args(args.output_dir, checkpoints.run_args, device)
+    output_dir.save_args(args.output_dir, checkpoints.run_args, device)
     warn_global_batch(args)
-    train_loader, val_loader = build_loaders(args, train_set, val_set, resumed.start_iter)
-    step = optim_step.OptimizerStep(optimizer, device, amp_dtype, scaler, args.clip_grad)
-    run = Run(args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag)
+    train_loader, val_loader = seg_loaders(args, train_set, val_set, resumed.start_iter)
+    step = OptimizerStep(optimizer, device, amp_dtype=amp, scaler=scaler, clip_grad=args.clip_grad)
+    run = Run(args, train_model=train_model, step=step, checkpoints=checkpoints, resumed=resumed,
+              val_loader=val_loader, amp_dtype=amp, stop_flag=stop_flag)
     return train(run, optimizer, resumed.start_iter, train_loader, resumed.eval_due)
 
 
@@ -404,14 +384,15 @@ def check_validation_labels(args, val_set, device) -> None:
                         f'classes as 1..{args.num_classes}')
 
 
-def evaluate_checkpoint(args, checkpoints, path, model, val_set, device, amp_dtype, stop_flag) -> int:
+def evaluate_seg_checkpoint(args, checkpoints, path, *, val_set, amp_dtype, stop_flag) -> int:
     """--eval: the scores of the checkpoint's weights, printed and appended to --output_dir/log.txt."""
-    ckpt = checkpoints.load(path)
-    _, val_loader = build_loaders(args, None, val_set, 0)
-    result = evaluate(args, model, val_loader, device, amp_dtype, stop_flag)
+    model, device = checkpoints.parts.model, checkpoints.device
+    ckpt = state.load_checkpoint_weights(path, checkpoints)
+    _, val_loader = seg_loaders(args, None, val_set, 0)
+    result = evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag)
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
-        return exits.stopped_status(args.launcher, stop_flag, saved=False)
+        return process.stopped_status(args.launcher, stop_flag, saved=False)
     print(miou.class_table(result))
     print(miou.summary_line(result, args.eval_mode))
     checkpoints.append_log(eval_record(result, args, eval=path, iter=ckpt.get('iter')))
@@ -431,33 +412,35 @@ class StopRequest:
 
 
 class Run:
-    """What the training loop works with: the flags, the model as trained (DDP) and as saved (bare), the optimizer
-    step, the checkpoints, the loaders, the device and precision, the stop flag, and the best mIoU so far."""
+    """What the training loop works with: the flags, the model as trained (DDP) and as saved (bare: the one
+    `checkpoints` saves), the optimizer step, the checkpoints (and their device), the validation loader, the
+    precision, the stop flag, and the best mIoU so far."""
 
-    def __init__(self, args, train_model, bare, step, checkpoints, resumed, val_loader, device, amp_dtype, stop_flag):
-        self.args, self.train_model, self.bare, self.step = args, train_model, bare, step
-        self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, device
+    def __init__(self, args, *, train_model, step, checkpoints, resumed, val_loader, amp_dtype, stop_flag):
+        self.args, self.train_model, self.bare, self.step = args, train_model, checkpoints.parts.model, step
+        self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, checkpoints.device
         self.amp_dtype, self.stop_flag, self.request = amp_dtype, stop_flag, StopRequest(stop_flag)
         self.best, self.best_iter, self.bad = resumed.best_miou, resumed.best_iter, resumed.bad_steps
         self.last = resumed.last_miou  # of the last evaluation
-        self.progress = Progress(args, resumed.start_iter, resumed.progress)
+        self.progress = IterationProgress(args, resumed.start_iter, resumed.progress)
 
     def extra(self, eval_due: bool = False) -> dict:
-        """The checkpoint entries of the loop's own state; `eval_due`: the evaluation of the saved iteration is
-        still to be done (the resumed run does it first)."""
-        return {'bad_steps': self.bad, 'best_miou': self.best, 'best_iter': self.best_iter, 'eval_due': eval_due,
-                'progress': self.progress.state()}
+        """The checkpoint entries of the loop's own state (collective: every rank's random-number state is gathered):
+        ``rng_state``, ``bad_steps``, ``best_miou`` and ``best_iter``, ``eval_due`` (the evaluation of the saved
+        iteration is still to be done: the resumed run does it first) and ``progress`` (segmentation/state.py)."""
+        return {**rng_state_entries(), 'bad_steps': self.bad, 'best_miou': self.best, 'best_iter': self.best_iter,
+                'eval_due': eval_due, 'progress': self.progress.state()}
 
     def save(self, done: int, eval_due: bool = False) -> None:
         """checkpoint.pth after `done` iterations."""
-        self.checkpoints.save(done, [saver.LAST], self.extra(eval_due))
+        self.checkpoints.save(done, self.extra(eval_due), [checkpoint.LAST])
 
     def stopped(self, done: int, eval_due: bool = False) -> int:
         """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
         due = f' (its evaluation of iteration {done} is still due: the resumed run does it first)' if eval_due else ''
         print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
               f'checkpoint saved{due}; run the same command again to resume')
-        return exits.stopped_status(self.args.launcher, self.stop_flag)
+        return process.stopped_status(self.args.launcher, self.stop_flag)
 
     def next_batch(self, batches):
         """The next training batch, or None when this process cannot read it: its one line is then kept for the
@@ -495,7 +478,8 @@ class Run:
         the evaluation short (its checkpoint keeps it due) or arrived meanwhile, else None."""
         _sync_bn_buffers(self.args, self.bare)
         self.save(done, eval_due=True)
-        result = evaluate(self.args, self.bare, self.val_loader, self.device, self.amp_dtype, self.stop_flag)
+        result = evaluate_segmentor(self.args, self.bare, self.val_loader, self.device, self.amp_dtype,
+                                    self.stop_flag)
         self.train_model.train()
         # every process takes the same path below (log.txt's line is written in a collective)
         aborted, stop = (v > 0 for v in distributed.all_reduce_max(
@@ -506,11 +490,11 @@ class Run:
         print(f'Iteration {done}: ' + miou.summary_line(result, self.args.eval_mode))
         record = eval_record(result, self.args, iter=done, train_loss=self.progress.take_mean(),
                              lr=lr_at(done - 1, self.args))
-        names, self.last = [saver.LAST], result['mIoU']
+        names, self.last = [checkpoint.LAST], result['mIoU']
         if result['mIoU'] > self.best:
             self.best, self.best_iter = result['mIoU'], done
-            names.append(saver.BEST)
-        self.checkpoints.save(done, names, {**self.extra(), 'log': record})
+            names.append(checkpoint.BEST)
+        self.checkpoints.save(done, {**self.extra(), 'log': record}, names)
         self.checkpoints.append_log(record)
         return self.stopped(done) if stop else None
 
@@ -522,7 +506,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
     args = run.args
     criterion = SegLoss(args.aux_weight)
     if args.eval_at_start and start == 0:
-        result = evaluate(args, run.bare, run.val_loader, run.device, run.amp_dtype, None)
+        result = evaluate_segmentor(args, run.bare, run.val_loader, run.device, run.amp_dtype, None)
         print(miou.class_table(result))
         print('Before training: ' + miou.summary_line(result, args.eval_mode))
         run.checkpoints.append_log(eval_record(result, args, iter=0))
@@ -553,7 +537,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
             return code
         if not due and done % args.save_interval == 0:
             run.save(done)
-    return finish(args, run.bare, run.best, run.best_iter, run.last)
+    return training_done(args, run.bare, run.best, run.best_iter, run.last)
 
 
 def warn_global_batch(args) -> None:
@@ -581,7 +565,7 @@ def _sync_bn_buffers(args, model) -> None:
         timm.utils.distribute_bn(model, distributed.get_world_size(), reduce=False)
 
 
-def finish(args, bare, best: float, best_iter: int | None, last: float | None) -> int:
+def training_done(args, bare, best: float, best_iter: int | None, last: float | None) -> int:
     """The end of a finished run: each rank's weight digest under DDP, the mIoU of the final weights (`last`,
     the evaluation of the last iteration) and the best one."""
     if args.distributed:  # DDP keeps the weights identical: every rank says so
@@ -593,7 +577,7 @@ def finish(args, bare, best: float, best_iter: int | None, last: float | None) -
     return 0
 
 
-class Progress:
+class IterationProgress:
     """A progress line every --print-freq iterations: iteration, ETA, LR, mean loss since the last line, img/s;
     once, a note when a line's batches held no labelled pixel (the loss is then 0). The losses and the labelled
     pixel counts stay on the device until a line is printed. `state()` is what a checkpoint keeps of it (the
@@ -656,13 +640,13 @@ class Progress:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """The entry point: parse, run, and end as exits.finish says (one line per error)."""
+    """The entry point: parse, run, and end as process.finish says (one line per error)."""
     # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return exits.finish(lambda: run_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
-                        lambda: (args.num_workers, args.batch_size))
+    return process.finish(lambda: output_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
+                          lambda: (args.num_workers, args.batch_size))
 
 
 if __name__ == '__main__':

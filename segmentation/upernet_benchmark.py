@@ -31,11 +31,11 @@ elif os.path.dirname(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-from errors import FlagParser  # noqa: E402
-from precision import amp_dtype, autocast, set_tf32  # noqa: E402
+from run.errors import FlagParser  # noqa: E402
 from segmentation.backbone import build_segmentor, param_groups  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from tools.timing import peak_bytes, time_call  # noqa: E402
+from training.step import amp_dtype, autocast, set_tf32  # noqa: E402
 
 DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny'
 

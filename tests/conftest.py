@@ -10,17 +10,12 @@ import time
 
 import pytest
 import torch
-from image_folders import make_imagefolder
+from helpers.image_folders import make_imagefolder
 
-import checkpoint
 import cli
 import main
-import optimizer
-import resume
-import run_dir
-import saver
-import schedule
-import train_state
+from run import checkpoint, output_dir, resume
+from training import optim
 
 
 @pytest.fixture(scope='module')
@@ -40,24 +35,26 @@ def build_xt(num_classes=3):
 
 def optimizer_of(args, model):
     """main.py's optimizer of the command line `args` for `model`."""
-    return optimizer.build_optimizer(model, cli.settings(optimizer.OptimizerSettings, args))
+    return optim.build_optimizer(model, cli.settings(optim.OptimizerSettings, args))
 
 
 def scheduler_of(args, opt):
     """main.py's LR schedule of the command line `args` for the optimizer `opt`."""
-    return schedule.build_lr_scheduler(opt, cli.settings(schedule.Schedule, args))
+    return optim.build_lr_scheduler(opt, cli.settings(optim.Schedule, args))
 
 
 class TrainingRun:
-    """main.py's checkpoint saver of a run and the resume into its parts, built from the command line `args`, for
-    the tests of both: `save`, `record_accuracy`, `append_log`, ... are the saver's, `resume` resumes into it."""
+    """main.py's checkpoints of a run (run.checkpoint.RunCheckpoints) and the resume into its parts, built from the
+    command line `args`, for the tests of both: `save`, `record_accuracy`, `append_log`, ... are the checkpoints',
+    `resume` resumes into them."""
 
     def __init__(self, args, model, model_ema, optimizer, lr_scheduler, loss_scaler, n_parameters, device,
                  classes=None, n_train_images=None):
         self.args = args
-        parts = train_state.TrainingParts(model, model_ema, optimizer, lr_scheduler, loss_scaler)
-        self.saver = saver.CheckpointSaver(args.output_dir, args.save_freq, parts, checkpoint.args_to_dict(args),
-                                           n_parameters, device, classes, n_train_images)
+        parts = checkpoint.TrainingParts(model, model_ema, optimizer, lr_scheduler, loss_scaler)
+        self.saver = checkpoint.RunCheckpoints(
+            output_dir=args.output_dir, parts=parts, run_args=checkpoint.args_to_dict(args), n_parameters=n_parameters,
+            device=device, save_freq=args.save_freq, classes=classes, n_train_images=n_train_images)
 
     def __getattr__(self, name):
         return getattr(self.saver, name)
@@ -79,17 +76,15 @@ class TrainingRun:
         self.saver.classes = value
 
     def resume(self, path, eval_only=False):
-        """main.py's resume: the checkpoint's recorded command line read first, the run directory repaired after."""
+        """main.py's resume: the checkpoint's recorded command line read first."""
         recorded = checkpoint.recorded_args(path) if path else {}
-        r = resume.resume(path, self.saver, cli.settings(resume.ResumeSettings, self.args), recorded, eval_only)
-        if r.training:
-            self.saver.repair(path, r.ckpt)
-        return r
+        return resume.resume(path, self.saver, cli.settings(resume.ResumeSettings, self.args), recorded,
+                             eval_only=eval_only, changes=optim.flag_changes(recorded, self.saver.run_args))
 
 
 def run_dir_of(args):
     """The output-directory settings of the command line `args`."""
-    return cli.settings(run_dir.RunDirSettings, args)
+    return cli.settings(output_dir.OutputDirSettings, args)
 
 
 def parse(*argv):

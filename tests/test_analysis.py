@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import datasets
-import errors
 import models  # noqa: F401
 from models.nala import RoPE, nala_attention_plain, nala_kernel_terms, softmax_attention_plain
+from run import errors
 from tools import analyze_attention as aa
 from tools import attention_rules as rules
 from tools import plot_log as pl

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import REPO
 
-import optim_step
-import precision
 from tools import benchmark, block_sweep, ema_speed, gpu_benchmark, loader_speed, paper_throughput, synthetic, timing
+from training import step as training_step
+from training.step import OptimizerStep
 
 TINY = ['--model', 'NALAFORMER_XT', '--batch-size', '2', '--input-size', '32', '48', '--steps', '2',
         '--warmup', '1', '--gemm-size', '256', '--device', 'cpu']
@@ -149,9 +149,9 @@ def test_photo_jpegs_are_cut_from_real_photos_at_imagenet_sizes(tmp_path):
 @pytest.mark.parametrize('flags, enabled', [([], True), (['--no-tf32'], False)])
 def test_fp32_figures_use_main_py_tf32_setting_and_say_so(flags, enabled, monkeypatch, capsys):
     """On CUDA, fp32 rows run with TF32 as main.py trains by default (--no-tf32: full fp32), and the row
-    says which. precision.set_tf32 stands in for CUDA here: it records the call and reports the flags set."""
+    says which. training.step.set_tf32 stands in for CUDA here: it records the call and reports the flags set."""
     calls = []
-    monkeypatch.setattr(precision, 'set_tf32', lambda device, on=True: calls.append((str(device), on)) or True)
+    monkeypatch.setattr(training_step, 'set_tf32', lambda device, on=True: calls.append((str(device), on)) or True)
     result = benchmark.main(TINY + ['--mode', 'inference', '--steps', '1', '--warmup', '0'] + flags)
     assert calls == [('cpu', enabled)] and result['tf32'] is enabled
     assert f"tf32={'on' if enabled else 'off'}" in capsys.readouterr().out
@@ -163,7 +163,7 @@ def test_no_tf32_note_off_cuda(capsys):
 
 
 def test_published_top1_of_variants_and_listed_peers():
-    from tools.published import PUBLISHED_TOP1, published_top1
+    from tools.benchmark import PUBLISHED_TOP1, published_top1
     assert published_top1('NALAFORMER_T') == 82.6 and published_top1('nalaformer_xt') == 79.1
     assert published_top1('convnext_tiny.fb_in1k') == 82.1 and published_top1('convnext_atto') is None
     assert all(benchmark.timm.is_model(name) and 'arXiv:' in source for name, (_, source) in PUBLISHED_TOP1.items())
@@ -248,7 +248,7 @@ def test_host_syncs_per_step_counts_the_sync_warnings_of_one_step(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'set_sync_debug_mode', lambda m: mode.update(on=m == 'warn'))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
-    step = optim_step.OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), 'cpu')
+    step = OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), 'cpu')
     batch = (torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))
 
     def epoch(n):

@@ -1,7 +1,7 @@
-"""The run's checkpoints (checkpoint.py): best weights, one serialisation copied to every name, crash repair on
-resume, log.txt after a resume from an older checkpoint, optimizer flags on resume, and the epoch state a
-resume continues from. Tiny models in-process; the file layer's tests are in test_checkpoint_io.py, the
-killed-process runs in integration/test_faults.py."""
+"""The run's checkpoints (run/checkpoint.py, restored by run/resume.py): best weights, one serialisation copied to
+every name, crash repair on resume, log.txt after a resume from an older checkpoint, optimizer flags on resume,
+and the epoch state a resume continues from. Tiny models in-process; the file layer's tests are in
+test_checkpoint_io.py, the killed-process runs in integration/test_faults.py."""
 import errno
 import json
 import os
@@ -14,14 +14,8 @@ import timm
 import torch
 from conftest import TrainingRun, scheduler_of
 
-import checkpoint
-import checkpoint_io
 import cli
-import errors
-import metrics
-import run_repair
-import saver
-import train_state
+from run import checkpoint, errors, output_dir, resume
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -66,7 +60,7 @@ def test_a_full_disk_during_the_log_append_is_one_line(tmp_path, monkeypatch):
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, 'No space left on device')
-    monkeypatch.setattr(metrics, 'write_json_line', full)
+    monkeypatch.setattr(checkpoint, 'write_json_line', full)
     with pytest.raises(errors.UserError, match=r'could not append to .*log\.txt: no space left on device; the '
                                               r'checkpoint of epoch 3 holds the line'):
         run.append_log({'epoch': 3})
@@ -87,25 +81,25 @@ def test_best_records_which_weights_and_both_accuracies(tmp_path):
 def test_a_state_is_written_once_and_copied_to_its_other_names(tmp_path, monkeypatch):
     run = _run(tmp_path, with_state=True)
     written = []
-    real = checkpoint_io.save_atomic
-    monkeypatch.setattr(saver, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
+    real = checkpoint.save_atomic
+    monkeypatch.setattr(checkpoint, 'save_atomic', lambda state, path: (written.append(os.path.basename(path)),
                                                                         real(state, path)))
     run.save(0, {}, ['checkpoint.pth', 'best.pth', 'checkpoint_0000.pth'])
     assert written == ['checkpoint.pth']
     ck, best = tmp_path / 'checkpoint.pth', tmp_path / 'best.pth'
     for other in (best, tmp_path / 'checkpoint_0000.pth'):
         assert not os.path.samefile(ck, other) and other.read_bytes() == ck.read_bytes()
-        assert checkpoint_io.load_checkpoint_file(str(other))['epoch'] == 0  # checksum verified
+        assert checkpoint.load_checkpoint_file(str(other))['epoch'] == 0  # checksum verified
     # the next epoch replaces the name checkpoint.pth; best.pth stays as it was
     before = best.read_bytes()
     run.save(1, {}, ['checkpoint.pth'])
-    assert best.read_bytes() == before and checkpoint_io.load_checkpoint_file(str(ck))['epoch'] == 1
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(checkpoint_io.TMP_PREFIX)]
+    assert best.read_bytes() == before and checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(checkpoint.TMP_PREFIX)]
 
 
 def _write_state(tmp_path, name='checkpoint.pth', **extra):
     run = _run(tmp_path, with_state=True)
-    run.save(0, {'rng_state': [train_state.get_rng_state()], **extra}, [name])
+    run.save(0, {'rng_state': [resume.get_rng_state()], **extra}, [name])
     return tmp_path / name
 
 
@@ -134,7 +128,7 @@ def test_a_best_pth_restored_by_hand_leaves_checkpoint_pth_as_it_was(tmp_path, c
     ours = (out / 'checkpoint.pth').read_bytes()
     shutil.copyfile(other / 'checkpoint.pth', out / 'best.pth')  # what `cp` does: it writes into best.pth
     assert (out / 'checkpoint.pth').read_bytes() == ours
-    ck = checkpoint_io.load_checkpoint_file(str(out / 'checkpoint.pth'))
+    ck = checkpoint.load_checkpoint_file(str(out / 'checkpoint.pth'))
     assert ck['epoch'] == 1 and ck['args']['output_dir'] == str(out)
     capsys.readouterr()
     assert _run(out).resume(str(out / 'checkpoint.pth')).start_epoch == 2
@@ -172,7 +166,7 @@ def test_a_crash_between_checkpoint_and_best_is_repaired_on_resume(tmp_path, mon
     run.save(0, {'log': log0}, ['checkpoint.pth', 'best.pth'])
     run.append_log(log0)
     run.record_accuracy(1, 45.0, None)
-    monkeypatch.setattr(saver, 'copy_atomic', _killed)  # dies after the first file: the others are copies
+    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)  # dies after the first file: the others are copies
     with pytest.raises(SystemExit):
         run.save(1, {'log': {'epoch': 1, 'test_acc1': 45.0}}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
@@ -202,14 +196,14 @@ def test_in_a_run_an_older_version_hard_linked_saves_and_repairs_replace_names_n
     epoch1 = ck.read_bytes()
     run = _run(out, with_state=True)
     run.record_accuracy(2, 50.0)
-    monkeypatch.setattr(saver, 'copy_atomic', _killed)
+    monkeypatch.setattr(checkpoint, 'copy_atomic', _killed)
     with pytest.raises(SystemExit):  # killed after checkpoint.pth, before best.pth
         run.save(2, {}, ['checkpoint.pth', 'best.pth'])
     monkeypatch.undo()
     assert best.read_bytes() == backup.read_bytes() == epoch1 != ck.read_bytes()
-    monkeypatch.setattr(run_repair, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
+    monkeypatch.setattr(output_dir, 'separate_hard_links', lambda directory: None)  # e.g. no room to separate
     _run(out).resume(str(ck))  # repairs best.pth, linked to checkpoint_0001.pth: by a rename
-    assert checkpoint_io.load_checkpoint_file(str(best))['epoch'] == 2 and backup.read_bytes() == epoch1
+    assert checkpoint.load_checkpoint_file(str(best))['epoch'] == 2 and backup.read_bytes() == epoch1
 
 
 # ------------------------------------------------------------------------------------------ an older checkpoint
@@ -241,15 +235,15 @@ def test_resuming_an_older_checkpoint_moves_the_later_log_lines_aside(tmp_path, 
     assert f'Repaired {ck}: it was unreadable (truncated or damaged after it was written); copied the state of ' \
            f'epoch 1 there from {best}' in out, out
     assert 'stopped' not in out
-    assert checkpoint_io.load_checkpoint_file(str(ck))['epoch'] == 1
+    assert checkpoint.load_checkpoint_file(str(ck))['epoch'] == 1
 
 
 def test_a_mid_epoch_checkpoint_keeps_the_log_lines_of_the_epochs_it_finished(tmp_path, capsys):
     lines = _run_of_four_epochs(tmp_path)
     run = _run(tmp_path, with_state=True)
-    state = train_state.EpochState(step=3, rng_state=train_state.get_rng_state(),
-                                   epoch_rng_state=train_state.get_rng_state())
-    run.save(2, train_state.epoch_state_entries(state), ['checkpoint.pth'])  # a stop inside epoch 2, kept aside
+    state = resume.EpochState(step=3, rng_state=resume.get_rng_state(),
+                                   epoch_rng_state=resume.get_rng_state())
+    run.save(2, resume.epoch_state_entries(state), ['checkpoint.pth'])  # a stop inside epoch 2, kept aside
     os.rename(tmp_path / 'checkpoint.pth', tmp_path / 'stopped.pth')
     with open(tmp_path / 'log.txt', 'a') as f:
         f.write('{"epoch": 4, "test_a')  # a half-written line after the later epochs goes with them
@@ -307,7 +301,7 @@ def test_restore_reads_back_what_the_saver_wrote(tmp_path):
     """CheckpointSaver.restore is the inverse of CheckpointSaver.state: another run's parts (other weights, EMA,
     no optimizer moments, a fresh schedule and best accuracy) come back to the saved run's, and saving them
     again gives the same entries."""
-    from ema import ModelEma
+    from training.optim import ModelEma
 
     def run_of(seed):
         run = _run(tmp_path, with_state=seed == 0, model=_tiny(seed))
@@ -317,7 +311,7 @@ def test_restore_reads_back_what_the_saver_wrote(tmp_path):
     saved = run_of(0)
     saved.saver.parts.lr_scheduler.step(2)
     saved.record_accuracy(1, 40.0, 45.0)
-    saved.save(1, {'rng_state': [train_state.get_rng_state()]}, ['checkpoint.pth'])
+    saved.save(1, {'rng_state': [resume.get_rng_state()]}, ['checkpoint.pth'])
     other = run_of(1)
     assert not _same(other.model.state_dict(), saved.model.state_dict())
     other.resume(str(tmp_path / 'checkpoint.pth'))
@@ -331,7 +325,7 @@ def test_restore_reads_back_what_the_saver_wrote(tmp_path):
 
 
 def test_a_checkpoint_without_ema_weights_restarts_the_ema_from_the_model(tmp_path, capsys):
-    from ema import ModelEma
+    from training.optim import ModelEma
     _write_state(tmp_path)  # a run without --model-ema
     run = _run(tmp_path, model=_tiny(3))
     run.saver.parts.model_ema = ModelEma(_tiny(4))
@@ -377,14 +371,14 @@ def test_weights_that_do_not_fit_are_refused_before_the_optimizer_state_loads(tm
 # ------------------------------------------------------------------------------------------ where training stands
 def _draws(rng_state):
     """What the random streams give after `rng_state` is restored."""
-    train_state.set_rng_state(rng_state)
+    resume.set_rng_state(rng_state)
     return torch.rand(4).tolist(), random.random()
 
 
 def _rng_at(seed):
     torch.manual_seed(seed)
     random.seed(seed)
-    return train_state.get_rng_state()
+    return resume.get_rng_state()
 
 
 def test_a_mid_epoch_state_written_in_the_checkpoint_layout_resumes_as_it_was(tmp_path):
@@ -392,9 +386,9 @@ def test_a_mid_epoch_state_written_in_the_checkpoint_layout_resumes_as_it_was(tm
     # the keys a mid-epoch stop writes, as main.py has written them since before EpochState
     layout = {'step': 6, 'rng_state': [stop_rng], 'epoch_rng_state': [epoch_rng],
               'loss_meter': {'total': 4.5, 'count': 6}, 'train_carry': {'bad_steps': 2, 'skipped_steps': 3}}
-    state = train_state.EpochState(step=6, rng_state=stop_rng, epoch_rng_state=epoch_rng,
+    state = resume.EpochState(step=6, rng_state=stop_rng, epoch_rng_state=epoch_rng,
                               loss_meter={'total': 4.5, 'count': 6}, bad_steps=2, skipped_steps=3)
-    entries = train_state.epoch_state_entries(state)
+    entries = resume.epoch_state_entries(state)
     assert entries.keys() == layout.keys() and entries['train_carry'] == layout['train_carry']
     for extra in (layout, entries):
         _run(tmp_path, with_state=True).save(1, extra, ['checkpoint.pth'])
@@ -414,12 +408,12 @@ def test_an_end_of_epoch_state_resumes_at_the_next_epoch_with_the_bad_step_count
         _run(tmp_path, with_state=True).save(2, extra, ['checkpoint.pth'])
         _rng_at(9)
         r = _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth'))
-        assert _draws(train_state.get_rng_state()) == want  # the RNG state is restored at once
+        assert _draws(resume.get_rng_state()) == want  # the RNG state is restored at once
         got = r.state
         assert r.start_epoch == 3 and (got.step, got.bad_steps, got.skipped_steps) == (0, bad, 0)
         assert got.rng_state is None and got.epoch_rng_state is None and got.loss_meter is None
     _rng_at(3)
-    entries = train_state.epoch_state_entries(train_state.EpochState(bad_steps=4))
+    entries = resume.epoch_state_entries(resume.EpochState(bad_steps=4))
     assert set(entries) == {'rng_state', 'train_carry'}
     assert entries['train_carry'] == {'bad_steps': 4, 'skipped_steps': 0}
     assert _draws(entries['rng_state'][0]) == want  # between epochs: the RNG state of now
@@ -441,17 +435,17 @@ def test_an_epoch_saved_without_its_accuracy_is_handed_to_the_resume_to_evaluate
     run.record_accuracy(2, 50.0)
     run.save(2, {'rng_state': [rng], 'log': {**unevaluated, 'test_acc1': 50.0}}, ['checkpoint.pth'])
     assert _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth')).unevaluated is None
-    mid = train_state.epoch_state_entries(train_state.EpochState(step=3, rng_state=rng, epoch_rng_state=rng))
+    mid = resume.epoch_state_entries(resume.EpochState(step=3, rng_state=rng, epoch_rng_state=rng))
     run.save(3, mid, ['checkpoint.pth'])
     assert _run(tmp_path).resume(str(tmp_path / 'checkpoint.pth')).unevaluated is None
 
     log = tmp_path / 'log.txt'
     lines = [{'epoch': 0, 'test_acc1': 30.0}, {'epoch': 1, 'train_loss': 1.5}, {'epoch': 2, 'train_loss': 1.4}]
     log.write_text(''.join(json.dumps(x) + '\n' for x in lines))
-    run_repair.replace_log_line(str(tmp_path), {'epoch': 1, 'train_loss': 1.5, 'test_acc1': float('nan')})
+    checkpoint.replace_log_line(str(tmp_path), {'epoch': 1, 'train_loss': 1.5, 'test_acc1': float('nan')})
     assert [json.loads(x) for x in open(log)] == [lines[0], {'epoch': 1, 'train_loss': 1.5, 'test_acc1': None},
                                                   lines[2]]
-    run_repair.replace_log_line(str(tmp_path), {'epoch': 3, 'test_acc1': 31.0})  # no line of it yet: appended
+    checkpoint.replace_log_line(str(tmp_path), {'epoch': 3, 'test_acc1': 31.0})  # no line of it yet: appended
     assert json.loads(open(log).readlines()[-1]) == {'epoch': 3, 'test_acc1': 31.0}
 
 

@@ -9,10 +9,10 @@ import torch
 from conftest import parse, untrained_eval_argv
 
 import cli
-import cpu
 import datasets
 import main
-from errors import FlagError, UserError
+from run import checkpoint, process
+from run.errors import FlagError, UserError
 
 LAUNCH_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID')
 
@@ -27,7 +27,7 @@ def plain_process(monkeypatch):
 def parse_and_validate(argv):
     parser = cli.get_args_parser()
     args = parser.parse_args(argv + ['--data-path', '/nonexistent'])
-    cli.validate_args(args, parser)
+    main.check_command_line(args, parser)
     return args
 
 
@@ -303,7 +303,7 @@ def test_default_num_workers_is_the_cpus_per_process_less_one(launcher, cpus, ex
     for k, v in LAUNCHERS[launcher].items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(main.os, 'sched_getaffinity', lambda pid: set(range(cpus)), raising=False)
-    assert cpu.default_num_workers()[0] == expected
+    assert process.default_num_workers()[0] == expected
     assert parse().num_workers is None and parse('--num-workers', '12').num_workers == 12  # given: taken as is
 
 
@@ -312,7 +312,7 @@ def test_default_num_workers_is_printed_and_draws_no_worker_warning(data, tmp_pa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         assert main.run(untrained_eval_argv(data, tmp_path)) == 0
-    n, cpus = cpu.default_num_workers()[0], cpu.available_cpus()
+    n, cpus = process.default_num_workers()[0], process.available_cpus()
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith('Data loader:')]
     assert line == [f'Data loader: {n} workers per process (the default: {cpus} CPU(s) per process (the {cpus} CPUs '
                     f'available to this process), one of them left to the training process; at most 10, at least 1; '
@@ -382,7 +382,7 @@ def test_a_checkpoint_of_another_task_names_what_it_is_and_the_command_that_take
                                 '--data-path', str(tmp_path)]) == 2
         assert capsys.readouterr().err.splitlines() == [f'error: --resume {line}']
     torch.save({'task': 'classification', 'model': {}}, path)  # a task this repository writes: passes
-    cli.check_task('--resume', str(path))
+    checkpoint.refuse_other_task('--resume', str(path))
 
 
 def test_accum_steps_above_the_batches_of_an_epoch_are_refused_with_the_numbers(plain_process):
@@ -515,8 +515,8 @@ def test_the_cpu_memory_is_what_the_machine_has_left_within_its_cgroup(monkeypat
     if memory is None:
         pytest.skip('no /proc/meminfo or sysconf on this system')
     assert memory > 0 and what.startswith(f'the {cli.gib(memory)} of ')
-    monkeypatch.setattr(cpu, '_cgroup_limit', lambda: 2 ** 20)
-    assert cpu.available_memory() == (2 ** 20, "the cgroup's memory limit")
+    monkeypatch.setattr(process, '_cgroup_limit', lambda: 2 ** 20)
+    assert process.available_memory() == (2 ** 20, "the cgroup's memory limit")
 
 
 def test_main_refuses_a_size_that_cannot_fit_before_the_data_is_read(plain_process, monkeypatch, capsys):

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from image_folders import (
+from helpers.image_folders import (
     assert_one_line_error,
     dataset_of,
     device_loader_of,
@@ -19,7 +19,7 @@ from image_folders import (
 from PIL import Image
 
 import datasets as D
-import image_folder as IF
+from training import image_folder as IF
 
 
 # ---------------------------------------------------------------------------- builders

@@ -12,7 +12,7 @@ from pycocotools import mask as mask_utils
 
 from detection import coco, evaluate, shapes
 from detection import model as dm
-from errors import CheckpointError
+from run.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

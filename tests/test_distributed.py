@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import cli
-import distributed
-import errors
-import precision
+from run import distributed, errors
+from training.step import check_bf16
 
 
 @pytest.fixture
@@ -192,11 +191,11 @@ def test_bf16_is_checked_natively_on_the_process_own_gpu(monkeypatch):
     assert cuda.bf16_asked == []  # not before set_device (it would set up a context on GPU 0)
     distributed.init_distributed_mode(_settings('cuda:1'))
     with pytest.raises(errors.UserError, match=r'--amp bf16: Tesla V100\S* has no native bfloat16 .*use --amp fp16'):
-        precision.check_bf16('cuda:1')
+        check_bf16('cuda:1')
     assert cuda.bf16_asked == [(1, False)]
     cuda.native_bf16 = True
-    precision.check_bf16('cuda:1')  # an A100/H100: accepted
-    precision.check_bf16('cpu')  # CPU autocast: no GPU asked
+    check_bf16('cuda:1')  # an A100/H100: accepted
+    check_bf16('cpu')  # CPU autocast: no GPU asked
     assert cuda.bf16_asked == [(1, False), (1, False)]
 
 

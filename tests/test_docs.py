@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO, build_xt, env
 
-import weights
+from run import weights
 
 
 def _read(path):

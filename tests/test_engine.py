@@ -10,13 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint_io
 import engine
-import errors
-import metrics
-import optim_step
-import signals
-import train_state
+from run import checkpoint, errors, process, resume
+from training.step import OptimizerStep
 
 
 # -------------------------------------------------------------------------------- evaluate, stops
@@ -101,7 +97,7 @@ def test_non_finite_loss_is_skipped_then_stops_with_epoch_and_step():
     loader = Loader([(torch.ones(4, 2), torch.zeros(4, dtype=torch.long))] * 6)
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
     with pytest.raises(errors.NonFiniteLossError) as ei:
-        engine.train_one_epoch(model, crit, loader, optim_step.OptimizerStep(opt, 'cpu'), epoch=3,
+        engine.train_one_epoch(model, crit, loader, OptimizerStep(opt, 'cpu'), epoch=3,
                                settings=engine.TrainSettings(max_bad_steps=2, print_freq=100))
     assert 'epoch 3 step 2' in str(ei.value) and '--max-bad-steps 2' in str(ei.value)
     for k, v in model.state_dict().items():  # skipped steps never touched the weights
@@ -112,10 +108,10 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = Loader([(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))] * 5)
-    flag = signals.StopFlag()
+    flag = process.StopFlag()
     flag.signum = 15
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    res = engine.train_one_epoch(model, crit, loader, optim_step.OptimizerStep(opt, 'cpu'), epoch=0, stop_flag=flag,
+    res = engine.train_one_epoch(model, crit, loader, OptimizerStep(opt, 'cpu'), epoch=0, stop_flag=flag,
                                  settings=engine.TrainSettings(print_freq=100))
     st = res.state
     assert res.stopped and st.step == 1 and st.rng_state is not None and st.epoch_rng_state is not None
@@ -127,7 +123,7 @@ def test_stop_flag_ends_epoch_at_a_step_boundary():
 def test_a_stop_signal_cuts_evaluation_short():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(2, 2))
     loader = Loader([(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))] * 3)
-    flag = signals.StopFlag()
+    flag = process.StopFlag()
     assert not engine.evaluate(loader, model, 'cpu', stop_flag=flag)['aborted']
     flag.signum = 15
     st = engine.evaluate(loader, model, 'cpu', stop_flag=flag)
@@ -162,7 +158,7 @@ def train(model, loader, epoch=0, max_bad_steps=20, state=None, ema=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema = ema or ModelEmaV3(model, decay=0.5)
     settings = engine.TrainSettings(print_freq=1000, max_bad_steps=max_bad_steps)
-    res = engine.train_one_epoch(model, ce, Loader(loader), optim_step.OptimizerStep(opt, 'cpu'), epoch, settings,
+    res = engine.train_one_epoch(model, ce, Loader(loader), OptimizerStep(opt, 'cpu'), epoch, settings,
                                  model_ema=ema, state=state)
     return res, ema
 
@@ -201,7 +197,7 @@ def test_an_epoch_of_skipped_steps_changes_nothing_and_logs_strict_json(one_thre
     assert_bitwise_equal(model.state_dict(), before)
     assert_bitwise_equal(ema.module.state_dict(), before)
     assert math.isnan(res.stats['loss'])
-    metrics.write_json_line(tmp_path / 'log.txt', {f'train_{k}': v for k, v in res.stats.items()})
+    checkpoint.write_json_line(tmp_path / 'log.txt', {f'train_{k}': v for k, v in res.stats.items()})
 
     def no_constants(name):
         raise ValueError(f'non-standard JSON constant {name}')
@@ -224,12 +220,12 @@ def test_rng_state_round_trip_through_a_weights_only_file(tmp_path):
     torch.manual_seed(1)
     np.random.seed(2)
     random.seed(3)
-    checkpoint_io.save_atomic({'rng': train_state.get_rng_state()}, tmp_path / 'r.pth')
+    checkpoint.save_atomic({'rng': resume.get_rng_state()}, tmp_path / 'r.pth')
     want = (torch.rand(3), np.random.rand(3), random.random())
     torch.manual_seed(9)
     np.random.seed(9)
     random.seed(9)
-    train_state.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
+    resume.set_rng_state(torch.load(tmp_path / 'r.pth', weights_only=True)['rng'])
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
 
@@ -246,7 +242,7 @@ def test_preserved_rng_restores_every_generator():
     seed()
     want = draw()
     seed()
-    with train_state.preserved_rng():
+    with resume.preserved_rng():
         draw()
     assert draw() == want
 
@@ -268,24 +264,24 @@ class _FakeCuda:
 
 
 def test_cuda_rng_state_is_the_own_device_only(monkeypatch):
-    saved = train_state.get_rng_state()
+    saved = resume.get_rng_state()
     cuda = _FakeCuda(device=3, n_devices=8)
     cuda.install(monkeypatch)
-    state = train_state.get_rng_state()
+    state = resume.get_rng_state()
     assert torch.equal(state['cuda'], torch.tensor([3], dtype=torch.uint8))
     one = _FakeCuda(device=0, n_devices=1)  # resumed with one visible GPU per process
     one.install(monkeypatch)
-    train_state.set_rng_state(state)
+    resume.set_rng_state(state)
     assert one.set == [(3, 0)]
     old = dict(state, cuda=[torch.tensor([i], dtype=torch.uint8) for i in range(8)])  # older list form
-    train_state.set_rng_state(old)
+    resume.set_rng_state(old)
     assert one.set[-1] == (0, 0)
     few = _FakeCuda(device=2, n_devices=4)
     few.install(monkeypatch)
-    train_state.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
+    resume.set_rng_state(dict(state, cuda=[torch.tensor([7], dtype=torch.uint8)]))  # no IndexError
     assert few.set == []
     monkeypatch.undo()
-    train_state.set_rng_state(saved)
+    resume.set_rng_state(saved)
 
 
 def test_progress_lines_and_epoch_loss_are_those_of_every_micro_batch_loss(one_thread, capsys):
@@ -307,7 +303,7 @@ def test_progress_lines_and_epoch_loss_are_those_of_every_micro_batch_loss(one_t
     model = linear_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     capsys.readouterr()
-    res = engine.train_one_epoch(model, ce, Loader(data), optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+    res = engine.train_one_epoch(model, ce, Loader(data), OptimizerStep(opt, 'cpu', accum_steps=2), 0,
                                  engine.TrainSettings(print_freq=3))
     lines = re.findall(r'\[ ?(\d+)/10\].*?loss: ([\d.]+) \(([\d.]+)\)', capsys.readouterr().out)
     assert [int(i) for i, _, _ in lines] == [3, 6, 9]  # (the line after micro-batch 0 has no loss yet)

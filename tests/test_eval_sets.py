@@ -1,18 +1,19 @@
-"""eval_sets.py and main.py --eval with extra evaluation sets (--eval-sets) and ImageNet-ReaL (--real-labels)."""
+"""The extra evaluation sets of datasets.py (--eval-sets) and ImageNet-ReaL (--real-labels), and main.py --eval
+with them."""
 import json
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from image_folders import assert_one_line_error, dataset_of, eval_sets_of, make_args, make_folder, save_img
+from helpers.image_folders import assert_one_line_error, dataset_of, eval_sets_of, make_args, make_folder, save_img
 from PIL import Image
 from test_engine import count_host_reads
 from torch.utils.data import DataLoader
 
+import datasets as E
 import engine
-import eval_sets as E
-import image_folder as IF
+from training import image_folder as IF
 
 
 def test_real_labels_on_a_set_of_other_images_is_a_flag_error(tmp_path, capsys, monkeypatch):

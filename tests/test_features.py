@@ -5,7 +5,7 @@ import os
 import pytest
 import timm
 import torch
-from reference_impl import read_keys
+from helpers.reference_impl import read_keys
 
 import models  # noqa: F401  (registers the variants)
 from models.nalaformer import conv_residual_fast, to_reference_layout

@@ -1,4 +1,4 @@
-"""image_folder.py: class folders read by the builders (non-image files, links), undecodable images
+"""training/image_folder.py: class folders read by the builders (non-image files, links), undecodable images
 replaced and recorded or raised, and image decoding."""
 import os
 import warnings
@@ -6,11 +6,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from image_folders import assert_one_line_error, dataset_of, make_args, make_folder, save_img
+from helpers.image_folders import assert_one_line_error, dataset_of, make_args, make_folder, save_img
 from PIL import Image
 from torch.utils.data import DataLoader, Subset
 
-import image_folder as IF
+from training import image_folder as IF
 
 
 # ---------------------------------------------------------------------------- non-image files
@@ -61,7 +61,7 @@ def test_corrupt_train_image_replaced_and_reported(tmp_path):
 def _rank_finds_bad(rank, root, trunc, init_file, out):
     import torch.distributed as dist
 
-    import distributed
+    from run import distributed
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     ds, _ = dataset_of(True, make_args(data_path=root))
     with warnings.catch_warnings():

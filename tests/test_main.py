@@ -9,15 +9,14 @@ import pytest
 import timm
 import torch
 from conftest import optimizer_of, parse, scheduler_of
-from image_folders import loaders_of
+from helpers.image_folders import loaders_of
 
-import checkpoint
 import cli
 import datasets
-import distributed
 import main
 import models
 from models.flop_count import count_flops
+from run import checkpoint, distributed
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -64,7 +63,7 @@ def test_grad_checkpointing_reaches_the_model_and_keeps_its_gradients(monkeypatc
 
 
 def test_grad_checkpointing_of_a_model_without_it_is_one_line(capsys):
-    from errors import FlagError
+    from run.errors import FlagError
     with pytest.raises(FlagError) as e:
         main.build_model(parse('--model', 'dla46_c', '--grad-checkpointing'), 3)
     assert str(e.value).startswith('--grad-checkpointing: dla46_c does not support gradient checkpointing')
@@ -285,7 +284,7 @@ def test_workers_stay_across_epochs_and_draw_as_workers_started_anew_each_epoch(
 LOADER_LEFT_ALIVE = """
 import sys, torch
 sys.path.insert(0, 'tests')
-from image_folders import loaders_of
+from helpers.image_folders import loaders_of
 from test_main import WorkerDraws, loader_args
 _, train, _ = loaders_of(loader_args(1), WorkerDraws(), WorkerDraws())
 keep = [next(iter(train))]  # a loader alive to the end, its worker waiting for work
@@ -385,7 +384,7 @@ def test_the_eval_transform_is_the_checkpoints_unless_the_command_line_names_one
 def _eval(tmp_path, classes, saved_classes, capsys):
     """main.run --eval on a val/ folder of `classes` of a 4-class checkpoint recording `saved_classes` (None:
     none recorded); (exit status, stdout, stderr)."""
-    from image_folders import make_folder
+    from helpers.image_folders import make_folder
     root = make_folder(tmp_path / 'data', classes=classes, n=1, splits=('val',))
     ck = _saved(tmp_path, **({'classes': saved_classes} if saved_classes else {}))
     code = main.run(['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu',

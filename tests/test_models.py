@@ -10,7 +10,7 @@ import timm.optim
 import torch
 import torch.nn.functional as F
 from conftest import REPO
-from reference_impl import read_keys, reference_forward, seeded_state_dict
+from helpers.reference_impl import read_keys, reference_forward, seeded_state_dict
 
 from models import VARIANTS
 from models.flop_count import count_flops, count_params

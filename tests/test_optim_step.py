@@ -1,15 +1,14 @@
-"""optim_step.py: one optimizer step from a window of micro-batches (gradient accumulation equal to one large
+"""training/step.py: one optimizer step from a window of micro-batches (gradient accumulation equal to one large
 batch, a non-finite micro-batch skipping its window, DDP synchronising once per window, one host read per
-step in fp32 and fp16, two gloo ranks skipping alike), the TF32 flags, and the EMA update."""
+step in fp32 and fp16, two gloo ranks skipping alike) and the TF32 flags; training/optim.py's EMA update."""
 import pytest
 import torch
 from test_engine import Loader, assert_bitwise_equal, batches, bn_model, ce, linear_model, poisoned
 
-import ema
 import engine
-import optim_step
-import precision
-import signals
+from run import process
+from training import optim
+from training.step import OptimizerStep, set_tf32
 
 
 def tf32_reads():
@@ -34,19 +33,19 @@ def tf32_restored():
 
 def test_set_tf32_leaves_the_backend_alone_off_cuda(tf32_restored):
     flags = tf32_reads()
-    assert precision.set_tf32('cpu', True) is False
-    assert precision.set_tf32(torch.device('cpu'), False) is False
+    assert set_tf32('cpu', True) is False
+    assert set_tf32(torch.device('cpu'), False) is False
     assert tf32_reads() == flags
 
 
 def test_set_tf32_on_cuda_keeps_every_precision_read_working(tf32_restored):
     # the flags are plain settings: they can be set (and are restored) without a GPU; mixing the
     # older and newer setting APIs would make the older reads raise RuntimeError
-    assert precision.set_tf32('cuda', True) is True
+    assert set_tf32('cuda', True) is True
     on = tf32_reads()
     assert on['matmul precision'] == 'high' and on['matmul allow_tf32'] and on['cudnn allow_tf32']
     assert on.get('matmul fp32_precision', 'tf32') == 'tf32' and on.get('conv fp32_precision', 'tf32') == 'tf32'
-    precision.set_tf32('cuda:0', False)
+    set_tf32('cuda:0', False)
     off = tf32_reads()
     assert off['matmul precision'] == 'highest' and not off['matmul allow_tf32'] and not off['cudnn allow_tf32']
     assert off.get('matmul fp32_precision', 'ieee') == 'ieee' and off.get('conv fp32_precision') != 'tf32'
@@ -70,7 +69,7 @@ def run_accum(batch_list, accum_steps, stop_flag=None):
     model = linear_model()
     opt = CountingSGD(model.parameters(), lr=0.5, momentum=0.9)  # SGD: a wrong loss scale would show
     ema = ModelEmaV3(model, decay=0.5)
-    step = optim_step.OptimizerStep(opt, 'cpu', accum_steps=accum_steps)
+    step = OptimizerStep(opt, 'cpu', accum_steps=accum_steps)
     res = engine.train_one_epoch(model, ce, Loader(batch_list), step, 0, engine.TrainSettings(print_freq=1000),
                                  model_ema=ema, stop_flag=stop_flag)
     return model, ema, res, opt
@@ -94,7 +93,7 @@ def test_accumulating_two_batches_equals_one_double_batch(one_thread):
 def test_a_shorter_last_window_still_steps_and_stops_only_at_window_boundaries(one_thread):
     _, _, _, opt = run_accum(batches(5), 2)
     assert steps(opt) == 3  # windows of 2, 2 and 1 batches
-    flag = signals.StopFlag()
+    flag = process.StopFlag()
     flag.signum = 15  # already requested: the first optimizer step ends the epoch
     _, _, res, opt = run_accum(batches(5), 2, stop_flag=flag)
     assert res.stopped and res.state.step == 2
@@ -115,7 +114,7 @@ def test_a_skipped_window_puts_back_the_buffers_the_model_holds_now(one_thread):
     after .to() has replaced the buffers, a skipped window restores the model's new ones, and a window of
     another model object saves and restores that object's."""
     model = bn_model()
-    step = optim_step.OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), 'cpu')
+    step = OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1), 'cpu')
     (x, y), = batches(1)
     assert step(model, ce, x, y).non_finite is None
     model.to(torch.float64)  # new buffer tensors (running statistics), the same modules
@@ -160,7 +159,7 @@ class SyncRecorder(torch.nn.Module):
 def test_only_the_last_micro_step_of_a_window_synchronises(one_thread):
     model = SyncRecorder()
     opt = CountingSGD(model.parameters(), lr=0.1)
-    engine.train_one_epoch(model, ce, Loader(batches(5)), optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+    engine.train_one_epoch(model, ce, Loader(batches(5)), OptimizerStep(opt, 'cpu', accum_steps=2), 0,
                            engine.TrainSettings(print_freq=1000))
     # windows (0, 1), (2, 3), (4): forward and backward of 0 and 2 under no_sync, the rest synchronised
     assert model.forwards == [False, True, False, True, True]
@@ -222,7 +221,7 @@ def host_reads_per_epoch(monkeypatch, n_windows, accum, fp16, logger):
     model = Recorded(events)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # SGD's own step reads nothing back
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10) if fp16 else None
-    step = optim_step.OptimizerStep(opt, 'cpu', torch.float16 if fp16 else None, scaler, clip_grad=1.0,
+    step = OptimizerStep(opt, 'cpu', torch.float16 if fp16 else None, scaler, clip_grad=1.0,
                                 accum_steps=accum)
     loader = Loader(batches(n_windows * accum))
     recorder = HostReads(monkeypatch)
@@ -274,7 +273,7 @@ def test_fp16_overflow_steps_match_gradscalers_own_loop(one_thread):
     model, eng_scaler = bn_model(), scaler()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     res = engine.train_one_epoch(model, ce, Loader(good),
-                                 optim_step.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler, clip_grad=1.0),
+                                 OptimizerStep(opt, 'cpu', torch.float16, eng_scaler, clip_grad=1.0),
                                  0, engine.TrainSettings(print_freq=1000))
     assert res.stats['skipped_steps'] > 0  # overflow steps happened
     assert eng_scaler.get_scale() == ref_scaler.get_scale()
@@ -282,7 +281,7 @@ def test_fp16_overflow_steps_match_gradscalers_own_loop(one_thread):
     # a non-finite loss is not an overflow: the window is skipped with the scale as it was
     before = eng_scaler.get_scale()
     res = engine.train_one_epoch(model, ce, Loader([poisoned(good[0])]),
-                                 optim_step.OptimizerStep(opt, 'cpu', torch.float16, eng_scaler), 1,
+                                 OptimizerStep(opt, 'cpu', torch.float16, eng_scaler), 1,
                                  engine.TrainSettings(print_freq=1000))
     assert res.stats['skipped_steps'] == 1 and eng_scaler.get_scale() == before
 
@@ -291,7 +290,7 @@ def _ddp_rank(rank, init_file, out):
     """One rank of a 2-process DDP run (_ddp_results); its DDP model is gone before the group is destroyed."""
     import torch.distributed as dist
 
-    import distributed
+    from run import distributed
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     out.put(_ddp_results(rank))
     distributed.destroy_process_group()
@@ -302,7 +301,7 @@ def _ddp_results(rank):
     reads per optimizer step."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    import distributed
+    from run import distributed
     torch.set_num_threads(1)
     forwards, allreduces = [], []  # the micro-batch (1, 2, ...) whose backward issued each gradient all-reduce
 
@@ -319,7 +318,7 @@ def _ddp_results(rank):
     data = batches(6, seed=10 + rank)
     if rank == 1:
         data[2] = poisoned(data[2])  # the first micro-batch of the second of three windows
-    res = engine.train_one_epoch(ddp, criterion, Loader(data), optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 0,
+    res = engine.train_one_epoch(ddp, criterion, Loader(data), OptimizerStep(opt, 'cpu', accum_steps=2), 0,
                                  engine.TrainSettings(print_freq=1000))
     reduced_at = list(allreduces)
     reads = {}
@@ -327,7 +326,7 @@ def _ddp_results(rank):
         for n in (2, 6):
             recorder = HostReads(monkeypatch)
             engine.train_one_epoch(ddp, ce, Loader(batches(2 * n, seed=20 + rank)),
-                                   optim_step.OptimizerStep(opt, 'cpu', accum_steps=2), 1,
+                                   OptimizerStep(opt, 'cpu', accum_steps=2), 1,
                                    engine.TrainSettings(print_freq=1000))
             reads[n] = recorder.reads
             monkeypatch.undo()
@@ -361,7 +360,7 @@ def test_ema_update_equals_timms_state_dict_update_without_building_state_dicts(
     the EMA was moved (.to() replaces buffers, as an EMA evaluated on another device is)."""
     from timm.utils import ModelEmaV3
     model = bn_model()
-    ours, timms = ema.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
+    ours, timms = optim.ModelEma(model, decay=0.7), ModelEmaV3(model, decay=0.7)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i, (x, y) in enumerate(batches(4)):
         opt.zero_grad()

@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from reference_impl import read_keys, seeded_state_dict
+from helpers.reference_impl import read_keys, seeded_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 

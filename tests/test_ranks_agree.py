@@ -1,6 +1,6 @@
-"""Ranks that must agree, with two ranks as threads (thread_world): whatever fails on rank 0 alone (log.txt, a
-checkpoint that cannot be pickled, the lock file, the repairs at resume, TensorBoard) stops every rank with one
-line instead of leaving the others waiting in their next collective; the checkpoint a run resumes from is
+"""Ranks that must agree, with two ranks as threads (helpers/thread_world.py): whatever fails on rank 0 alone
+(log.txt, a checkpoint that cannot be pickled, the lock file, the repairs at resume, TensorBoard) stops every rank
+with one line instead of leaving the others waiting in their next collective; the checkpoint a run resumes from is
 rank 0's decision, and a rank that does not see it, or reads another file under its name, stops every rank; so
 does a rank that sees other data. Every rank issues the same collectives in the same order."""
 import errno
@@ -10,18 +10,14 @@ import socket
 import pytest
 import torch
 from conftest import parse, run_dir_of
+from helpers.thread_world import ThreadWorld
 from test_world import _tiny_run
-from thread_world import ThreadWorld
 from torchvision.datasets import ImageFolder
 
-import checkpoint_io
-import distributed
-import loaders
-import metrics
-import resume
-import run_dir
-import run_lock
-from errors import CheckpointError, UserError
+import utils
+from run import checkpoint, distributed, output_dir, resume
+from run.errors import CheckpointError, UserError
+from training import loaders
 
 HOST = socket.gethostname()
 
@@ -78,10 +74,10 @@ def test_a_checkpoint_that_cannot_be_pickled_stops_every_rank(world, tmp_path):
 def test_a_lock_file_that_cannot_be_written_stops_every_rank(world, tmp_path, monkeypatch):
     def quota(fd, data, offset):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
-    monkeypatch.setattr(run_dir.os, 'pwrite', quota)
+    monkeypatch.setattr(output_dir.os, 'pwrite', quota)
     out = tmp_path / 'out'
-    results = world.run(lambda rank: run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(out))), 'cpu'))
-    assert_rank_failed(results, 0, f'cannot write the lock file {out}/{run_lock.LOCK_NAME}: '
+    results = world.run(lambda rank: output_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(out))), 'cpu'))
+    assert_rank_failed(results, 0, f'cannot write the lock file {out}/{output_dir.LOCK_NAME}: '
                                    f'{os.strerror(errno.EDQUOT)}; make --output_dir writable or choose another')
 
 
@@ -99,7 +95,7 @@ def test_a_tensorboard_writer_that_cannot_start_stops_every_rank(world, tmp_path
     pytest.importorskip('tensorboard', reason='optional: pip install -r requirements-optional.txt')
     blocked = tmp_path / 'tb'
     blocked.write_text('a file where the event directory should be')
-    results = world.run(lambda rank: metrics.tensorboard_logger(str(blocked), 'cpu'))
+    results = world.run(lambda rank: utils.tensorboard_logger(str(blocked), 'cpu'))
     line = one_line_errors(results)[0]
     assert line.startswith(f'--log-dir {blocked}: cannot write TensorBoard events there: '), line
     assert_rank_failed(results, 0, line)
@@ -119,7 +115,7 @@ def test_a_rank_that_sees_another_resume_checkpoint_stops_every_rank(tmp_path, m
     world = ThreadWorld(2, monkeypatch)
     seen_by(world, blind, monkeypatch)
     settings = run_dir_of(parse('--output_dir', str(tmp_path)))
-    results = world.run(lambda rank: run_dir.agree_on_resume_path(settings, 'cpu'))
+    results = world.run(lambda rank: output_dir.agree_on_resume_path(settings, 'cpu'))
     fix = ('every node must see the same --output_dir (a shared filesystem), or pass --resume with a path every '
            'node sees')
     path = f'{tmp_path}/checkpoint.pth'
@@ -133,7 +129,7 @@ def test_every_rank_takes_rank_0_resume_decision(tmp_path, monkeypatch):
     _tiny_run(tmp_path).save(0, {}, ['checkpoint.pth'])
     world = ThreadWorld(2, monkeypatch)
     settings = run_dir_of(parse('--output_dir', str(tmp_path)))
-    results = world.run(lambda rank: run_dir.agree_on_resume_path(settings, 'cpu'))
+    results = world.run(lambda rank: output_dir.agree_on_resume_path(settings, 'cpu'))
     assert results == [f'{tmp_path}/checkpoint.pth'] * 2
 
 
@@ -145,10 +141,10 @@ def test_ranks_that_read_different_checkpoints_under_one_name_stop_every_rank(tm
     torch.nn.init.zeros_(later.model.weight)
     later.save(1, {}, ['checkpoint.pth'])
     path = str(tmp_path / 'a' / 'checkpoint.pth')
-    ids = [checkpoint_io.describe_identity(checkpoint_io.checkpoint_identity(checkpoint_io.load_checkpoint_file(p), p))
+    ids = [checkpoint.describe_identity(checkpoint.checkpoint_identity(checkpoint.load_checkpoint_file(p), p))
            for p in (path, str(tmp_path / 'b' / 'checkpoint.pth'))]
     world = ThreadWorld(2, monkeypatch)
-    real = checkpoint_io.load_checkpoint_file
+    real = checkpoint.load_checkpoint_file
     monkeypatch.setattr(resume, 'load_checkpoint_file', lambda p, **kw: real(
         p.replace('/a/', '/b/') if world.rank() == 1 else p, **kw))  # rank 1's node holds another file there
     results = world.run(lambda rank: _tiny_run(tmp_path / 'a').resume(path))
@@ -163,7 +159,7 @@ def test_a_rank_that_cannot_read_the_resumed_checkpoint_stops_every_rank(tmp_pat
     _tiny_run(tmp_path).save(0, {}, ['checkpoint.pth'])
     path = str(tmp_path / 'checkpoint.pth')
     world = ThreadWorld(2, monkeypatch)
-    real = checkpoint_io.load_checkpoint_file
+    real = checkpoint.load_checkpoint_file
 
     def load(p, **kw):
         if world.rank() == 1:
@@ -185,7 +181,7 @@ def test_ranks_that_read_the_same_checkpoint_resume_alike(tmp_path, monkeypatch)
 
 # ------------------------------------------------------------------------------------ the data every rank sees
 def test_a_rank_that_sees_other_data_stops_every_rank(world, data, tmp_path):
-    from image_folders import make_imagefolder
+    from helpers.image_folders import make_imagefolder
     other = make_imagefolder(tmp_path / 'other', n_train=9)  # one more training image per class on rank 1's node
 
     def facts(rank):

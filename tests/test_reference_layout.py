@@ -7,12 +7,11 @@ import os
 import timm
 import torch
 from conftest import REPO, TrainingRun, optimizer_of, scheduler_of
-from reference_impl import read_keys, reference_forward
+from helpers.reference_impl import read_keys, reference_forward
 
-import checkpoint
 import cli
-import weights
 from models.nalaformer import checkpoint_filter_fn, from_reference_layout, is_reference_layout, to_reference_layout
+from run import checkpoint, weights
 from tools import analyze_attention, predict, release
 
 KEYS = os.path.join(REPO, 'tests', 'reference', 'NALAFORMER_XT.keys.txt')
@@ -85,7 +84,7 @@ def test_every_loader_takes_a_reference_layout_checkpoint(tmp_path, one_thread, 
         'timm load_checkpoint': timm_loaded,
         'hubconf': _load_hub().NALAFORMER_XT(pretrained=True, file=path),
         'analyze_attention': analyze_attention.load_model('NALAFORMER_XT', path)[0],
-        'predict': predict.build_model('NALAFORMER_XT', predict.load_weights(path)[0], path),
+        'predict': predict.predicting_model('NALAFORMER_XT', predict.load_weights(path)[0], path),
         '--finetune': finetuned, '--teacher-path': teacher,
     }
     args = cli.get_args_parser().parse_args(['--model', 'NALAFORMER_XT', '--output_dir', str(tmp_path / 'run')])
@@ -152,7 +151,7 @@ def test_release_in_the_reference_layout_runs_in_the_reference_code(tmp_path, on
         torch.testing.assert_close(reference_forward(tensors, 'NALAFORMER_XT', X), model(X), rtol=1e-4, atol=1e-5)
         back = timm.create_model('NALAFORMER_XT', pretrained=True, pretrained_cfg_overlay=dict(file=file)).eval()
         torch.testing.assert_close(back(X), model(X), rtol=0, atol=0)
-        again = predict.build_model('NALAFORMER_XT', predict.load_weights(file)[0], file)
+        again = predict.predicting_model('NALAFORMER_XT', predict.load_weights(file)[0], file)
         torch.testing.assert_close(again(X), model(X), rtol=0, atol=0)
     with open(file[:-len('.safetensors')] + '.md') as f:
         assert "Key layout: the reference implementation's" in f.read()

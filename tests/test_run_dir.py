@@ -1,4 +1,4 @@
-"""The output directory of a run (run_dir.py): one run per directory unless --overwrite, and room and
+"""The output directory of a run (run/output_dir.py): one run per directory unless --overwrite, and room and
 write access for the checkpoints before training (and before a resume is announced)."""
 import errno
 import os
@@ -11,11 +11,8 @@ import torch
 from conftest import TrainingRun, build_xt, optimizer_of, run_dir_of, scheduler_of
 
 import cli
-import errors
 import main
-import run_dir
-import run_lock
-import saver
+from run import checkpoint, errors, output_dir
 
 
 # ------------------------------------------------------------------------------------------ output directory
@@ -29,16 +26,16 @@ def test_a_new_run_over_a_finished_one_needs_overwrite(tmp_path, capsys):
     (tmp_path / 'log.txt').write_text('{"epoch": 0}\n')
     (tmp_path / 'notes.md').write_text('mine')
     with pytest.raises(errors.UserError) as e:
-        run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--no-auto-resume')), 'cpu')
+        output_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--no-auto-resume')), 'cpu')
     assert 'already holds a run (checkpoint.pth, best.pth, checkpoint_0049.pth, log.txt): relaunch without ' \
            '--no-auto-resume to continue it' in str(e.value) and '--overwrite' in str(e.value)
-    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path)), 'cpu')  # resuming it is fine
-    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--eval')), 'cpu')  # so is evaluating
-    run_files = lambda: sorted(f for f in os.listdir(tmp_path) if f != run_lock.LOCK_NAME)  # noqa: E731
+    output_dir.prepare_output_dir(run_dir_of(_args(tmp_path)), 'cpu')  # resuming it is fine
+    output_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--eval')), 'cpu')  # so is evaluating
+    run_files = lambda: sorted(f for f in os.listdir(tmp_path) if f != output_dir.LOCK_NAME)  # noqa: E731
     assert len(run_files()) == 5
-    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--overwrite')), 'cpu')
+    output_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--overwrite')), 'cpu')
     assert run_files() == ['notes.md']
-    assert run_dir.find_resume_path(run_dir_of(_args(tmp_path, '--overwrite'))) == ''
+    assert output_dir.find_resume_path(run_dir_of(_args(tmp_path, '--overwrite'))) == ''
 
 
 def _read_only(monkeypatch, directory):
@@ -55,13 +52,13 @@ def _read_only(monkeypatch, directory):
 def test_an_unwritable_output_dir_is_found_before_anything_else(tmp_path, monkeypatch):
     _read_only(monkeypatch, tmp_path)
     with pytest.raises(errors.UserError, match=r'cannot write to --output_dir .*: Read-only file system'):
-        run_dir.prepare_output_dir(run_dir_of(_args(tmp_path)), 'cpu')
-    assert not os.path.exists(tmp_path / run_lock.LOCK_NAME)
-    run_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--eval')), 'cpu')  # evaluation writes nothing there
+        output_dir.prepare_output_dir(run_dir_of(_args(tmp_path)), 'cpu')
+    assert not os.path.exists(tmp_path / output_dir.LOCK_NAME)
+    output_dir.prepare_output_dir(run_dir_of(_args(tmp_path, '--eval')), 'cpu')  # evaluation writes nothing there
 
 
 def _disk(monkeypatch, free_mib):
-    monkeypatch.setattr(saver.shutil, 'disk_usage',
+    monkeypatch.setattr(checkpoint.shutil, 'disk_usage',
                         lambda p: shutil._ntuple_diskusage(200 << 20, (200 - free_mib) << 20, free_mib << 20))
 
 
@@ -69,7 +66,7 @@ def test_without_an_output_dir_there_is_no_room_to_check(monkeypatch):
     """A run without --output_dir (main.py's or segmentation/train.py's) saves nothing: the check passes
     without looking at any disk."""
     _disk(monkeypatch, 0)
-    saver.check_room('', 1 << 30, 'cpu')
+    checkpoint.check_room('', 1 << 30, 'cpu')
 
 
 def test_the_space_check_counts_the_peak_of_the_saves(tmp_path, monkeypatch):
@@ -77,12 +74,12 @@ def test_the_space_check_counts_the_peak_of_the_saves(tmp_path, monkeypatch):
     # a 200 MiB disk holds two checkpoints of 79 MiB, but not the third one the saves need at their peak
     _disk(monkeypatch, 200)
     with pytest.raises(errors.UserError) as e:
-        saver.check_room(str(tmp_path), ckpt, 'cpu')
+        checkpoint.check_room(str(tmp_path), ckpt, 'cpu')
     assert str(e.value) == (f'--output_dir {tmp_path} has 200 MiB free, but the saves to come need 237 MiB more (at '
                             f'their peak the directory holds 3 checkpoints of about 79 MiB: checkpoint.pth, its '
                             f'replacement while it is written, best.pth): 37 MiB are missing; free that much space '
                             f'or choose another --output_dir')
-    saver.check_room(str(tmp_path), ckpt, 'cpu', 2)
+    checkpoint.check_room(str(tmp_path), ckpt, 'cpu', 2)
     # the relaunch of a run whose checkpoint.pth and best.pth are there: the amount actually missing
     for name in ('checkpoint.pth', 'best.pth'):
         with open(tmp_path / name, 'wb') as f:
@@ -90,21 +87,21 @@ def test_the_space_check_counts_the_peak_of_the_saves(tmp_path, monkeypatch):
     _disk(monkeypatch, 42)
     with pytest.raises(errors.UserError, match=r'has 42 MiB free, but the saves to come need 79 MiB more \(.*, 158 '
                                                r'MiB of them are there already\): 37 MiB are missing'):
-        saver.check_room(str(tmp_path), ckpt, 'cpu', 3)
+        checkpoint.check_room(str(tmp_path), ckpt, 'cpu', 3)
     with pytest.raises(errors.UserError, match=r'need 158 MiB more \(.*4 checkpoints .*best\.pth, a numbered backup, '
                                                r'158 MiB of them are there already\): 116 MiB are missing'):
-        saver.check_room(str(tmp_path), ckpt, 'cpu', 4)
+        checkpoint.check_room(str(tmp_path), ckpt, 'cpu', 4)
     _disk(monkeypatch, 79)
-    saver.check_room(str(tmp_path), ckpt, 'cpu', 3)
+    checkpoint.check_room(str(tmp_path), ckpt, 'cpu', 3)
     # names an older version hard-linked are one file on the disk
     os.remove(tmp_path / 'best.pth')
     os.link(tmp_path / 'checkpoint.pth', tmp_path / 'best.pth')
     with pytest.raises(errors.UserError, match=r'need 158 MiB more .*, 79 MiB of them are there already'):
-        saver.check_room(str(tmp_path), ckpt, 'cpu', 3)
+        checkpoint.check_room(str(tmp_path), ckpt, 'cpu', 3)
 
     def peak(*argv, start=0):
         args = _args(tmp_path, *argv)
-        return saver.checkpoints_at_peak(args.save_freq, start, args.epochs)
+        return checkpoint.checkpoints_at_peak(args.save_freq, start, args.epochs)
     # checkpoint.pth, its replacement, best.pth; and a numbered backup when a save follows a --save-freq epoch
     assert peak('--epochs', '300') == 4 and peak('--epochs', '300', start=250) == 3  # the last backup ends the run
     assert peak('--epochs', '300', '--save-freq', '0') == 3 and peak('--epochs', '40') == 3
@@ -133,7 +130,7 @@ def test_a_resume_is_announced_only_once_the_output_dir_can_take_the_run(data, t
             if problem == 'read-only':
                 _read_only(m, out)
             else:
-                m.setattr(saver.shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(1 << 30, 0, 1 << 20))
+                m.setattr(checkpoint.shutil, 'disk_usage', lambda p: shutil._ntuple_diskusage(1 << 30, 0, 1 << 20))
             assert main.run(argv) == 1
         said = capsys.readouterr()
         assert re.search(error, said.err) and 'Resumed from' not in said.out, said
@@ -204,20 +201,20 @@ def test_a_failed_start_leaves_no_output_dir_it_created(tmp_path, existed, capsy
     assert code == 1 and 'data path does not exist' in capsys.readouterr().err
     assert os.listdir(tmp_path) == (['output'] if existed else [])
     if existed:
-        assert os.listdir(out) == [run_lock.LOCK_NAME]  # the lock file of a folder it did not create stays
+        assert os.listdir(out) == [output_dir.LOCK_NAME]  # the lock file of a folder it did not create stays
 
 
 def test_only_an_unused_folder_is_removed(tmp_path):
     out = tmp_path / 'a' / 'b'
-    run_dir.make_output_dir(str(out))
-    assert run_lock.lock_run_dir(str(out)) is None
+    output_dir.make_output_dir(str(out))
+    assert output_dir.lock_run_dir(str(out)) is None
     (out / 'notes.md').write_text('mine')  # something else arrived: nothing is removed
-    run_dir.remove_unused_output_dir(str(out))
-    assert sorted(os.listdir(out)) == sorted([run_lock.LOCK_NAME, 'notes.md'])
-    run_dir.make_output_dir(str(tmp_path / 'a' / 'c'))
+    output_dir.remove_unused_output_dir(str(out))
+    assert sorted(os.listdir(out)) == sorted([output_dir.LOCK_NAME, 'notes.md'])
+    output_dir.make_output_dir(str(tmp_path / 'a' / 'c'))
     (tmp_path / 'a' / 'c' / 'x').mkdir()
-    run_dir.remove_unused_output_dir(str(tmp_path / 'a' / 'c'))
+    output_dir.remove_unused_output_dir(str(tmp_path / 'a' / 'c'))
     assert os.path.isdir(tmp_path / 'a' / 'c' / 'x')
-    run_dir.make_output_dir(str(tmp_path / 'new'))
-    run_dir.remove_unused_output_dir(str(tmp_path / 'new'))  # nothing in it, not even a lock
+    output_dir.make_output_dir(str(tmp_path / 'new'))
+    output_dir.remove_unused_output_dir(str(tmp_path / 'new'))  # nothing in it, not even a lock
     assert not os.path.exists(tmp_path / 'new')

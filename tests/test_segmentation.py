@@ -1,6 +1,7 @@
-"""segmentation/: the ADE20K layout and its one-line errors, the training pipeline, the UperNet head's shapes
-and names, the --pretrained loading rules, the confusion matrix and scores, the schedule and the sampler that
-resumes mid-epoch. Real processes (exact distributed mIoU, resume): tests/integration/test_segmentation_runs.py."""
+"""segmentation/: the ADE20K layout and its one-line errors, the training pipeline, the UperNet head's shapes and
+names, the --pretrained loading rules, the confusion matrix and scores, the schedule and the sampler that resumes
+mid-epoch (samplers.IterationSampler). Real processes (exact distributed mIoU, resume):
+tests/integration/test_segmentation_runs.py."""
 import json
 import os
 import re
@@ -13,6 +14,8 @@ import torch
 from conftest import REPO, env
 from PIL import Image
 
+import samplers
+from run import errors
 from segmentation import ade, backbone, miou, scenes, upernet
 from segmentation import train as seg_train
 
@@ -244,18 +247,18 @@ def test_pretrained_refuses_other_weights_in_one_line(xt_checkpoint, tmp_path):
     model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
     broken = {k: v for k, v in ema.items() if k != 'layers.1.blocks.0.attn.qkvg.weight'}
     torch.save({'model': broken}, tmp_path / 'missing.pth')
-    with pytest.raises(backbone.CheckpointError, match=r'does not hold NALAFORMER_XT classification weights: 1 '
+    with pytest.raises(errors.CheckpointError, match=r'does not hold NALAFORMER_XT classification weights: 1 '
                                                        r'backbone tensors missing \(e.g. layers.1.blocks.0.attn.qkvg'):
         backbone.load_pretrained(model, str(tmp_path / 'missing.pth'), 'NALAFORMER_XT')
     torch.save({'model': timm.create_model('NALAFORMER_T').state_dict()}, tmp_path / 't.pth')
-    with pytest.raises(backbone.CheckpointError, match=r'backbone tensors of other shapes .* pass a checkpoint or '
+    with pytest.raises(errors.CheckpointError, match=r'backbone tensors of other shapes .* pass a checkpoint or '
                                                        r'release of --model NALAFORMER_XT'):
         backbone.load_pretrained(model, str(tmp_path / 't.pth'), 'NALAFORMER_XT')
     torch.save({'model': {**ema, 'extra.weight': torch.zeros(1)}}, tmp_path / 'extra.pth')
-    with pytest.raises(backbone.CheckpointError, match=r"1 tensors that are not NALAFORMER_XT's \(e.g. extra.weight"):
+    with pytest.raises(errors.CheckpointError, match=r"1 tensors that are not NALAFORMER_XT's \(e.g. extra.weight"):
         backbone.load_pretrained(model, str(tmp_path / 'extra.pth'), 'NALAFORMER_XT')
     torch.save({'task': 'segmentation', 'model': model.state_dict()}, tmp_path / 'seg.pth')
-    with pytest.raises(backbone.CheckpointError, match=r'is a segmentation checkpoint; continue it with --resume'):
+    with pytest.raises(errors.CheckpointError, match=r'is a segmentation checkpoint; continue it with --resume'):
         backbone.load_pretrained(model, str(tmp_path / 'seg.pth'), 'NALAFORMER_XT')
 
 
@@ -395,12 +398,12 @@ def test_poly_schedule_with_linear_warmup():
 
 
 def test_the_sampler_resumes_inside_an_epoch_and_splits_ranks():
-    full = seg_train.IterationSampler(11, world=2, rank=0, batch_size=2, seed=1)
+    full = samplers.IterationSampler(11, world=2, rank=0, batch_size=2, seed=1)
     assert full.steps == 3  # ceil(11 / 2) = 6 per rank per epoch: 3 batches of 2
     first = [k for k, _ in zip(full, range(20))]
-    resumed = [k for k, _ in zip(seg_train.IterationSampler(11, 2, 0, 2, 1, start=4), range(12))]
+    resumed = [k for k, _ in zip(samplers.IterationSampler(11, 2, 0, 2, 1, start=4), range(12))]
     assert resumed == first[8:20] and first[5][0] == 0 and first[6][0] == 1
-    other = [k for k, _ in zip(seg_train.IterationSampler(11, 2, 1, 2, 1), range(6))]
+    other = [k for k, _ in zip(samplers.IterationSampler(11, 2, 1, 2, 1), range(6))]
     assert {i for _, i in first[:6]} | {i for _, i in other} == set(range(11))
 
 
@@ -629,7 +632,7 @@ def test_training_batches_without_a_labelled_pixel_get_a_note(root, tmp_path, ca
 def test_a_resume_adds_the_evaluation_line_log_txt_lacks(tmp_path, capsys):
     """The segmentation run's log repair is the classification run's, keyed on the iteration: the checkpoint's
     record is added when log.txt has no line of its iteration, after a half-written last line is dropped."""
-    from run_repair import add_missing_log_line
+    from run.output_dir import add_missing_log_line
     log = tmp_path / 'log.txt'
     log.write_text('{"iter": 100, "mIoU": 10.0}\n{"iter": 2')
     record = {'iter': 200, 'mIoU': 20.0}
@@ -646,7 +649,7 @@ def test_decoder_fpn_takes_the_semantic_fpn_recipe_and_its_checkpoint_records_it
     """--decoder fpn: the schedule and head defaults of Semantic FPN's 80k recipe (a given flag wins); a checkpoint
     records the decoder, so its evaluation or resume takes it and that recipe's defaults; another given decoder is
     refused in one line."""
-    from errors import CheckpointError
+    from run.errors import CheckpointError
     parse = seg_train.get_args_parser().parse_args
     keys = ('decoder', 'iters', 'lr', 'weight_decay', 'power', 'warmup_iters', 'channels', 'aux_weight',
             'eval_interval', 'save_interval')
@@ -672,7 +675,7 @@ def test_decoder_fpn_takes_the_semantic_fpn_recipe_and_its_checkpoint_records_it
 def test_the_global_batch_warning_names_the_numbers_and_the_fix(monkeypatch, capsys):
     import argparse
 
-    import distributed
+    from run import distributed
     for world, batch, line in ((1, 2, "global batch 2 (1 process(es) x --batch-size 2) differs from the recipe's 16"
                                       ', for which its LR and schedule are set; for 16 images a step: run 8 processes '
                                       'x --batch-size 2 or --batch-size 16 on 1 process(es) (there is no gradient '

@@ -1,6 +1,6 @@
 """slurm/train.sbatch: the commands it runs (DRY_RUN: the srun line and each node's main.py command) and its
-requeue on USR1 under the fake SLURM of tests/cluster.py (run for real, with a stand-in step and with pretrain.sh:
-tests/integration/test_cluster.py)."""
+requeue on USR1 under the fake SLURM of tests/helpers/cluster.py (run for real, with a stand-in step and with
+pretrain.sh: tests/integration/test_cluster.py)."""
 import os
 import subprocess
 

@@ -15,8 +15,8 @@ from conftest import parse
 import cli
 import datasets
 import main
-import schedule
-from errors import UserError
+from run.errors import UserError
+from training import optim
 
 FLAGS = ['--model', 'NALAFORMER_XT', '--input-size', '32', '--batch-size', '4', '--device', 'cpu', '--num_workers',
          '0', '--no-flops', '--print-freq', '100']
@@ -80,20 +80,20 @@ def test_the_recorded_model_check_lets_the_same_model_through(tmp_path, recorded
 def test_an_lr_below_min_lr_is_noted_with_both_values_and_the_fixes(argv, note):
     args = parse(*argv)
     global_batch = args.batch_size
-    lr = schedule.scaled_lr(args.lr, global_batch, args.unscale_lr)
-    assert schedule.lr_floor_note(lr, cli.settings(schedule.Schedule, args), global_batch, args.unscale_lr) == note
+    lr = optim.scaled_lr(args.lr, global_batch, args.unscale_lr)
+    assert optim.lr_floor_note(lr, cli.settings(optim.Schedule, args), global_batch, args.unscale_lr) == note
 
 
 @pytest.mark.parametrize('epochs, warmup, last', [(3, 5, 0.4 * 5e-4 + 0.6 * 1e-6), (1, 5, 1e-6), (5, 5, None)])
 def test_a_warmup_as_long_as_the_run_is_noted_with_the_lr_it_reaches(epochs, warmup, last):
     args = parse('--epochs', str(epochs), '--warmup-epochs', str(warmup), '--unscale-lr')
-    note = schedule.warmup_note(args.lr, cli.settings(schedule.Schedule, args))
+    note = optim.warmup_note(args.lr, cli.settings(optim.Schedule, args))
     fix = f'{epochs - 1} or fewer' if epochs > 1 else '0'
     reached = f'{last:.3g}' if last is not None else f'{(1e-6 + 4 * (5e-4 - 1e-6) / 5):.3g}'
     assert note == (f'Note: --warmup-epochs {warmup} is not below --epochs {epochs}: the LR rises from --warmup-lr '
                     f'1e-06 for the whole run, to {reached} in the last epoch, and never reaches the LR 0.0005 nor '
                     f'decays: use --warmup-epochs {fix}')
-    assert schedule.warmup_note(args.lr, cli.settings(schedule.Schedule, parse('--epochs', str(warmup + 1)))) == ''
+    assert optim.warmup_note(args.lr, cli.settings(optim.Schedule, parse('--epochs', str(warmup + 1)))) == ''
 
 
 def test_evaluating_a_finetune_file_names_it(tmp_path):

@@ -1,4 +1,4 @@
-"""TensorBoard logging (metrics.TensorBoardLogger): the logger writes readable events; the engine calls it once per
+"""TensorBoard logging (utils.TensorBoardLogger): the logger writes readable events; the engine calls it once per
 optimizer step."""
 import importlib.util
 
@@ -9,9 +9,9 @@ from conftest import optimizer_of, scheduler_of
 
 import cli
 import engine
-import metrics
 import models  # noqa: F401
-import optim_step
+import utils
+from training.step import OptimizerStep
 
 # tensorboard is optional (requirements-optional.txt, which CI installs)
 needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec('tensorboard') is None,
@@ -27,7 +27,7 @@ def _scalars(log_dir):
 
 @needs_tensorboard
 def test_logger_writes_step_and_epoch_scalars(tmp_path):
-    log = metrics.TensorBoardLogger(str(tmp_path))
+    log = utils.TensorBoardLogger(str(tmp_path))
     for step in range(10, 14):
         log({'step': step, 'loss': 2.0 - 0.1 * step, 'lr': torch.tensor(1e-3), 'images': 64, 'loss_scale': 65536.0,
              'note': 'skipped'})
@@ -55,9 +55,9 @@ def test_engine_logs_every_step_with_the_head_lr(tmp_path, one_thread):
     assert min(g['lr'] for g in optimizer.param_groups) < head_lr / 100
     data = torch.utils.data.TensorDataset(torch.randn(6, 3, 32, 32), torch.tensor([0, 1, 2, 0, 1, 2]))
     loader = torch.utils.data.DataLoader(data, batch_size=2)
-    log = metrics.TensorBoardLogger(str(tmp_path))
+    log = utils.TensorBoardLogger(str(tmp_path))
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    res = engine.train_one_epoch(model, crit, loader, optim_step.OptimizerStep(optimizer, 'cpu'), epoch=2,
+    res = engine.train_one_epoch(model, crit, loader, OptimizerStep(optimizer, 'cpu'), epoch=2,
                                  settings=engine.TrainSettings(print_freq=100), logger=log)
     log.close()
     s = _scalars(tmp_path)
@@ -79,7 +79,7 @@ def test_engine_logs_the_gradient_norm_of_each_step(one_thread):
         logged.append((values['grad_norm'], float(grads.double().norm())))
 
     engine.train_one_epoch(model, lambda s, o, t: torch.nn.functional.cross_entropy(o, t),
-                           torch.utils.data.DataLoader(data, batch_size=2), optim_step.OptimizerStep(optimizer, 'cpu'),
+                           torch.utils.data.DataLoader(data, batch_size=2), OptimizerStep(optimizer, 'cpu'),
                            epoch=0, settings=engine.TrainSettings(print_freq=100), logger=logger)
     assert len(logged) == 2
     for got, expected in logged:
@@ -94,9 +94,9 @@ def test_engine_logs_the_fp16_loss_scale(tmp_path):
     data = torch.utils.data.TensorDataset(torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))
     loader = torch.utils.data.DataLoader(data, batch_size=2)
     scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
-    log = metrics.TensorBoardLogger(str(tmp_path))
+    log = utils.TensorBoardLogger(str(tmp_path))
     crit = lambda s, o, t: torch.nn.functional.cross_entropy(o, t)  # noqa: E731
-    step = optim_step.OptimizerStep(optimizer, 'cpu', amp_dtype=torch.float16, scaler=scaler)
+    step = OptimizerStep(optimizer, 'cpu', amp_dtype=torch.float16, scaler=scaler)
     engine.train_one_epoch(model, crit, loader, step, epoch=0, settings=engine.TrainSettings(print_freq=100),
                            logger=log)
     log.close()
@@ -106,7 +106,7 @@ def test_engine_logs_the_fp16_loss_scale(tmp_path):
 @needs_tensorboard
 def test_steps_handed_over_together_get_their_img_per_s_from_their_own_times(tmp_path):
     """The engine hands over a progress line's worth of steps at once, each with the time it ran."""
-    log = metrics.TensorBoardLogger(str(tmp_path))
+    log = utils.TensorBoardLogger(str(tmp_path))
     for step, t in ((0, 10.0), (1, 10.5), (2, 11.5)):
         log({'step': step, 'time': t, 'loss': 1.0, 'images': 64})
     log.close()

@@ -105,7 +105,7 @@ def test_a_mistyped_model_name_gets_the_variant_meant(tool, capsys):
 
 
 def test_predict_names_the_variant_meant():
-    from errors import UserError
+    from run.errors import UserError
     from tools import predict
     with pytest.raises(UserError, match=r"unknown model 'nalaformer-t' \(did you mean NALAFORMER_T\?\)"):
-        predict.build_model('nalaformer-t', {}, 'c.pth')
+        predict.predicting_model('nalaformer-t', {}, 'c.pth')

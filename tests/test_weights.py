@@ -1,4 +1,4 @@
-"""Weights into a model (weights.py, models/weight_files.py): the one rule by which every single-weights loader
+"""Weights into a model (run/weights.py, models/weight_files.py): the one rule by which every single-weights loader
 takes its weights, and the one-line diagnosis of files and weights that do not fit the model."""
 import fractions
 from argparse import Namespace
@@ -9,11 +9,7 @@ import torch
 from conftest import build_xt, load
 from test_checkpoint import _same, _Tiny, _xt
 
-import checkpoint
-import checkpoint_io
-import errors
-import resume
-import weights
+from run import checkpoint, errors, resume, weights
 from tools import analyze_attention as aa
 
 
@@ -69,7 +65,7 @@ def test_a_release_loads_as_weights_and_its_card_values_as_the_recorded_command_
         assert _same(model.state_dict(), ema.state_dict())
     assert f'Finetune: loaded {rel}, a release of model_ema weights (all ' in capsys.readouterr().out
     assert checkpoint.recorded_args(rel) == {'model': 'NALAFORMER_XT', 'input_size': 40, 'eval_crop_ratio': 0.875}
-    assert checkpoint_io.load_checkpoint_file(rel)['classes'] == ['a', 'b', 'c']
+    assert checkpoint.load_checkpoint_file(rel)['classes'] == ['a', 'b', 'c']
     resume.check_resumable(rel, eval_only=True)
     with pytest.raises(errors.CheckpointError) as e:
         resume.check_resumable(rel, eval_only=False)

@@ -26,19 +26,13 @@ from conftest import (
 )
 from PIL import Image
 
-import checkpoint
-import checkpoint_io
-import errors
-import exits
-import image_folder
-import resume
-import run_dir
-import run_lock
-import train_state
+from run import checkpoint, errors, output_dir, process, resume
+from training import image_folder, optim
 
 # ------------------------------------------------------------------------------ one job per output dir
-LOCK_HOLDER = ('import sys, run_lock\n'
-               'assert run_lock.lock_run_dir(sys.argv[1]) is None\n'
+LOCK_HOLDER = ('import sys\n'
+               'from run import output_dir\n'
+               'assert output_dir.lock_run_dir(sys.argv[1]) is None\n'
                'print("held", flush=True)\n'
                'sys.stdin.read()\n')
 
@@ -55,58 +49,58 @@ def test_a_held_output_dir_is_refused_naming_the_holder_also_under_no_lock(tmp_p
     no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
     try:
         assert holder.stdout.readline().strip() == 'held'
-        err = run_lock.lock_run_dir(str(tmp_path))
+        err = output_dir.lock_run_dir(str(tmp_path))
         line = f'--output_dir {tmp_path} is in use by another run (PID {holder.pid} on host '
         assert err and line in err
         # the holder's checkpoint being written: a refused job must not clean it away
-        saving = tmp_path / (checkpoint_io.TMP_PREFIX + 'checkpoint.pth.x1')
+        saving = tmp_path / (checkpoint.TMP_PREFIX + 'checkpoint.pth.x1')
         saving.write_bytes(b'half a checkpoint')
         with pytest.raises(errors.UserError, match='is in use by another run'):
-            run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path))), 'cpu')
+            output_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path))), 'cpu')
         with pytest.raises(errors.UserError, match=re.escape(line)):
-            run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
+            output_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         with monkeypatch.context() as m:  # a filesystem whose locks fail: the recorded process still runs
-            m.setattr(run_lock.fcntl, 'lockf', _no_locks)
+            m.setattr(output_dir.fcntl, 'lockf', _no_locks)
             with pytest.raises(errors.UserError, match=re.escape(line)):
-                run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
+                output_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         assert saving.exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')  # its process ended, so did its lock
-    assert str(tmp_path) not in run_lock._held_locks  # --no-lock took none
+    output_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')  # its process ended, so did its lock
+    assert str(tmp_path) not in output_dir._held_locks  # --no-lock took none
     # nothing stale is left behind
-    assert run_lock.lock_run_dir(str(tmp_path)) is None
+    assert output_dir.lock_run_dir(str(tmp_path)) is None
 
 
 def test_no_lock_ignores_a_recorded_process_number_that_a_later_process_reuses(tmp_path):
-    lock = tmp_path / run_lock.LOCK_NAME
+    lock = tmp_path / output_dir.LOCK_NAME
     no_lock = parse('--output_dir', str(tmp_path), '--no-lock')
     other = subprocess.Popen(['sleep', '30'])
     try:
         lock.write_text(f'PID {other.pid} on host {socket.gethostname()}\n')
         os.utime(lock, (time.time() - 60, time.time() - 60))  # written before that process started
-        run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
+        output_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
         os.utime(lock)  # written after it started: the process that wrote it
         with pytest.raises(errors.UserError, match=f'is in use by another run \\(PID {other.pid} on host'):
-            run_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
+            output_dir.prepare_output_dir(run_dir_of(no_lock), 'cpu')
     finally:
         other.kill()
         other.wait()
 
 
 def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_lock.fcntl, 'lockf', _no_locks)
-    assert run_lock.lock_run_dir(str(tmp_path)) is None
+    monkeypatch.setattr(output_dir.fcntl, 'lockf', _no_locks)
+    assert output_dir.lock_run_dir(str(tmp_path)) is None
     out = capsys.readouterr().out
     assert 'does not support file locks' in out and 'running without a lock' in out
 
 
 def test_no_lock_leaves_the_output_dir_unlocked(tmp_path):
-    run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'a'), '--no-lock')), 'cpu')
-    assert not os.path.exists(tmp_path / 'a' / run_lock.LOCK_NAME)
-    run_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'b'))), 'cpu')
-    assert os.path.exists(tmp_path / 'b' / run_lock.LOCK_NAME)
+    output_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'a'), '--no-lock')), 'cpu')
+    assert not os.path.exists(tmp_path / 'a' / output_dir.LOCK_NAME)
+    output_dir.prepare_output_dir(run_dir_of(parse('--output_dir', str(tmp_path / 'b'))), 'cpu')
+    assert os.path.exists(tmp_path / 'b' / output_dir.LOCK_NAME)
 
 
 # ------------------------------------------------------------------------------ classes of a resumed run
@@ -163,9 +157,9 @@ def test_a_changed_data_path_is_a_note_naming_both_paths(tmp_path, monkeypatch, 
 def _mid_epoch_checkpoint(tmp_path, argv, writers=1):
     """A checkpoint of a stop at step 2 of epoch 1, written by `writers` processes (their entries faked)."""
     run = _tiny_run(tmp_path, argv, n_train_images=24)
-    state = train_state.EpochState(step=2, rng_state=train_state.get_rng_state(),
-                                   epoch_rng_state=train_state.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
-    entries = train_state.epoch_state_entries(state)
+    state = resume.EpochState(step=2, rng_state=resume.get_rng_state(),
+                                   epoch_rng_state=resume.get_rng_state(), loss_meter={'total': 1.0, 'count': 2})
+    entries = resume.epoch_state_entries(state)
     for key in ('rng_state', 'epoch_rng_state'):
         entries[key] = entries[key] * writers
     entries['loss_meter'] = [{'total': 1.0 + rank, 'count': 2} for rank in range(writers)]
@@ -229,14 +223,14 @@ def test_a_mid_epoch_checkpoint_of_two_processes_continues_on_one(tmp_path, caps
 
 
 def test_dead_loader_worker_messages_of_torch_are_recognised():
-    assert exits._dead_loader_worker(RuntimeError('DataLoader worker (pid 812) is killed by signal: Killed. ')) \
+    assert process._dead_loader_worker(RuntimeError('DataLoader worker (pid 812) is killed by signal: Killed. ')) \
         == 'a data-loader worker (pid 812) was killed by signal Killed'
     wrapped = RuntimeError('DataLoader worker (pid(s) 812, 813) exited unexpectedly')
     try:
         raise ValueError('while loading') from wrapped
     except ValueError as e:
-        assert exits._dead_loader_worker(e) == 'a data-loader worker (pid 812, 813) exited unexpectedly'
-    assert exits._dead_loader_worker(RuntimeError('something else')) == ''
+        assert process._dead_loader_worker(e) == 'a data-loader worker (pid 812, 813) exited unexpectedly'
+    assert process._dead_loader_worker(RuntimeError('something else')) == ''
 
 
 def test_a_dead_worker_that_first_shows_as_a_reset_connection_is_still_named(monkeypatch):
@@ -251,13 +245,13 @@ def test_a_dead_worker_that_first_shows_as_a_reset_connection_is_still_named(mon
     monkeypatch.setattr(handling, '_error_if_any_worker_fails', dead)
     previous = signal.signal(signal.SIGCHLD, lambda *a: dead())
     try:
-        assert exits._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
+        assert process._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
             == 'a data-loader worker (pid 812) was killed by signal Killed'
         assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGCHLD, previous)
     monkeypatch.setattr(handling, '_error_if_any_worker_fails', lambda: None)
-    assert exits._dead_loader_worker_after(ValueError('a bug')) == ''
+    assert process._dead_loader_worker_after(ValueError('a bug')) == ''
 
 
 def test_a_worker_whose_death_shows_after_its_connection_broke_is_still_named(monkeypatch):
@@ -274,10 +268,10 @@ def test_a_worker_whose_death_shows_after_its_connection_broke_is_still_named(mo
     monkeypatch.setattr(handling, '_error_if_any_worker_fails', dead_on_third_call)
     previous = signal.getsignal(signal.SIGCHLD)
     try:
-        assert exits._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
+        assert process._dead_loader_worker_after(ConnectionResetError(104, 'Connection reset by peer')) \
             == 'a data-loader worker (pid 812) was killed by signal Killed'
         calls.clear()
-        assert exits._dead_loader_worker_after(ValueError('a bug')) == ''
+        assert process._dead_loader_worker_after(ValueError('a bug')) == ''
         assert len(calls) == 1  # no broken connection: asked once, no wait
     finally:
         signal.signal(signal.SIGCHLD, previous)
@@ -290,12 +284,12 @@ def test_resume_notes_name_the_flags_and_what_they_change():
     now = parse('--batch-size', '4', '--accum-steps', '1', '--epochs', '3')
     now.world_size, now.lr = 2, 5e-4 * 8 / 512
     decay = 0.99996
-    lines = resume.flag_changes(saved, vars(now))
+    lines = optim.flag_changes(saved, vars(now))
     assert lines[0] == (f'--accum-steps 2 -> 1: global batch 16 -> 8, '
                         f'LR {5e-4 * 16 / 512:.4g} -> {5e-4 * 8 / 512:.4g}, '
                         f'EMA decay {decay ** (16 / 512):.8g} -> {decay ** (8 / 512):.8g}')
     assert lines[1:] == ['--epochs 2 -> 3']
-    assert resume.flag_changes(saved, vars(parse())) != [] and resume.flag_changes({}, vars(now)) == []
+    assert optim.flag_changes(saved, vars(parse())) != [] and optim.flag_changes({}, vars(now)) == []
 
 
 # ------------------------------------------------------------------------------ file names in messages
@@ -313,8 +307,8 @@ def test_pil_large_image_warning_names_the_file(tmp_path, monkeypatch):
 def test_a_deleted_output_dir_is_reported_as_gone(tmp_path):
     out = tmp_path / 'out'
     out.mkdir()
-    checkpoint_io.save_atomic({'epoch': 0}, str(out / 'checkpoint.pth'))
+    checkpoint.save_atomic({'epoch': 0}, str(out / 'checkpoint.pth'))
     shutil.rmtree(out)  # the whole run directory deleted while the run goes on
     with pytest.raises(errors.CheckpointWriteError) as e:
-        checkpoint_io.save_atomic({'epoch': 1}, str(out / 'checkpoint.pth'))
+        checkpoint.save_atomic({'epoch': 1}, str(out / 'checkpoint.pth'))
     assert f'the output directory {out} is gone' in str(e.value) and 'is kept' not in str(e.value)

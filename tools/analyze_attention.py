@@ -52,15 +52,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import timm
 
-import checkpoint
-import checkpoint_io
+import cli
 import datasets
-import errors
-import image_folder
 import models  # noqa: F401  (registers the variants)
-from errors import FlagParser, unknown_model
 from models import VARIANTS
 from models.nala import NaLaAttention
+from run import checkpoint, errors
+from run.errors import FlagParser, unknown_model
+from run.weights import load_weights_into, select_weights
 from tools.attention_rules import (
     METHOD_LABELS,
     METHODS,
@@ -71,7 +70,7 @@ from tools.attention_rules import (
     softmax_model_weights,
     spearman,
 )
-from weights import load_weights_into, select_weights
+from training import image_folder
 
 MAX_SCATTER_POINTS = 8000
 
@@ -371,7 +370,7 @@ def load_model(name: str, checkpoint_path: str | None = None, weights: str = 'de
         torch.manual_seed(seed)
         model = timm.create_model(name, num_classes=num_classes or 1000)
         return model.eval(), meta
-    ckpt = checkpoint_io.load_checkpoint_file(checkpoint_path)
+    ckpt = checkpoint.load_checkpoint_file(checkpoint_path)
     key, state = select_weights(ckpt, checkpoint_path, weights)
     if 'head.weight' not in state:
         raise errors.CheckpointError(f'{checkpoint_path}: no head.weight; not a NaLaFormer checkpoint')
@@ -499,7 +498,7 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
         args.output_dir = default_output_dir(args.checkpoint, args.weights, args.seed)
     paths = image_paths(args.images) if args.images is not None else None  # a bad folder fails before the model
     model, meta = load_model(args.model, args.checkpoint, args.weights, seed=args.seed)
-    note = datasets.override_note('--input-size', args.input_size, meta.get('input_size'), args.checkpoint)
+    note = cli.override_note('--input-size', args.input_size, meta.get('input_size'), args.checkpoint)
     if note:
         print(note)
     cfg = datasets.data_config(model, args.input_size or meta.get('input_size') or (64 if args.data_set else None),

@@ -9,7 +9,7 @@ against the machine's own GEMM.
     python tools/benchmark.py --compare convnext_tiny,swin_tiny_patch4_window7_224 -b 2 --sizes 224 512 1024
 
 A measurement: warm-up steps, then timed steps (median step time, and the median process CPU time per
-step, all threads). ``train`` times main.py's optimizer step (``optim_step.OptimizerStep``:
+step, all threads). ``train`` times main.py's optimizer step (``training.step.OptimizerStep``:
 zero_grad(set_to_none), forward under autocast, the loss check, backward, AdamW step, fp16 loss scaling);
 ``inference`` times a no-grad forward in eval mode. ``--dtype fp32,bf16`` builds the model once per dtype
 (the same initial weights) and steps them in turn, then prints each dtype's speed-up over the first (by
@@ -62,10 +62,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import timm
 
-from errors import FlagParser
-from models import VARIANTS
+from models import PAPER_FIGURES, VARIANTS
+from run.errors import FlagParser
 from tools import timing
-from tools.published import published_top1
 
 
 def model_macs(name: str, input_size: Sequence[int]) -> int:
@@ -295,7 +294,8 @@ def compare(args: argparse.Namespace) -> list[dict]:
             progress(f'{key[0]:<{width_of_names}}  {mode}'
                      + (f' {key[1]}' if len(args.dtypes) > 1 else '')
                      + f': peak memory of a step {peaks[key] / 2 ** 20:.0f} MiB')
-        rows = compare_rows(args, mode, macs, checkpointing, times, cpu_times, gemms, peaks)
+        rows = compare_rows(args, mode, macs=macs, checkpointing=checkpointing, times=times, cpu_times=cpu_times,
+                            gemms=gemms, peaks=peaks)
         add_peer_ratios(rows)
         results.extend(rows)
         steps.clear()
@@ -447,6 +447,31 @@ def print_size_table(results: list[dict]) -> None:
     print(PEAK_NOTE)
 
 
+# ---- published top-1 of the models --compare is run against --------------------------------------------
+# ImageNet-1k top-1 (%, 224 px, trained on ImageNet-1k only) of those timm models, each with the paper it comes
+# from; the NaLaFormer variants' figures are the paper's (models.PAPER_FIGURES)
+#: timm model name -> (top-1 %, source)
+PUBLISHED_TOP1: dict[str, tuple[float, str]] = {
+    'convnext_tiny': (82.1, 'ConvNeXt-T: Liu et al., A ConvNet for the 2020s, CVPR 2022, arXiv:2201.03545'),
+    'pvt_v2_b2': (82.0, 'PVTv2-B2: Wang et al., PVT v2: Improved Baselines with Pyramid Vision Transformer, '
+                        'CVMJ 2022, arXiv:2106.13797'),
+    'pvt_v2_b1': (78.7, 'PVTv2-B1: Wang et al., PVT v2, CVMJ 2022, arXiv:2106.13797'),
+    'swin_tiny_patch4_window7_224': (81.2, 'Swin-T: Liu et al., Swin Transformer: Hierarchical Vision '
+                                           'Transformer using Shifted Windows, ICCV 2021, arXiv:2103.14030'),
+    'efficientformerv2_s1': (79.0, 'EfficientFormerV2-S1 (trained with distillation): Li et al., Rethinking '
+                                   'Vision Transformers for MobileNet Size and Speed, ICCV 2023, arXiv:2212.08059'),
+}
+
+
+def published_top1(name: str) -> float | None:
+    """The published ImageNet-1k top-1 of a NaLaFormer variant or a listed timm model (a pretrained tag
+    such as ``.fb_in1k`` is ignored), or None where none is listed."""
+    if name.upper() in PAPER_FIGURES:
+        return PAPER_FIGURES[name.upper()][2]
+    entry = PUBLISHED_TOP1.get(name.split('.', 1)[0])
+    return entry[0] if entry else None
+
+
 # ---- the command line -------------------------------------------------------------------------------
 #: the measurements that are programs of their own, by the flag that chose them here (in the order that
 #: flag took precedence when several were given): what it measures, its program, and whether the flag stays
@@ -565,7 +590,6 @@ def main(argv: Sequence[str] | None = None) -> dict | list[dict]:
         print_results(results)
     timing.write_jsonl(args.json, results)
     return results[0] if len(results) == 1 and not args.compare else results
-
 
 if __name__ == '__main__':
     main()

@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-import precision
-from errors import FlagParser
 from models import VARIANTS
+from run.errors import FlagParser
 from tools import timing
+from training.step import amp_dtype, autocast
 
 
 def sweep(args: argparse.Namespace) -> dict:
@@ -32,7 +32,7 @@ def sweep(args: argparse.Namespace) -> dict:
     from models.nala import RoPE
     from models.nalaformer import NaLaBlock, set_fast_path
     device = torch.device(args.device)
-    amp = precision.amp_dtype(args.dtype)
+    amp = amp_dtype(args.dtype)
     arch = VARIANTS[args.model.upper()]
     stage = args.sweep_stage
     dim, heads = arch['embed_dims'][stage], arch['num_heads'][stage]
@@ -62,12 +62,12 @@ def sweep(args: argparse.Namespace) -> dict:
                 sin, cos = rope((side, side))
                 if args.mode == 'train':
                     block.train()
-                    with precision.autocast(device, amp):
+                    with autocast(device, amp):
                         out = block(x, sin, cos)
                     out.float().sum().backward()
                 else:
                     block.eval()
-                    with torch.no_grad(), precision.autocast(device, amp):
+                    with torch.no_grad(), autocast(device, amp):
                         block(x, sin, cos)
             # small sizes take milliseconds: repeat them for >= 1 s and keep the fastest step, the
             # best estimate of the block's own cost on a machine shared with other processes

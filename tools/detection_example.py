@@ -23,7 +23,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import models  # registers the variants
-from errors import FlagParser, unknown_model
+from run.errors import FlagParser, unknown_model
 
 
 class NaLaFormerFPN(nn.Module):

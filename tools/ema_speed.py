@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from ema import ModelEma
-from errors import FlagParser
+from run.errors import FlagParser
 from tools import timing
+from training.optim import ModelEma
 
 EMA_MODELS = ('NALAFORMER_XT', 'NALAFORMER_L')
 

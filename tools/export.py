@@ -32,9 +32,9 @@ from timm.models import load_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from errors import FlagParser, unknown_model
 from models import VARIANTS  # importing models registers the variants
 from models.compat import dynamo_onnx_export_error, export_dim, export_program_error
+from run.errors import FlagParser, unknown_model
 
 FORMATS = ('onnx', 'torchscript', 'exported-program')
 INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
@@ -42,7 +42,7 @@ INPUT_NAME, OUTPUT_NAME = 'images', 'logits'
 ONNX_PROTOBUF_LIMIT = 2 ** 31
 
 
-def build_model(name: str, checkpoint: str | None = None, seed: int = 0) -> nn.Module:
+def model_to_export(name: str, checkpoint: str | None = None, seed: int = 0) -> nn.Module:
     """The variant in eval mode; with a checkpoint (a state dict or a training checkpoint, EMA weights
     preferred), its weights, loaded strictly, with the number of classes of its head; without one,
     random weights drawn under ``seed``."""
@@ -182,11 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f'building {args.model} with ' + (f'the weights of {args.checkpoint}' if args.checkpoint
                                          else f'random weights (--seed {args.seed}; no --checkpoint given)'))
     try:
-        model = build_model(args.model, args.checkpoint, args.seed)
+        model = model_to_export(args.model, args.checkpoint, args.seed)
     except (RuntimeError, KeyError, ValueError) as e:
         parser.error(f'cannot load --checkpoint {args.checkpoint} into {args.model}: '
                      f'{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}')
-    results = check_export(model, args.format, args.output, args.input_size, args.dynamic, args.legacy_onnx, log)
+    results = check_export(model, args.format, args.output, input_size=args.input_size, dynamic=args.dynamic,
+                           legacy_onnx=args.legacy_onnx, log=log)
     worst = max(err for _, err in results)
     for shape, err in results:
         print(f'input {"x".join(map(str, shape))}: max |exported - PyTorch| = {err:.2e}')

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import timm
 
 import models  # noqa: F401  (registers the variants)
-from errors import FlagParser, unknown_model
 from models import PAPER_FIGURES, VARIANTS
 from models.flop_count import count_flops, count_params  # count_* re-exported for tools
+from run.errors import FlagParser, unknown_model
 
 # (title, width) of each column; every value is right-aligned under the right end of its title
 COLUMNS = (('model', 15), ('params (M)', 12), ('GFLOPs', 10), ('paper params (M)', 19), ('paper GFLOPs', 14),

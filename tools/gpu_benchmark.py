@@ -28,13 +28,12 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
 import engine
-import optim_step
-import precision
-from ema import ModelEma
-from errors import FlagParser
 from models import VARIANTS
+from run.errors import FlagParser
 from tools import timing
 from tools.synthetic import make_photo_jpegs
+from training.optim import ModelEma
+from training.step import OptimizerStep, amp_dtype, autocast
 
 GPU_OURS = ('NALAFORMER_T', 'NALAFORMER_XT')
 GPU_PEERS = ('convnext_tiny', 'swin_tiny_patch4_window7_224', 'pvt_v2_b2', 'efficientformerv2_s1')
@@ -48,8 +47,8 @@ class BatchList(list):
         self.batch_size = batch_size
 
 
-def preset_model_row(name: str, label: str, fast_path: bool, compile_model: bool, x: torch.Tensor,
-                     target: torch.Tensor, args: argparse.Namespace) -> dict:
+def preset_model_row(name: str, label: str, x: torch.Tensor, target: torch.Tensor, args: argparse.Namespace, *,
+                     fast_path: bool = True, compile_model: bool = False) -> dict:
     """Training and inference img/s and peak step memory of one model (``make_step``: main.py's optimizer
     step; a no-grad eval forward), with the time of the warm-up steps (which compile, with --compile)."""
     device, dtype = torch.device(args.device), timing.DTYPES[args.dtype]
@@ -104,7 +103,7 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
     import io
 
     from cli import get_args_parser, settings
-    from optimizer import OptimizerSettings, build_optimizer
+    from training.optim import OptimizerSettings, build_optimizer
     device, dtype = torch.device(args.device), timing.DTYPES[args.dtype]
     torch.manual_seed(0)
     model = timing.create_any(name, device, True, x.shape[-2:]).train()
@@ -112,13 +111,13 @@ def preset_engine_row(name: str, x: torch.Tensor, target: torch.Tensor, args: ar
 
     def bare() -> None:
         model.zero_grad(set_to_none=True)
-        with precision.autocast(device, precision.amp_dtype(args.dtype)):
+        with autocast(device, amp_dtype(args.dtype)):
             loss = cross_entropy(model(x), target)
         loss.backward()
     bare_s = statistics.median(timing.time_call(bare, device, args.steps, args.warmup))
     optimizer = build_optimizer(model, settings(OptimizerSettings, get_args_parser().parse_args(['--model', name])))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    step = optim_step.OptimizerStep(optimizer, device, precision.amp_dtype(args.dtype), scaler)
+    step = OptimizerStep(optimizer, device, amp_dtype(args.dtype), scaler)
     ema = ModelEma(model, decay=0.9999)
 
     def epoch(n: int) -> None:
@@ -148,7 +147,7 @@ def preset_loader_row(args: argparse.Namespace, engine_rows: list[dict]) -> dict
 
     from torchvision.datasets import ImageFolder
 
-    from cpu import available_cpus
+    from run.process import available_cpus
     workers = (args.data_workers or [available_cpus()])[0]
     with tempfile.TemporaryDirectory(prefix='nalaformer-photos-') as root:
         make_photo_jpegs(root, count=args.loader_images)
@@ -191,9 +190,9 @@ def gpu_preset(args: argparse.Namespace) -> list[dict]:
           + f', budget {args.budget:.0f} s', flush=True)
     rows = []
     for name in ours:
-        rows.append(preset_model_row(name, name, True, False, x, target, args))
-        rows.append(preset_model_row(name, f'{name} (plain path)', False, False, x, target, args))
-    rows += [preset_model_row(name, name, True, False, x, target, args) for name in peers]
+        rows.append(preset_model_row(name, name, x, target, args))
+        rows.append(preset_model_row(name, f'{name} (plain path)', x, target, args, fast_path=False))
+    rows += [preset_model_row(name, name, x, target, args) for name in peers]
     engine_rows = []
     for name in ours:
         engine_rows.append(preset_engine_row(name, x, target, args))
@@ -210,7 +209,7 @@ def gpu_preset(args: argparse.Namespace) -> list[dict]:
                       f'to {slowest:.0f} s', flush=True)
                 rows.append(dict(part='model', model=name, compile=True, skipped=True))
                 continue
-            row = preset_model_row(name, name, True, True, x, target, args)
+            row = preset_model_row(name, name, x, target, args, compile_model=True)
             slowest = max(slowest, row['train_warmup_s'] + row['inference_warmup_s'])
             rows.append(row)
     print(f'tools/gpu_benchmark.py took {time.perf_counter() - start:.0f} s')

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from errors import FlagParser
+from run.errors import FlagParser
 from tools import timing
 from tools.synthetic import make_jpegs, make_photo_jpegs
 

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from errors import FlagParser
 from models import VARIANTS
+from run.errors import FlagParser
 from tools import timing
 
 PAPER_SIZES = (224, 384, 512)

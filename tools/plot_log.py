@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from errors import FlagParser  # noqa: E402
+from run.errors import FlagParser  # noqa: E402
 
 #: (panel title, y label, [(key, line style, legend suffix)])
 PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [

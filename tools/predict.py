@@ -30,15 +30,15 @@ from PIL import Image, UnidentifiedImageError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-import checkpoint
-import checkpoint_io
+import cli
 import datasets
-import image_folder
 import models  # noqa: F401  (registers the variants)
-from errors import CheckpointError, FlagParser, UserError, first_line, unknown_model
 from models.nalaformer import VARIANTS, from_reference_layout
+from run import checkpoint
+from run.errors import CheckpointError, FlagParser, UserError, first_line, unknown_model
+from run.weights import model_for_weights, select_weights
 from tools.release import WEIGHT_CHOICES
-from weights import model_for_weights, select_weights
+from training import image_folder
 
 
 def list_images(paths: Sequence[str]) -> list[str]:
@@ -99,13 +99,13 @@ def load_weights(path: str, weights: str = 'default') -> tuple[dict[str, torch.T
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f'{path} is not a readable safetensors file ({first_line(e)})') from e
         return sd, _run_info(meta, 'crop_pct', _metadata_classes(meta))
-    ckpt = checkpoint_io.load_checkpoint_file(path)
+    ckpt = checkpoint.load_checkpoint_file(path)
     _, sd = select_weights(ckpt, path, weights)
     classes = ckpt.get('classes') if isinstance(ckpt, dict) else None
     return sd, _run_info(checkpoint.saved_args(ckpt), 'eval_crop_ratio', classes)
 
 
-def build_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
+def predicting_model(model_name: str, sd: dict[str, torch.Tensor], path: str) -> torch.nn.Module:
     """``model_name`` with the classifier size of ``sd``, loaded strictly, in eval mode."""
     if not timm.is_model(model_name):
         raise UserError(unknown_model(model_name, VARIANTS, timm.list_models()))
@@ -206,9 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_name = args.model or recorded.get('model')
         if not model_name:
             raise UserError(f'{args.checkpoint} does not record its model; pass --model NAME')
-        model = build_model(model_name, sd, args.checkpoint).to(args.device)
+        model = predicting_model(model_name, sd, args.checkpoint).to(args.device)
         class_names, names_from = class_names_for(args, recorded, model.num_classes)
-        note = datasets.override_note('--input-size', args.input_size, recorded.get('input_size'), args.checkpoint)
+        note = cli.override_note('--input-size', args.input_size, recorded.get('input_size'), args.checkpoint)
         if note:
             print(note, file=sys.stderr)
         cfg = datasets.data_config(model, args.input_size or recorded.get('input_size'), recorded.get('crop_pct'))

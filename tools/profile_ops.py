@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import models.nala as nala  # noqa: E402
 import models.nalaformer as nalaformer  # noqa: E402
-from errors import FlagParser, unknown_model  # noqa: E402
 from models import VARIANTS  # noqa: E402
+from run.errors import FlagParser, unknown_model  # noqa: E402
 from tools.timing import DTYPES, create_any, make_step, quiet_profiler  # noqa: E402
 
 STAGES = ('stem', 'stage1', 'stage2', 'stage3', 'stage4', 'head', 'optimizer')
@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     for size, batch_size in zip(args.sizes, batch_sizes):
         for mode in args.modes:
             for name in [args.model] + [n for n in args.compare if n != args.model]:
-                result = run(name, size, batch_size, mode, args.steps, args.warmup, args.fast_path, args.dtype)
+                result = run(name, size, batch_size, mode, steps=args.steps, warmup=args.warmup,
+                             fast_path=args.fast_path, dtype=args.dtype)
                 print(format_result(result) + '\n', flush=True)
                 results.append(result)
                 if args.json:

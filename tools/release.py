@@ -39,11 +39,10 @@ import timm
 
 import datasets
 import models  # noqa: F401  (registers the variants)
-from checkpoint import saved_args
-from checkpoint_io import load_checkpoint_file
-from errors import FlagParser, UserError, unknown_model
 from models.nalaformer import VARIANTS, to_reference_layout
-from weights import model_for_weights, select_weights
+from run.checkpoint import load_checkpoint_file, saved_args
+from run.errors import FlagParser, UserError, unknown_model
+from run.weights import model_for_weights, select_weights
 
 WEIGHT_CHOICES = ('default', 'model', 'model_ema')
 #: The model card's line for each key layout a release can have.
@@ -269,8 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default='see the LICENSE of the NaLaFormer repository and the terms of the training data')
     args = parser.parse_args(argv)
     try:
-        info = release(args.checkpoint, args.output_dir, args.weights, args.name, args.model, args.flops,
-                       args.license_line, args.reference_layout)
+        info = release(args.checkpoint, args.output_dir, weights=args.weights, name=args.name, model_name=args.model,
+                       flops=args.flops, license_line=args.license_line, reference_layout=args.reference_layout)
     except UserError as e:
         parser.exit(2, f'{parser.prog}: error: {e}\n')
     print(f"Released {info['choice']}")

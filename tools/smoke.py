@@ -31,7 +31,7 @@ from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `python tools/X.py` too
 
-from errors import FlagParser
+from run.errors import FlagParser
 from tools.synthetic import write_imagefolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,12 +23,11 @@ import torch
 import torch.nn as nn
 from timm.models import get_pretrained_cfg
 
-import cpu
 import models  # noqa: F401  (registers the variants)
-import optim_step
-import precision
-from errors import unknown_model
 from models import VARIANTS
+from run import process
+from run.errors import unknown_model
+from training import step as training_step
 
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
@@ -164,7 +163,7 @@ def create_any(name: str, device: torch.device, fast_path: bool,
 def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, mode: str, dtype: torch.dtype,
               device: torch.device, *, compile_model: bool = False):
     """The function one benchmark step calls, and the optimizer (None for inference). ``train``: main.py's
-    optimizer step (``optim_step.OptimizerStep``: zero_grad(set_to_none), forward under autocast, the loss
+    optimizer step (``training.step.OptimizerStep``: zero_grad(set_to_none), forward under autocast, the loss
     check, backward, AdamW step, fp16 loss scaling); ``inference``: a no-grad forward in eval mode."""
     fwd = torch.compile(model) if compile_model else model
     amp = None if dtype == torch.float32 else dtype
@@ -172,7 +171,7 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, mo
         model.eval()
 
         def step() -> None:
-            with torch.no_grad(), precision.autocast(device, amp):
+            with torch.no_grad(), training_step.autocast(device, amp):
                 fwd(x)
         return step, None
 
@@ -181,7 +180,7 @@ def make_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, mo
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05,
                                   **({'fused': True} if device.type == 'cuda' else {}))
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    optimizer_step = optim_step.OptimizerStep(optimizer, device, amp, scaler)
+    optimizer_step = training_step.OptimizerStep(optimizer, device, amp, scaler)
     cross_entropy = nn.CrossEntropyLoss()
 
     def criterion(samples: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -214,7 +213,7 @@ def add_machine_args(parser: argparse.ArgumentParser, *, tf32: bool = True, cpu_
         parser.add_argument('--cpu-malloc', choices=['retain', 'system'], default='system',
                             help="CPU allocator: system (the default of every benchmark program that takes it: a "
                                  "plain process, as a user's own code and timm's train.py run) or retain, main.py's "
-                                 'default (cpu.retain_freed_cpu_memory); the output says which was used')
+                                 'default (process.retain_freed_cpu_memory); the output says which was used')
 
 
 def add_step_count_args(parser: argparse.ArgumentParser, steps: int = 5) -> None:
@@ -285,9 +284,9 @@ def setup_machine(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     tf32 = getattr(args, 'tf32', None)
     if tf32 is not None:
-        args.tf32_applied = tf32 if precision.set_tf32(args.device, tf32) else None
+        args.tf32_applied = tf32 if training_step.set_tf32(args.device, tf32) else None
     if not args.device.startswith('cuda') and getattr(args, 'cpu_malloc', None) == 'retain':
-        args.cpu_malloc = 'retain' if cpu.retain_freed_cpu_memory() else 'system'
+        args.cpu_malloc = 'retain' if process.retain_freed_cpu_memory() else 'system'
 
 
 def write_jsonl(path: str | None, results: list[dict]) -> None:

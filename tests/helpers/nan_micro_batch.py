@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the root
 
 import main
-import optim_step
+from training.step import OptimizerStep
 
 calls = {'loss': 0, 'backward': 0}
 
@@ -37,11 +37,11 @@ def counted_backward(self, loss):
     optimizer_step_backward(self, loss)
 
 
-main_build_criterion, optimizer_step_backward = main.build_criterion, optim_step.OptimizerStep._backward
+main_build_criterion, optimizer_step_backward = main.build_criterion, OptimizerStep._backward
 
 if __name__ == '__main__':
     main.build_criterion = faulty_criterion
-    optim_step.OptimizerStep._backward = counted_backward
+    OptimizerStep._backward = counted_backward
     code = main.run(sys.argv[1:])
     sys.stderr.write(f"[rank {os.environ.get('RANK', 0)}] backward passes: {calls['backward']} of "
                      f"{calls['loss']} micro-batches\n")

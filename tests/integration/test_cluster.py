@@ -1,5 +1,5 @@
-"""The cluster path for real, on one machine (tests/cluster.py): slurm/train.sbatch under a fake SLURM saving and
-requeueing on its warning signal, two torchrun "nodes" on 127.0.0.1 (c10d rendezvous, one CPU process each)
+"""The cluster path for real, on one machine (tests/helpers/cluster.py): slurm/train.sbatch under a fake SLURM
+saving and requeueing on its warning signal, two torchrun "nodes" on 127.0.0.1 (c10d rendezvous, one CPU process each)
 restarting together after a worker is killed, node-local output directories that do not hold the same
 checkpoint, a stop signal to one worker under --max-restarts, and a log.txt that rank 0 cannot write.
 
@@ -13,7 +13,8 @@ import sys
 import time
 
 import pytest
-from cluster import (
+from conftest import BASE, PY, REPO, TORCHRUN, assert_same_weights, free_port, load, run_main
+from helpers.cluster import (
     FakeSlurm,
     children,
     finish,
@@ -23,7 +24,6 @@ from cluster import (
     torchrun_node,
     wait_for,
 )
-from conftest import BASE, PY, REPO, TORCHRUN, assert_same_weights, free_port, load, run_main
 
 pytestmark = pytest.mark.slow  # torchrun, SLURM's scripts and signals in real processes
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import PY, REPO, env, run_main, untrained_eval_argv
-from image_folders import dataset_of, eval_sets_of, make_args
+from helpers.image_folders import dataset_of, eval_sets_of, make_args
 from PIL import Image
 
 pytestmark = pytest.mark.slow  # main.py, make's flags, torch.hub and torchrun in real processes
@@ -149,8 +149,8 @@ def test_a_size_that_cannot_fit_ends_in_one_line_before_anything_is_allocated(sc
 SCRIPT = r"""
 import resource, sys
 import torch
-import cpu
-retained = cpu.retain_freed_cpu_memory() if sys.argv[1] == 'retain' else None
+from run import process
+retained = process.retain_freed_cpu_memory() if sys.argv[1] == 'retain' else None
 faults = []
 for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

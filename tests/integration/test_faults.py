@@ -31,12 +31,10 @@ from conftest import (
     signal_when,
     start_process,
 )
-from image_folders import make_imagefolder
+from helpers.image_folders import make_imagefolder
 
-import checkpoint_io
-import loaders
-import run_lock
-import signals
+from run import checkpoint, output_dir, process
+from training import loaders
 
 pytestmark = pytest.mark.slow  # main.py and data-loader workers in real processes, signals and kills
 
@@ -76,17 +74,18 @@ def test_failing_checkpoint_write_reports_path_and_keeps_previous(one_epoch, dat
     line = error_line(p, only=False)
     assert f'could not write checkpoint {ck}' in line and 'previous checkpoint.pth' in line
     assert open(ck, 'rb').read() == before
-    assert not [f for f in os.listdir(out) if f.startswith(checkpoint_io.TMP_PREFIX)]
+    assert not [f for f in os.listdir(out) if f.startswith(checkpoint.TMP_PREFIX)]
 
 
 def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
     script = (
-        'import sys, torch, checkpoint_io\n'
+        'import sys, torch\n'
+        'from run import checkpoint\n'
         'state = {"model": {"w%d" % i: torch.randn(256, 256) for i in range(16)}}\n'
         'print("ready", flush=True)\n'
         'e = 0\n'
         'while True:\n'
-        '    state["epoch"] = e; checkpoint_io.save_atomic(state, sys.argv[1]); e += 1\n')
+        '    state["epoch"] = e; checkpoint.save_atomic(state, sys.argv[1]); e += 1\n')
     path = tmp_path / 'checkpoint.pth'
     for delay in (0.3, 0.77):
         proc = subprocess.Popen([PY, '-c', script, str(path)], cwd=REPO, env=env(), stdout=subprocess.PIPE, text=True)
@@ -96,7 +95,7 @@ def test_kill_9_during_writes_leaves_a_loadable_checkpoint(tmp_path):
         proc.wait()
         ck = load(path)  # whatever moment the kill hit, the file is a complete checkpoint
         assert ck['model']['w15'].shape == (256, 256)
-        checkpoint_io.remove_stale_tmp(str(tmp_path))
+        checkpoint.remove_stale_tmp(str(tmp_path))
         assert os.listdir(tmp_path) == ['checkpoint.pth']
 
 
@@ -296,20 +295,21 @@ def test_killed_between_the_writes_then_resumed(data, tmp_path):
     args = BASE[:-1] + ['1', '--data-path', data, '--output_dir', str(out), '--no-model-ema']
     script = tmp_path / 'inject.py'
     script.write_text(
-        'import os, sys, saver, main\n'
-        'real = saver.save_atomic\n'
+        'import os, sys, main\n'
+        'from run import checkpoint\n'
+        'real = checkpoint.save_atomic\n'
         'def save(state, path):\n'
         '    real(state, path)\n'
         '    if path.endswith("checkpoint.pth"):\n'
         '        os._exit(9)\n'
-        'saver.save_atomic = save\n'
+        'checkpoint.save_atomic = save\n'
         'sys.exit(main.run(sys.argv[1:]))\n')
     p = subprocess.run([PY, str(script)] + args, cwd=REPO, env={**env(), 'PYTHONPATH': REPO}, capture_output=True,
                        text=True, timeout=240)
     assert p.returncode == 9, p.stderr[-2000:]
     ck = torch.load(out / 'checkpoint.pth', weights_only=True)
     assert ck['epoch'] == 0 and ck['files'] == ['checkpoint.pth', 'best.pth'] and ck['best_epoch'] == 0
-    assert sorted(f for f in os.listdir(out) if f != run_lock.LOCK_NAME) == ['args.json', 'checkpoint.pth']
+    assert sorted(f for f in os.listdir(out) if f != output_dir.LOCK_NAME) == ['args.json', 'checkpoint.pth']
     p = run_main(args)  # the same command: nothing left to train, the state is repaired
     assert re.search(r'Repaired \S+best\.pth: it was missing', p.stdout), p.stdout[-3000:]
     assert 'added the line of epoch 0' in p.stdout
@@ -386,7 +386,7 @@ def test_usr1_to_every_process_with_spawned_workers_saves_and_resumes(data, tmp_
 def stop_signals_held_off():
     """For each stop signal: does this process hold it back (blocked) or ignore it?"""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    return [s in blocked or signal.getsignal(s) == signal.SIG_IGN for s in signals.STOP_SIGNALS]
+    return [s in blocked or signal.getsignal(s) == signal.SIG_IGN for s in process.STOP_SIGNALS]
 
 
 class SignalState(torch.utils.data.Dataset):
@@ -412,9 +412,9 @@ def test_spawned_workers_ignore_the_stop_signals_from_birth():
     kill it in that window either. The main process gets its signal mask back afterwards."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     loader = loaders.DataLoader(SignalState(), num_workers=1, multiprocessing_context='spawn',
-                              worker_init_fn=signals.worker_init_fn)
+                              worker_init_fn=process.worker_init_fn)
     (state,) = list(loader)
     at_birth, loading = state.tolist()[0]
-    assert at_birth[signals.STOP_SIGNALS.index(signal.SIGUSR1)]  # what SLURM's requeue sends to every process
+    assert at_birth[process.STOP_SIGNALS.index(signal.SIGUSR1)]  # what SLURM's requeue sends to every process
     assert all(loading)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

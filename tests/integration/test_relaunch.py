@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from cluster import children
 from conftest import (
     BASE,
     PY,
@@ -27,7 +26,8 @@ from conftest import (
     signal_when,
     start_process,
 )
-from image_folders import make_imagefolder
+from helpers.cluster import children
+from helpers.image_folders import make_imagefolder
 
 pytestmark = pytest.mark.slow  # torchrun, signals and kills in real processes
 

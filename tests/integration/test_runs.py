@@ -24,7 +24,7 @@ from conftest import (
     load,
     run_main,
 )
-from image_folders import make_imagefolder
+from helpers.image_folders import make_imagefolder
 
 pytestmark = pytest.mark.slow  # every test here runs main.py in real processes
 

@@ -53,13 +53,13 @@ def run_seg(nproc, args, timeout=240, code=0, cmd=None, environ=None):
 #: first image, 'kill-before-best K' SIGKILLs itself before the K-th copy to best.pth (checkpoint.pth written)
 FAULTS = """
 import os, signal, sys
-import saver
+from run import checkpoint
 from segmentation import miou, train
 fault, argv = sys.argv[1].split(), sys.argv[2:]
 calls = []
 def hook(name, when, sig):
     module, attr = name.rsplit('.', 1)
-    module = {'train': train, 'miou': miou, 'saver': saver}[module]
+    module = {'train': train, 'miou': miou, 'checkpoint': checkpoint}[module]
     original = getattr(module, attr)
     def hooked(*a, **k):
         calls.append(a)
@@ -73,7 +73,7 @@ elif fault[0] == 'stop-in-eval':
     hook('miou.confusion_matrix', lambda a: len(calls) == 1, signal.SIGINT)
 elif fault[0] == 'kill-before-best':
     best = lambda a: str(a[1]).endswith('best.pth')
-    hook('saver.copy_atomic', lambda a: best(a) and sum(map(best, calls)) == int(fault[1]), signal.SIGKILL)
+    hook('checkpoint.copy_atomic', lambda a: best(a) and sum(map(best, calls)) == int(fault[1]), signal.SIGKILL)
 sys.exit(train.run(argv))
 """
 
@@ -216,7 +216,7 @@ def test_a_bad_file_found_while_training_keeps_the_training_done(data, straight1
     validation image found undecodable by the evaluation at iteration 3 ends it with checkpoint.pth holding that
     evaluation as due. Neither removes the output directory, and with the files restored the run ends as the
     uninterrupted one."""
-    from segmentation.train import IterationSampler
+    from samplers import IterationSampler
     copy = str(tmp_path / 'data')
     shutil.copytree(data, copy)
     out = str(tmp_path / 'out')

@@ -7,7 +7,7 @@ import os
 
 import pytest
 from conftest import BASE, run_main
-from image_folders import make_imagefolder
+from helpers.image_folders import make_imagefolder
 
 from tools import predict, release
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from errors import PeerLostError, UserError, first_line
+from run.errors import PeerLostError, UserError, first_line
 
 
 def is_dist_avail_and_initialized() -> bool:
@@ -112,7 +112,8 @@ def init_distributed_mode(settings: DistributedSettings) -> Process:
         # and any allocation without a device all use the current GPU
         torch.cuda.set_device(gpu)
     if launcher == 'none':  # a launcher starts a process group even for one process (DDP paths on one GPU)
-        return Process(rank, world_size, gpu, launcher, False, None, device)
+        return Process(rank=rank, world_size=world_size, gpu=gpu, launcher=launcher, distributed=False,
+                       dist_backend=None, device=device)
     if launcher == 'slurm':
         os.environ.setdefault('MASTER_ADDR', _slurm_master_addr())
         os.environ.setdefault('MASTER_PORT', '29500')
@@ -120,7 +121,8 @@ def init_distributed_mode(settings: DistributedSettings) -> Process:
         os.environ['LOCAL_RANK'] = str(local_rank)
     backend = 'nccl' if use_cuda else 'gloo'
     _join(settings, backend, rank, world_size, gpu if use_cuda else None)
-    return Process(rank, world_size, gpu, launcher, True, backend, device)
+    return Process(rank=rank, world_size=world_size, gpu=gpu, launcher=launcher, distributed=True, dist_backend=backend,
+                   device=device)
 
 
 def _join(settings: DistributedSettings, backend: str, rank: int, world_size: int, gpu: int | None) -> None:

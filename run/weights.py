@@ -1,5 +1,6 @@
 """Loading one set of weights into a model for training and the tools (--resume, --finetune, --teacher-path,
---eval, predict, release, analysis), strictly, with one-line diagnoses of weights that do not fit.
+--eval, predict, release, analysis), strictly, with one-line diagnoses of weights that do not fit; and a dense
+task's backbone from a classification checkpoint or release (--pretrained of segmentation/ and detection/).
 
 Which weights a checkpoint's loaders take is models/weight_files.py's rule (``weights_key``: the EMA when the file
 has one); ``select_weights`` applies it to a loaded file, removes DDP/compile prefixes and maps the reference
@@ -10,13 +11,14 @@ unexpected or misshapen key.
 import re
 from typing import Any, Sequence
 
+import timm
 import torch
 from timm.models import clean_state_dict, create_model, get_pretrained_cfg
 
-from checkpoint_io import RELEASE_KEY, load_checkpoint_file
-from errors import CheckpointError
 from models.nalaformer import VARIANTS, from_reference_layout
 from models.weight_files import weights_key
+from run.checkpoint import RELEASE_KEY, load_checkpoint_file, task_of
+from run.errors import CheckpointError
 
 
 def select_weights(ckpt: Any, path: str = 'the checkpoint',
@@ -191,3 +193,53 @@ def finetune_from(model: torch.nn.Module, path: str, model_name: str) -> None:
     else:
         print(f'Finetune: loaded {what} (all {len(own)} tensors, classifier kept)')
 
+
+# --------------------------------------------------------------------------------------------------
+# A dense task's backbone from classification weights (--pretrained)
+# --------------------------------------------------------------------------------------------------
+def classifier_only_keys(name: str) -> set[str]:
+    """The state-dict keys of timm model `name` that its features_only backbone leaves out (the classifier and
+    whatever feeds only it), built on the meta device: nothing is allocated."""
+    with torch.device('meta'):
+        full = set(timm.create_model(name, pretrained=False).state_dict())
+        kept = {k.removeprefix('model.') for k in timm.create_model(
+            name, pretrained=False, features_only=True, feature_cls='getter').state_dict()}
+    return full - kept
+
+
+def load_backbone_weights(backbone: torch.nn.Module, path: str, name: str, task: str) -> str:
+    """Load a dense task's backbone (timm model `name` built with ``features_only=True, feature_cls='getter'``: the
+    network without its classifier, behind ``model.``) from the classification checkpoint or release `path`: one
+    set of its weights by the loaders' rule (select_weights: the EMA when the file has one; either key layout),
+    every backbone tensor there with its shape (strict), the classifier's tensors dropped with a note, anything else
+    an error. A checkpoint of the run's own `task` (segmentation, detection) is refused with the command that
+    continues it, one of another task with what to pass instead. Returns the line that says what was loaded and
+    dropped."""
+    ckpt = load_checkpoint_file(path)
+    other = task_of(ckpt)
+    if other == task:
+        raise CheckpointError(f'--pretrained {path} is a {task} checkpoint; continue it with --resume {path} '
+                              f'(or evaluate it with --eval --resume {path})')
+    if other != 'classification':
+        raise CheckpointError(f'--pretrained {path} is a {other} checkpoint; pass classification weights of '
+                              f'--model {name} (a checkpoint of main.py or a release)')
+    key, sd = select_weights(ckpt, path)
+    own = backbone.state_dict()
+    wanted = {k.removeprefix('model.'): k for k in own}
+    missing = [k for k in wanted if k not in sd]
+    wrong = [k for k in wanted if k in sd and tuple(sd[k].shape) != tuple(own[wanted[k]].shape)]
+    head = classifier_only_keys(name)
+    extra = [k for k in sd if k not in wanted]
+    unexpected = [k for k in extra if k not in head]
+    if missing or wrong or unexpected:
+        what = (f'{len(missing)} backbone tensors missing (e.g. {missing[0]})' if missing else
+                f'{len(wrong)} backbone tensors of other shapes (e.g. {wrong[0]}: {tuple(sd[wrong[0]].shape)} here, '
+                f'{tuple(own[wanted[wrong[0]]].shape)} in {name})' if wrong else
+                f"{len(unexpected)} tensors that are not {name}'s (e.g. {unexpected[0]})")
+        raise CheckpointError(f'--pretrained {path} does not hold {name} classification weights: {what}; pass a '
+                              f'checkpoint or release of --model {name}')
+    backbone.load_state_dict({wanted[k]: sd[k] for k in wanted}, strict=True)
+    # a release holds one set of weights (under 'model' once read): named as such, not by a key
+    weights = f'{key} weights' if key and RELEASE_KEY not in ckpt else 'weights'
+    dropped = f'; dropped the classifier ({", ".join(sorted(extra))})' if extra else ''
+    return f'Pretrained: loaded the {len(wanted)} backbone tensors of {path} ({weights}){dropped}'

@@ -6,9 +6,8 @@ from PIL import Image
 
 import cli
 import datasets
-import eval_sets
-import loaders
 from tools.synthetic import write_imagefolder
+from training import loaders
 
 
 def make_imagefolder(root, classes=3, n_train=8, n_val=5, size=32, seed=0):
@@ -40,7 +39,7 @@ def dataset_of(is_train, args, uint8=False):
 
 def eval_sets_of(args, dataset_val, uint8=False):
     """main.py's --eval-sets of the command line `args`, labelled as `dataset_val`."""
-    return eval_sets.build_eval_sets(args.eval_sets, dataset_val, transform_of(False, args, uint8), args.strict_data,
+    return datasets.build_eval_sets(args.eval_sets, dataset_val, transform_of(False, args, uint8), args.strict_data,
                                      args.follow_links)
 
 

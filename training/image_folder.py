@@ -12,10 +12,11 @@ from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-import distributed
+from run import distributed
+from run.errors import BadSampleError
 
 __all__ = [
-    'DataLayoutError', 'BadSampleError', 'BadSampleWarning', 'IGNORE_TARGET', 'IMAGE_EXTENSIONS',
+    'DataLayoutError', 'BadSampleWarning', 'IGNORE_TARGET', 'IMAGE_EXTENSIONS',
     'IMAGEFOLDER_LAYOUT', 'LABEL_FILE_NAMES', 'FLAT_LAYOUT', 'layout_error', 'load_image', 'BadSampleMixin',
     'RobustImageFolder', 'FlatLabelledFolder', 'find_label_file', 'has_class_folders', 'list_classes',
     'unwrap_dataset', 'bad_sample_paths', 'bad_sample_count', 'bad_sample_mask', 'bad_sample_count_all_ranks',
@@ -34,10 +35,6 @@ IMAGEFOLDER_LAYOUT = ('<data-path>/train/<class>/<image> and <data-path>/val/<cl
 
 class DataLayoutError(ValueError):
     """The data on disk do not have the expected layout; str() is one line naming the path."""
-
-
-class BadSampleError(RuntimeError):
-    """An image file could not be decoded and strict_data is on; str() names the file."""
 
 
 class BadSampleWarning(UserWarning):

@@ -1,4 +1,4 @@
-"""A process group of N ranks as N threads of the test process: distributed.py's rank, world size and the torch
+"""A process group of N ranks as N threads of the test process: run/distributed.py's rank, world size and the torch
 collectives it calls (all_reduce, broadcast_object_list, all_gather_object) are replaced by thread-local and
 barrier-based stand-ins. Each rank records the collectives it issues; a rank that waits in a collective the
 others never reach fails with a `Hang` after a few seconds instead of blocking the test, as a real rank would
@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-import distributed
+from run import distributed
 
 
 class Hang(AssertionError):

@@ -1,6 +1,8 @@
-"""One optimizer step from a window of micro-batches (`OptimizerStep`: autocast, gradient accumulation under
-DDP, the fp16 GradScaler, clipping, one agreed flag per step that skips a non-finite window on every rank).
-main.py trains with it through engine.train_one_epoch; tools/benchmark.py times it.
+"""One optimizer step with its precision: the autocast region of --amp fp16/bf16, TF32 on CUDA (--tf32), the refusal of
+bf16 where a GPU would only emulate it, and `OptimizerStep`, one optimizer step from a window of micro-batches
+(autocast, gradient accumulation under DDP, the fp16 GradScaler, clipping, one agreed flag per step that skips a
+non-finite window on every rank). main.py trains with it through engine.train_one_epoch, segmentation/train.py
+directly; tools/timing.py times it.
 """
 import math
 from contextlib import nullcontext
@@ -10,11 +12,50 @@ from typing import Any, Callable
 import torch
 from timm.utils import dispatch_clip_grad, unwrap_model
 
-from distributed import is_dist_avail_and_initialized
-from models.compat import total_norm
-from precision import autocast
+from models.compat import set_tf32_flags, total_norm
+from run.distributed import is_dist_avail_and_initialized
+from run.errors import UserError
+
+# --------------------------------------------------------------------------------------------------
+# Precision
+# --------------------------------------------------------------------------------------------------
+#: --amp's choices and the autocast dtype of each (no --amp: fp32)
+AMP_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 
 
+def amp_dtype(amp: str | None) -> torch.dtype | None:
+    """The autocast dtype of an --amp value, None for fp32."""
+    return AMP_DTYPES.get(amp) if amp else None
+
+
+def autocast(device: str | torch.device, amp_dtype: torch.dtype | None):
+    """torch.autocast on `device`'s type to `amp_dtype`; nothing with None (fp32)."""
+    if amp_dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=amp_dtype)
+
+
+def set_tf32(device, enabled: bool = True) -> bool:
+    """Let fp32 matmuls and convolutions use TF32 tensor cores on CUDA (as the reference trained), or force
+    full fp32 (`enabled=False`). Does nothing off CUDA; returns whether the flags were set."""
+    if torch.device(device).type != 'cuda':
+        return False
+    set_tf32_flags(enabled)
+    return True
+
+
+def check_bf16(device: Any) -> None:
+    """Refuse --amp bf16 on a GPU without native bfloat16 (e.g. V100, T4), where torch would emulate it
+    many times slower. Called after the process's GPU is made current, so every rank checks its own."""
+    device = torch.device(device)
+    if device.type == 'cuda' and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UserError(f'--amp bf16: {torch.cuda.get_device_name(device)} has no native bfloat16 (it would be '
+                        f'emulated, many times slower); use --amp fp16')
+
+
+# --------------------------------------------------------------------------------------------------
+# The optimizer step
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class StepOutcome:
     """What one optimizer step did (`OptimizerStep` returns it at the last micro-batch of a window).
@@ -71,7 +112,7 @@ class OptimizerStep:
                  index: int = 0, n_steps: int | None = None, stop_flag: Any = None,
                  grad_norm: bool = False) -> StepOutcome | None:
         """Run micro-batch `index` of an epoch of `n_steps` (None: no end). Returns None inside a window,
-        the StepOutcome at its last micro-batch. `stop_flag` (a signals.StopFlag) is read once per optimizer
+        the StepOutcome at its last micro-batch. `stop_flag` (a run.process.StopFlag) is read once per optimizer
         step; `grad_norm` asks for the gradient norm in the outcome."""
         if self._window_end is None:  # the first micro-batch of a window
             end = (index // self.accum_steps + 1) * self.accum_steps
@@ -161,4 +202,3 @@ class OptimizerStep:
         if self.scaler is not None:
             self.scaler.update()  # backs off after an overflow, grows after enough finite steps
         return outcome
-

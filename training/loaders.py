@@ -13,9 +13,10 @@ import numpy as np
 import torch
 from timm.data.random_erasing import RandomErasing
 
-import distributed
 import samplers
-from signals import stop_signals_blocked, worker_init_fn
+from cli import val_batch_size
+from run import distributed
+from run.process import stop_signals_blocked, worker_init_fn
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -40,9 +41,6 @@ class LoaderSettings:
     device: str
 
 
-def val_batch_size(batch_size: int) -> int:
-    """The validation batch of a --batch-size: 1.5 times as large, as DeiT's (evaluation keeps no activations)."""
-    return int(1.5 * batch_size)
 
 
 def build_loaders(dataset_train: Any, dataset_val: Any, settings: LoaderSettings) -> tuple[Any, Any, Any]:
@@ -191,7 +189,7 @@ def batch_random_erasing(augment: Any, device: Any) -> Callable | None:
 
 
 class DeviceLoader:
-    """The batches of ``loader`` (uint8 images first, then targets and anything else, such as eval_sets.WithIndex's
+    """The batches of ``loader`` (uint8 images first, then targets and anything else, such as datasets.WithIndex's
     indices) on ``device``, the images as float32 normalised with ``mean``/``std`` (of the 0..1 scale, as
     a data config gives them): the same operations, in the same order, as ToTensor and Normalize in a CPU
     transform, so the values are those of the CPU transform bit for bit.

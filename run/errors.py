@@ -1,7 +1,10 @@
 """Errors that end a run with one line and a non-zero exit status (no stack trace), and how that line is
-written (docs/troubleshooting.md lists the messages)."""
+written: the cause of a failed write, a URL where a local file was expected, the closest name to a mistyped one,
+and the command line's two-line flag errors (docs/troubleshooting.md lists the messages)."""
 import argparse
 import difflib
+import errno
+import os
 import sys
 from typing import Iterable
 
@@ -34,6 +37,11 @@ class PeerLostError(UserError):
     """Another process of the job died or stopped answering."""
 
 
+class BadSampleError(RuntimeError):
+    """An image file could not be decoded and --strict-data is on; str() names the file. Raised in a data-loader
+    worker (training/image_folder.py) and ended in one line by process.finish."""
+
+
 def exception_chain(e: BaseException):
     """The exception and everything it was raised from or while handling."""
     seen = set()
@@ -47,6 +55,20 @@ def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     msg = str(e).strip().splitlines()
     return msg[0] if msg else type(e).__name__
+
+
+def write_failure_reason(e: BaseException) -> str:
+    """The cause of a failed write: the OSError anywhere in the chain (torch.save reports a failed
+    write as 'unexpected pos'), else the first line of the error."""
+    for c in exception_chain(e):
+        if isinstance(c, OSError) and c.errno:
+            return 'no space left on device' if c.errno == errno.ENOSPC else os.strerror(c.errno)
+    return first_line(e)
+
+
+def is_url(path: str) -> bool:
+    """Whether a checkpoint flag names a URL (nothing is downloaded: checkpoints are local files)."""
+    return path.startswith(('http://', 'https://'))
 
 
 def eprint(*a) -> None:

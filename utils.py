@@ -1,11 +1,10 @@
-"""Progress output and the run's logs: DeiT's MetricLogger/SmoothedValue (with an img/s meter), log.txt's
-strict-JSON lines, and the optional TensorBoard events of --log-dir (rank 0: per-step scalars under ``train/``,
-the epoch metrics of log.txt under ``epoch/``; TensorBoard is an optional dependency)."""
+"""DeiT's utils: the metric logger of a loop (MetricLogger of SmoothedValues, with an img/s meter) and its progress
+line, and the optional TensorBoard events of --log-dir (rank 0: per-step scalars under ``train/``, the epoch metrics
+of log.txt under ``epoch/``; TensorBoard is an optional dependency). log.txt itself is written with the checkpoints
+(run/checkpoint.py)."""
 import atexit
 import datetime
-import json
 import math
-import os
 import time
 from collections import defaultdict, deque
 from typing import Any
@@ -13,10 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-import distributed
-from checkpoint_io import write_failure_reason
-from distributed import all_reduce_sum, is_dist_avail_and_initialized
-from errors import UserError
+from run import distributed
+from run.distributed import all_reduce_sum, is_dist_avail_and_initialized
 
 
 class SmoothedValue:
@@ -119,56 +116,9 @@ class MetricLogger:
         print(f'{header} Total time: {total_time}', flush=True)
 
 
-def json_safe(obj: Any) -> Any:
-    """`obj` with every non-finite float (NaN, inf) replaced by None, so that it serialises as strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-def json_line(obj: Any) -> str:
-    """`obj` as one strict-JSON line of log.txt, newline included (non-finite numbers written as null)."""
-    return json.dumps(json_safe(obj), allow_nan=False) + '\n'
-
-
-def write_json_line(path: Any, obj: Any) -> None:
-    """Append `obj` as one strict-JSON line (json_line)."""
-    with open(path, 'a') as f:
-        f.write(json_line(obj))
-        f.flush()
-
-
-def write_log_line(directory: str, record: dict[str, Any]) -> None:
-    """Append an epoch's record to `directory`/log.txt as one JSON line; a failure is one line that says the
-    checkpoint of that epoch holds the record (it is added when the run resumes)."""
-    path = os.path.join(directory, 'log.txt')
-    try:
-        write_json_line(path, record)
-    except OSError as e:
-        raise UserError(f'could not append to {path}: {write_failure_reason(e)}; the checkpoint of epoch '
-                        f'{record.get("epoch")} holds the line, it is added when the run resumes') from e
-
-
 # --------------------------------------------------------------------------------------------------
 # TensorBoard (--log-dir)
 # --------------------------------------------------------------------------------------------------
-INSTALL_HINT = '--log-dir needs TensorBoard, which is not installed: pip install tensorboard'
-
-
-def tensorboard_missing() -> str | None:
-    """None when TensorBoard can be used, else a one-line message that says how to install it."""
-    try:
-        import tensorboard  # noqa: F401
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-    except ImportError:
-        return INSTALL_HINT
-    return None
-
-
 class TensorBoardLogger:
     """Callable once per optimizer step with a dict of numbers.
 
@@ -220,4 +170,3 @@ def tensorboard_logger(log_dir: str, device: Any) -> TensorBoardLogger | None:
         return None
     return distributed.on_rank0(lambda: TensorBoardLogger(log_dir), device,
                                 f'--log-dir {log_dir}: cannot write TensorBoard events there')
-
