@@ -4,7 +4,8 @@ that it read the same state (load_agreed), the flags the command line changed si
 (rank_rng_state), the weights, optimizer, schedule and fp16 scaler are loaded into the parts the run trains
 (restore), and the run directory is repaired (output_dir.repair_after_resume). Classification continues at an epoch,
 or inside one (EpochState: the step, the random-number state that replays its batches, the loss so far);
-segmentation and detection at an iteration (resume_iterations). Also the random-number state of every generator a
+segmentation and detection at an iteration (resume_iteration_run; take_recorded_flags fills in the model and data
+flags an evaluation or a resume leaves out from the checkpoint). Also the random-number state of every generator a
 step draws from, and evaluating a checkpoint's classes against the data's.
 """
 import math
@@ -600,3 +601,72 @@ def resume_iterations(path: str, checkpoints: IterationCheckpoints, *, model_fla
         set_rng_state(rng)
     repair_after_resume(checkpoints.output_dir, path, ckpt, checkpoints.device, key=checkpoints.progress_key)
     return ckpt
+
+
+def _flag_value(key: str, value: Any) -> str:
+    """'--img-scale 128 64': a flag as typed."""
+    shown = ' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    return f'{flag_of(key)} {shown}'
+
+
+def take_recorded_flags(args: Any, path: str, defaults: Any, *, task: str, recorded_flags: Sequence[str],
+                        model_flags: Sequence[str], same: Callable[[str, Any, Any], bool] | None = None) -> None:
+    """Fill in the flags of `recorded_flags` the command line did not give (None): the value the `task` checkpoint
+    `path` (the one --eval measures or a run resumes; '' for none) records, else `defaults[key]` (the recipe's).
+    Prints one line naming the recorded values taken that differ from the defaults, and one line naming the given
+    values that differ from the recorded ones (the command line wins); a given flag of `model_flags` whose value
+    builds another model than the checkpoint's (`same(key, saved, given)`, default: equal) is one line
+    (CheckpointError)."""
+    same = same or (lambda key, a, b: a == b)
+    recorded: dict[str, Any] = {}
+    if path:
+        ckpt = load_checkpoint_file(path, verify=False, mmap=True)  # the command line only: tensors not read
+        check_task(ckpt, path, task)
+        recorded = saved_args(ckpt)
+    taken, overridden = [], []
+    for key in recorded_flags:
+        given, saved = comparable(getattr(args, key)), comparable(recorded.get(key, defaults[key]))
+        if given is None:
+            setattr(args, key, saved)
+            if key in recorded and saved != comparable(defaults[key]):
+                taken.append(_flag_value(key, saved))
+        elif key in recorded and given != saved:
+            if key in model_flags and not same(key, saved, given):
+                raise CheckpointError(f'{path} holds a model built with {_flag_value(key, saved)}, this command '
+                                      f'passes {_flag_value(key, given)}: leave the flag out (the checkpoint gives it)')
+            overridden.append(f'{_flag_value(key, given)} (the checkpoint: {_flag_value(key, saved)})')
+    if taken:
+        print(f'{" ".join(taken)}: as recorded in {path} (pass a flag to choose another value)')
+    if overridden:
+        print(f'Note: {"; ".join(overridden)}: the command line differs from {path}; using the command line')
+
+
+@dataclass
+class IterationResume:
+    """Where a run counted in iterations continues: the iteration, the consecutive skipped steps, the best score so
+    far (mIoU, box AP) and at which iteration, whether the evaluation of `start_iter` is still due, the loop's
+    progress state, the score of the checkpoint's own evaluation (`last`), and the loaded checkpoint (None when the
+    run starts afresh)."""
+    start_iter: int = 0
+    bad_steps: int = 0
+    best: float = -1.0
+    best_iter: int | None = None
+    eval_due: bool = False
+    progress: dict | None = None
+    last: float | None = None
+    ckpt: Any = None
+
+
+def resume_iteration_run(path: str, checkpoints: IterationCheckpoints, *, model_flags: Sequence[str],
+                         noted_flags: Sequence[str], best_key: str, score_key: str,
+                         same: Callable[[str, Any, Any], bool] | None = None) -> IterationResume:
+    """Continue the run of `path` ('' for none: a fresh start) through resume_iterations, then read the loop's own
+    entries: ``iter``, ``bad_steps``, the best score under `best_key` with ``best_iter``, ``eval_due``, ``progress``
+    and the last evaluation's score (`score_key` of its ``log`` record)."""
+    if not path:
+        return IterationResume()
+    ckpt = resume_iterations(path, checkpoints, model_flags=model_flags, noted_flags=noted_flags, same=same)
+    return IterationResume(start_iter=int(ckpt['iter']), bad_steps=int(ckpt.get('bad_steps', 0)),
+                           best=float(ckpt.get(best_key, -1.0)), best_iter=ckpt.get('best_iter'),
+                           eval_due=bool(ckpt.get('eval_due')), progress=ckpt.get('progress'),
+                           last=(ckpt.get('log') or {}).get(score_key), ckpt=ckpt)

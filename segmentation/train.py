@@ -34,13 +34,14 @@ import samplers  # noqa: E402
 from models import VARIANTS  # noqa: E402
 from run import checkpoint, distributed, output_dir, process  # noqa: E402
 from run.checkpoint import TrainingParts  # noqa: E402
-from run.errors import FlagError, NonFiniteLossError, UserError, eprint, unknown_model  # noqa: E402
+from run.errors import FlagError, UserError, unknown_model  # noqa: E402
 from run.resume import preserved_rng, rng_state_entries  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from training import loaders  # noqa: E402
 from training.image_folder import DataLayoutError  # noqa: E402
-from training.step import OptimizerStep, amp_dtype, check_bf16, set_tf32  # noqa: E402
+from training.optim import global_batch_warning  # noqa: E402
+from training.step import OptimizerStep, StopRequest, amp_dtype, check_bf16, count_bad_steps, set_tf32  # noqa: E402
 
 #: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
 #: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
@@ -399,18 +400,6 @@ def evaluate_seg_checkpoint(args, checkpoints, path, *, val_set, amp_dtype, stop
     return 0
 
 
-class StopRequest:
-    """What the optimizer step reads as this process's stop request (`requested`, agreed over the processes by
-    the step): a stop signal, or a training batch this process could not read (`error`, its one line)."""
-
-    def __init__(self, stop_flag):
-        self.stop_flag, self.error = stop_flag, None
-
-    @property
-    def requested(self) -> bool:
-        return self.stop_flag.requested or self.error is not None
-
-
 class Run:
     """What the training loop works with: the flags, the model as trained (DDP) and as saved (bare: the one
     `checkpoints` saves), the optimizer step, the checkpoints (and their device), the validation loader, the
@@ -420,8 +409,8 @@ class Run:
         self.args, self.train_model, self.bare, self.step = args, train_model, checkpoints.parts.model, step
         self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, checkpoints.device
         self.amp_dtype, self.stop_flag, self.request = amp_dtype, stop_flag, StopRequest(stop_flag)
-        self.best, self.best_iter, self.bad = resumed.best_miou, resumed.best_iter, resumed.bad_steps
-        self.last = resumed.last_miou  # of the last evaluation
+        self.best, self.best_iter, self.bad = resumed.best, resumed.best_iter, resumed.bad_steps
+        self.last = resumed.last  # of the last evaluation
         self.progress = IterationProgress(args, resumed.start_iter, resumed.progress)
 
     def extra(self, eval_due: bool = False) -> dict:
@@ -459,17 +448,6 @@ class Run:
             kept = (f'; checkpoint.pth holds the {done} iterations done: replace the file and run the same command '
                     f'again to resume' if saved and self.args.output_dir else '')
             raise UserError(line + kept)
-
-    def count_bad(self, out, it: int) -> None:
-        """Consecutive skipped steps (a non-finite loss, an fp16 overflow); too many end the run."""
-        self.bad = self.bad + 1 if out.non_finite is not None or out.overflow else 0
-        if out.non_finite is not None:
-            eprint(f'warning: non-finite loss ({out.non_finite}) at iteration {it}; step skipped ({self.bad}/'
-                   f'{self.args.max_bad_steps} consecutive)')
-        if self.bad > self.args.max_bad_steps:
-            raise NonFiniteLossError(f'{self.bad} consecutive skipped steps at iteration {it} (more than '
-                                     f'--max-bad-steps {self.args.max_bad_steps}); stopped, the last checkpoint '
-                                     f'is kept')
 
     def evaluate_and_save(self, done: int) -> int | None:
         """Save checkpoint.pth with the evaluation of `done` iterations due (a stop or a failure while it runs
@@ -524,7 +502,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
         # the next batch is read before this step, whose agreement ends every process when one cannot read it
         batch = run.next_batch(batches) if it + 1 < args.iters else None
         out = run.step(run.train_model, criterion, images, labels.long(), it, None, stop_flag=run.request)
-        run.count_bad(out, it)
+        run.bad = count_bad_steps(run.bad, out, it, args.max_bad_steps)
         run.progress.add(it, out.losses, optimizer, labels)
         done = it + 1
         due = done % args.eval_interval == 0 or done == args.iters
@@ -541,21 +519,11 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
 
 
 def warn_global_batch(args) -> None:
-    """A warning when the images per optimizer step (--batch-size x processes) are not the recipe's 16, for
-    which its LR and schedule were set; there is no gradient accumulation to make up for fewer."""
-    world = distributed.get_world_size()
-    total = args.batch_size * world
-    if total == RECIPE_GLOBAL_BATCH:
-        return
-    ways = []
-    if RECIPE_GLOBAL_BATCH % args.batch_size == 0:
-        ways.append(f'{RECIPE_GLOBAL_BATCH // args.batch_size} processes x --batch-size {args.batch_size}')
-    if RECIPE_GLOBAL_BATCH % world == 0:
-        ways.append(f'--batch-size {RECIPE_GLOBAL_BATCH // world} on {world} process(es)')
-    how = f': run {" or ".join(ways)}' if ways else ''
-    print(f'Warning: global batch {total} ({world} process(es) x --batch-size {args.batch_size}) differs from the '
-          f"recipe's {RECIPE_GLOBAL_BATCH}, for which its LR and schedule are set; for {RECIPE_GLOBAL_BATCH} images "
-          f'a step{how} (there is no gradient accumulation)')
+    """A warning when the images per optimizer step are not the recipe's 16 (training.optim.global_batch_warning)."""
+    line = global_batch_warning(batch_size=args.batch_size, world=distributed.get_world_size(),
+                                recipe_batch=RECIPE_GLOBAL_BATCH)
+    if line:
+        print(line)
 
 
 def _sync_bn_buffers(args, model) -> None:

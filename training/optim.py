@@ -3,7 +3,8 @@ decay and, on GPUs, torch's fused Adam/AdamW kernel), the learning-rate schedule
 the global batch, timm's scheduler stepped once per epoch, the notes when the LR lies below the floor it decays to
 or the warmup lasts the whole run), the exponential moving average of the weights (--model-ema: timm's ModelEmaV3
 with a cheaper update, its decay at the run's global batch), the checks of their flags that need them built, and
-what a resumed run changes of them against its checkpoint, in flag terms.
+what a resumed run changes of them against its checkpoint, in flag terms; the warning of the dense-prediction
+recipes when their global batch is not the one their LR was set for.
 """
 from dataclasses import dataclass, fields
 from typing import Any
@@ -276,3 +277,21 @@ def flag_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
+
+
+def global_batch_warning(*, batch_size: int, world: int, recipe_batch: int) -> str:
+    """The warning when the images per optimizer step (`batch_size` x `world` processes) are not `recipe_batch`,
+    for which a recipe's LR and schedule were set ('' when they are): there is no gradient accumulation to make up
+    for fewer."""
+    total = batch_size * world
+    if total == recipe_batch:
+        return ''
+    ways = []
+    if recipe_batch % batch_size == 0:
+        ways.append(f'{recipe_batch // batch_size} processes x --batch-size {batch_size}')
+    if recipe_batch % world == 0:
+        ways.append(f'--batch-size {recipe_batch // world} on {world} process(es)')
+    how = f': run {" or ".join(ways)}' if ways else ''
+    return (f'Warning: global batch {total} ({world} process(es) x --batch-size {batch_size}) differs from the '
+            f"recipe's {recipe_batch}, for which its LR and schedule are set; for {recipe_batch} images a step{how} "
+            f'(there is no gradient accumulation)')

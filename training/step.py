@@ -1,8 +1,9 @@
 """One optimizer step with its precision: the autocast region of --amp fp16/bf16, TF32 on CUDA (--tf32), the refusal of
 bf16 where a GPU would only emulate it, and `OptimizerStep`, one optimizer step from a window of micro-batches
 (autocast, gradient accumulation under DDP, the fp16 GradScaler, clipping, one agreed flag per step that skips a
-non-finite window on every rank). main.py trains with it through engine.train_one_epoch, segmentation/train.py
-directly; tools/timing.py times it.
+non-finite window on every rank), and what the iteration loops of segmentation and detection read of it
+(StopRequest, count_bad_steps). main.py trains with it through engine.train_one_epoch, segmentation/train.py and
+detection/train.py directly; tools/timing.py times it.
 """
 import math
 from contextlib import nullcontext
@@ -14,7 +15,7 @@ from timm.utils import dispatch_clip_grad, unwrap_model
 
 from models.compat import set_tf32_flags, total_norm
 from run.distributed import is_dist_avail_and_initialized
-from run.errors import UserError
+from run.errors import NonFiniteLossError, UserError, eprint
 
 # --------------------------------------------------------------------------------------------------
 # Precision
@@ -202,3 +203,31 @@ class OptimizerStep:
         if self.scaler is not None:
             self.scaler.update()  # backs off after an overflow, grows after enough finite steps
         return outcome
+
+
+# --------------------------------------------------------------------------------------------------
+# What an iteration loop reads of the step
+# --------------------------------------------------------------------------------------------------
+class StopRequest:
+    """What the optimizer step reads as this process's stop request (`requested`, agreed over the processes by
+    the step): a stop signal, or a training batch this process could not read (`error`, its one line)."""
+
+    def __init__(self, stop_flag: Any):
+        self.stop_flag, self.error = stop_flag, None
+
+    @property
+    def requested(self) -> bool:
+        return self.stop_flag.requested or self.error is not None
+
+
+def count_bad_steps(bad: int, out: StepOutcome, iteration: int, max_bad_steps: int) -> int:
+    """The consecutive skipped steps after `out` (a non-finite loss, an fp16 overflow), `bad` before it; a warning
+    for a non-finite loss; more than `max_bad_steps` end the run (NonFiniteLossError, the last checkpoint kept)."""
+    bad = bad + 1 if out.non_finite is not None or out.overflow else 0
+    if out.non_finite is not None:
+        eprint(f'warning: non-finite loss ({out.non_finite}) at iteration {iteration}; step skipped ({bad}/'
+               f'{max_bad_steps} consecutive)')
+    if bad > max_bad_steps:
+        raise NonFiniteLossError(f'{bad} consecutive skipped steps at iteration {iteration} (more than '
+                                 f'--max-bad-steps {max_bad_steps}); stopped, the last checkpoint is kept')
+    return bad
