@@ -422,8 +422,10 @@ class Recipe:
     warmup_iters: int = 500
     warmup_ratio: float = 0.001
     batch_size: int = 16
+    per_process: int = 2  # --batch-size's default: 8 processes x 2
     betas: tuple[float, float] = (0.9, 0.999)
     test_scale: tuple[int, int] = (1333, 800)
+    heads: Heads = field(default_factory=Heads)
 
 
 RECIPES = {
@@ -431,6 +433,11 @@ RECIPES = {
     'pvt-1x': Recipe('pvt-1x', lr=2e-4, weight_decay=1e-4, epochs=12, lr_steps=(8, 11),
                      pipeline=TrainPipeline(scales=(800,), crop_scales=()), norm_bias_decay=True),
     '3x': Recipe('3x', lr=1e-4, weight_decay=0.05, epochs=36, lr_steps=(27, 33)),
+    # make det-demo: the 1x machinery scaled to detection/shapes.py's 128-176 px images on one CPU process
+    'demo': Recipe('demo', lr=1e-3, weight_decay=0.05, epochs=3, lr_steps=(2,), warmup_iters=15, batch_size=4,
+                   per_process=4, test_scale=(320, 160), heads=DEMO_HEADS,
+                   pipeline=TrainPipeline(scales=(128, 144, 160, 176, 192), max_size=320, crop_scales=(96, 120, 144),
+                                          crop_range=(92, 144))),
 }
 
 

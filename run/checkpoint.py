@@ -474,9 +474,15 @@ def task_of(ckpt: Any) -> str:
 def check_task(ckpt: Any, path: str, task: str) -> None:
     """One line (CheckpointError) for a checkpoint `path` that a run of another task than `task` wrote (a
     classification checkpoint or release given to segmentation/train.py, say)."""
-    if not isinstance(ckpt, dict) or ckpt.get('task') != task:
-        raise CheckpointError(f'{path} is not a {task} checkpoint (a classification checkpoint or '
-                              f'release?): start from its backbone with --pretrained {path}')
+    if isinstance(ckpt, dict) and ckpt.get('task') == task:
+        return
+    other = task_of(ckpt)
+    if other in TASK_SCRIPTS:
+        raise CheckpointError(f'{path} is a {other} checkpoint (written by {TASK_SCRIPTS[other]}), not a {task} one: '
+                              f'evaluate or continue it with {TASK_SCRIPTS[other]}; start {task} from a '
+                              f'classification checkpoint with --pretrained')
+    raise CheckpointError(f'{path} is not a {task} checkpoint (a classification checkpoint or '
+                          f'release?): start from its backbone with --pretrained {path}')
 
 
 def refuse_other_task(flag: str, path: str) -> None:
