@@ -252,26 +252,13 @@ def shower(args, val_set):
     return show
 
 
-def prepare_show_dir(args, device) -> None:
-    """--show-dir made (rank 0) and checked writable before the evaluation starts: one line when it is not."""
-    def make() -> None:
-        try:
-            os.makedirs(args.show_dir, exist_ok=True)
-        except OSError as e:
-            raise UserError(f'--show-dir {args.show_dir}: cannot be created ({e.strerror}); pass a folder you can '
-                            f'write to') from e
-        problem = output_dir.check_writable(args.show_dir)
-        if problem:
-            raise UserError(f'--show-dir {args.show_dir}: {problem}')
-    distributed.on_rank0(make, device, f'--show-dir {args.show_dir}')
-
-
 def evaluate_checkpoint(args, checkpoints, path, *, val_set, amp, stop_flag) -> int:
     """--eval: the AP of the checkpoint's weights, printed and appended to --output_dir/log.txt."""
     model, device = checkpoints.parts.model, checkpoints.device
     ckpt = resume.load_iteration_checkpoint(path, checkpoints, MODEL_FLAGS, _builds_same)
     if args.show_dir:
-        prepare_show_dir(args, device)
+        distributed.on_every_rank(lambda: output_dir.prepare_show_dir(args.show_dir), device,
+                                  f'--show-dir {args.show_dir}')
     _, val_loader = coco_loaders(args, None, val_set, 0, None)
     result = evaluate_detector(args, model, val_loader, device, amp, stop_flag, shower(args, val_set))
     if result['aborted']:
@@ -553,7 +540,9 @@ def run(argv: list[str] | None = None) -> int:
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return process.finish(lambda: output_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
+    def body() -> int:  # a --show-dir it created and left empty goes too
+        return output_dir.leave_nothing_unused(lambda: main(args, parser), args.show_dir)
+    return process.finish(lambda: output_dir.leave_nothing_unused(body, args.output_dir),
                           lambda: (args.num_workers, args.batch_size))
 
 

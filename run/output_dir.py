@@ -330,6 +330,20 @@ def make_output_dir(directory: str) -> None:
         _created_dirs[os.path.abspath(directory)] = missing
 
 
+def prepare_show_dir(directory: str) -> None:
+    """Create an evaluation's --show-dir (on every process: each writes the pictures of the images it scores; a
+    folder created here and left empty is removed at the end, as --output_dir) and check that files can be written
+    there; either failing is one line (UserError), before the evaluation starts."""
+    try:
+        make_output_dir(directory)
+        fd, probe = tempfile.mkstemp(prefix='.probe.', dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f'--show-dir {directory}: cannot write there ({e.strerror or e}); choose a writable '
+                        f'folder') from e
+
+
 def leave_nothing_unused(body: Callable[[], int], directory: str) -> int:
     """`body()` (a run's main); however it ends (an error, a non-zero exit status, or a success that wrote nothing
     there: a resume with nothing left to train, an evaluation), an output `directory` it created and wrote nothing

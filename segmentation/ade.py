@@ -12,6 +12,7 @@ horizontal flip, the photometric distortion, normalisation, padding to the crop 
 random choice of a sample comes from a generator seeded by (seed, epoch, index), so a sample's augmentation does
 not depend on the loader workers or on where a run was resumed. Evaluation: the image rescaled to fit
 ``img_scale`` (short side 512 unless the long side would pass 2048), the label map at its original size.
+``prediction_picture`` draws an image beside its predicted classes in mmseg's colours (``palette``).
 """
 import os
 from dataclasses import dataclass
@@ -53,6 +54,32 @@ CLASSES = (
     'trade name', 'microwave', 'pot', 'animal', 'bicycle', 'lake', 'dishwasher', 'screen', 'blanket', 'sculpture',
     'hood', 'sconce', 'vase', 'traffic light', 'tray', 'ashcan', 'fan', 'pier', 'crt screen', 'plate', 'monitor',
     'bulletin board', 'shower', 'radiator', 'glass', 'clock', 'flag')
+#: ADE20K's colours in label order (label k is drawn PALETTE[k - 1], RGB), mmseg's ADE20KDataset.PALETTE
+PALETTE = (
+    (120, 120, 120), (180, 120, 120), (6, 230, 230), (80, 50, 50), (4, 200, 3), (120, 120, 80), (140, 140, 140),
+    (204, 5, 255), (230, 230, 230), (4, 250, 7), (224, 5, 255), (235, 255, 7), (150, 5, 61), (120, 120, 70),
+    (8, 255, 51), (255, 6, 82), (143, 255, 140), (204, 255, 4), (255, 51, 7), (204, 70, 3), (0, 102, 200),
+    (61, 230, 250), (255, 6, 51), (11, 102, 255), (255, 7, 71), (255, 9, 224), (9, 7, 230), (220, 220, 220),
+    (255, 9, 92), (112, 9, 255), (8, 255, 214), (7, 255, 224), (255, 184, 6), (10, 255, 71), (255, 41, 10),
+    (7, 255, 255), (224, 255, 8), (102, 8, 255), (255, 61, 6), (255, 194, 7), (255, 122, 8), (0, 255, 20),
+    (255, 8, 41), (255, 5, 153), (6, 51, 255), (235, 12, 255), (160, 150, 20), (0, 163, 255), (140, 140, 140),
+    (250, 10, 15), (20, 255, 0), (31, 255, 0), (255, 31, 0), (255, 224, 0), (153, 255, 0), (0, 0, 255),
+    (255, 71, 0), (0, 235, 255), (0, 173, 255), (31, 0, 255), (11, 200, 200), (255, 82, 0), (0, 255, 245),
+    (0, 61, 255), (0, 255, 112), (0, 255, 133), (255, 0, 0), (255, 163, 0), (255, 102, 0), (194, 255, 0),
+    (0, 143, 255), (51, 255, 0), (0, 82, 255), (0, 255, 41), (0, 255, 173), (10, 0, 255), (173, 255, 0),
+    (0, 255, 153), (255, 92, 0), (255, 0, 255), (255, 0, 245), (255, 0, 102), (255, 173, 0), (255, 0, 20),
+    (255, 184, 184), (0, 31, 255), (0, 255, 61), (0, 71, 255), (255, 0, 204), (0, 255, 194), (0, 255, 82),
+    (0, 10, 255), (0, 112, 255), (51, 0, 255), (0, 194, 255), (0, 122, 255), (0, 255, 163), (255, 153, 0),
+    (0, 255, 10), (255, 112, 0), (143, 255, 0), (82, 0, 255), (163, 255, 0), (255, 235, 0), (8, 184, 170),
+    (133, 0, 255), (0, 255, 92), (184, 0, 255), (255, 0, 31), (0, 184, 255), (0, 214, 255), (255, 0, 112),
+    (92, 255, 0), (0, 224, 255), (112, 224, 255), (70, 184, 160), (163, 0, 255), (153, 0, 255), (71, 255, 0),
+    (255, 0, 163), (255, 204, 0), (255, 0, 143), (0, 255, 235), (133, 255, 0), (255, 0, 235), (245, 0, 255),
+    (255, 0, 122), (255, 245, 0), (10, 190, 212), (214, 255, 0), (0, 204, 255), (20, 0, 255), (255, 255, 0),
+    (0, 153, 255), (0, 41, 255), (0, 255, 204), (41, 0, 255), (41, 255, 0), (173, 0, 255), (0, 245, 255),
+    (71, 0, 255), (122, 0, 255), (0, 255, 184), (0, 92, 255), (184, 255, 0), (0, 133, 255), (255, 214, 0),
+    (25, 194, 194), (102, 255, 0), (92, 0, 255))
+#: the seed of the colours of a data set with another number of classes (mmseg's custom-dataset palette)
+PALETTE_SEED = 42
 
 
 class LabelError(DataLayoutError):
@@ -111,12 +138,17 @@ def class_names(root: str, num_classes: int) -> tuple[str, ...]:
 
 def read_pair(image_path: str, label_path: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """(RGB image HxWx3 uint8, label map HxW uint8 with 255 ignored and classes 0..num_classes-1)."""
+    image = decode_image(image_path)
+    return image, checked_label(label_path, image_path, image.shape[:2], num_classes)
+
+
+def decode_image(image_path: str) -> np.ndarray:
+    """The image `image_path` as read from disk: RGB HxWx3 uint8 (an undecodable file is a LabelError)."""
     try:
         with Image.open(image_path) as im:
-            image = np.array(im.convert('RGB'))
+            return np.array(im.convert('RGB'))
     except OSError as e:
         raise LabelError(_undecodable_image(image_path, e)) from e
-    return image, checked_label(label_path, image_path, image.shape[:2], num_classes)
 
 
 def _undecodable_image(image_path: str, e: BaseException) -> str:
@@ -164,6 +196,37 @@ def check_labels(pairs: list[tuple[str, str]], num_classes: int) -> int:
             raise LabelError(_undecodable_image(image_path, e)) from e
         labelled += int((checked_label(label_path, image_path, (height, width), num_classes) != IGNORE_INDEX).sum())
     return labelled
+
+
+# --------------------------------------------------------------------------------------------------
+# Pictures of predictions (--show-dir)
+# --------------------------------------------------------------------------------------------------
+def palette(num_classes: int) -> np.ndarray:
+    """(num_classes, 3) uint8 RGB colours of the classes 0..num_classes-1 (label k + 1 on disk): PALETTE for
+    ADE20K's 150, else the colours mmseg gives a data set without a palette, numpy's
+    RandomState(PALETTE_SEED).randint(0, 255, (num_classes, 3)): the same at every run and on every process."""
+    if num_classes == len(PALETTE):
+        return np.array(PALETTE, np.uint8)
+    return np.random.RandomState(PALETTE_SEED).randint(0, 255, size=(num_classes, 3)).astype(np.uint8)
+
+
+def colour_labels(labels: np.ndarray, colours: np.ndarray) -> np.ndarray:
+    """An HxW map of classes (0..len(colours)-1) as an HxWx3 uint8 RGB picture, class c in colours[c]; any other
+    value (IGNORE_INDEX: no class) black."""
+    labels = np.asarray(labels).astype(np.int64)
+    out = np.zeros((*labels.shape, 3), np.uint8)
+    known = (labels >= 0) & (labels < len(colours))
+    out[known] = colours[labels[known]]
+    return out
+
+
+def prediction_picture(image: np.ndarray, prediction: np.ndarray, colours: np.ndarray) -> np.ndarray:
+    """The picture --show-dir writes of one image: the image (HxWx3 uint8, as read from disk) on the left, its
+    predicted label map (HxW, the same size) in `colours` (colour_labels) on the right."""
+    if image.shape[:2] != prediction.shape:
+        raise ValueError(f'a prediction of {prediction.shape[1]}x{prediction.shape[0]} for an image of '
+                         f"{image.shape[1]}x{image.shape[0]}: the prediction is drawn at the image's size")
+    return np.concatenate([image, colour_labels(prediction, colours)], axis=1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ one process, no padding) and one all_reduce sums the integer matrices, so the fi
 process. Inference: "whole" (the rescaled image in one forward) or "slide" (crops with a stride, overlaps
 averaged), the logits resized to the label map's original size, as mmseg's single-scale test; or mmseg's
 multi-scale and flip test (``--aug-test``, ``aug_probabilities``) when the loader gives each image at several
-scales. The per-class table and log record name the classes (``class_table``, ``class_record``).
+scales. The per-class table and log record name the classes (``class_table``, ``class_record``); ``evaluate``'s
+`show` receives each image's prediction as scored (--show-dir draws it).
 """
 import functools
 import math
@@ -110,17 +111,20 @@ def aug_probabilities(logits_of: Callable[[torch.Tensor], torch.Tensor], images:
 def evaluate(model: torch.nn.Module, loader: Any, num_classes: int, device: torch.device,
              amp_dtype: torch.dtype | None = None, mode: str = 'whole', crop: int = 512, stride: int = 341,
              sum_over_ranks: bool = False, stop_flag: Any = None, print_freq: int = 50,
-             class_names: Sequence[str] | None = None) -> dict[str, Any]:
+             class_names: Sequence[str] | None = None,
+             show: Callable[[int, torch.Tensor], None] | None = None) -> dict[str, Any]:
     """Scores (`scores`) of `model` (eval mode: logits at the input's size) on `loader`'s (image, label, index)
     items, one image a batch (a list of the image at several scales: the multi-scale + flip test); with
     `sum_over_ranks` the confusion matrices of every process are summed. A stop signal ends the pass early: the
     result's 'aborted' is then true (on every rank with `sum_over_ranks`). The result also holds 'classes' (the
-    names, class_names' default: class_1 ..) and 'scales' (1, or the number of scales of the flip test)."""
+    names, class_names' default: class_1 ..) and 'scales' (1, or the number of scales of the flip test). `show`,
+    when given, is called with each image's index (the item's third) and its prediction: the HxW argmax at the
+    label map's size that the confusion matrix counts."""
     model.eval()
     # the matrix, then the images seen and whether a stop cut the pass short, in one tensor: one collective
     counts = torch.zeros(num_classes ** 2 + 2, dtype=torch.int64, device=device)
     n, scales = len(loader), 1
-    for i, (image, label, _) in enumerate(loader):
+    for i, (image, label, index) in enumerate(loader):
         if stop_flag is not None and stop_flag.requested:
             counts[-1] = 1
             break
@@ -133,6 +137,8 @@ def evaluate(model: torch.nn.Module, loader: Any, num_classes: int, device: torc
         else:
             pred = logits_of(image).argmax(1)
         counts[:-2] += confusion_matrix(pred, label, num_classes).reshape(-1)
+        if show is not None:
+            show(int(index[0]), pred[0])
         counts[-2] += 1
         if print_freq and (i % print_freq == 0 or i == n - 1):
             print(f'Test: [{i + 1}/{n}] images', flush=True)

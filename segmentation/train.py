@@ -28,6 +28,7 @@ elif os.path.dirname(_HERE) not in sys.path:
 
 import timm  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 
 import cli  # noqa: E402
 import samplers  # noqa: E402
@@ -144,6 +145,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help=f'slide mode: stride of the crops {_default("slide_stride")}')
     g.add_argument('--aug-test', action='store_true',
                    help="with --eval: mmseg's multi-scale (0.5 to 1.75 of --img-scale) + flip test")
+    g.add_argument('--show-dir', default='', metavar='DIR',
+                   help="with --eval: write DIR/<image name>.png for each validation image, the image beside its "
+                        "prediction in mmseg's ADE20K colours (as mmseg's test.py --show-dir)")
     g.add_argument('--eval-interval', type=cli.POSITIVE_INT, default=None, help=_default('eval_interval'))
     g.add_argument('--eval-at-start', action='store_true', help='also evaluate the model before training')
     g.add_argument('--dist-eval', action=argparse.BooleanOptionalAction, default=None)
@@ -185,6 +189,9 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     if args.aug_test and not args.eval:
         parser.error('--aug-test is a test of a checkpoint: use it with --eval (training evaluates single-scale, '
                      'as mmseg)')
+    if args.show_dir and not args.eval:
+        parser.error(f'--show-dir {args.show_dir}: draws the predictions of a checkpoint; use it with --eval '
+                     f'(training evaluations draw nothing)')
     if args.ratio_range is not None and args.ratio_range[0] > args.ratio_range[1]:
         parser.error(f'--ratio-range {args.ratio_range[0]} {args.ratio_range[1]}: MIN above MAX')
     if args.batch_size == 1 and not args.eval and not (world > 1 and str(args.device).startswith('cuda')
@@ -280,14 +287,16 @@ def seg_loaders(args, train_set, val_set, start_iter: int):
     return train, val
 
 
-def evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag) -> dict:
-    """The validation scores of `model` (one pass, exact over the processes with --dist-eval)."""
+def evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag, show=None) -> dict:
+    """The validation scores of `model` (one pass, exact over the processes with --dist-eval); `show` receives each
+    prediction this process scores (miou.evaluate)."""
     try:
         with preserved_rng():
             return miou.evaluate(model, val_loader, args.num_classes, device, amp_dtype=amp_dtype, mode=args.eval_mode,
                                  crop=args.crop_size, stride=args.slide_stride,
                                  sum_over_ranks=args.dist_eval and args.distributed, stop_flag=stop_flag,
-                                 print_freq=max(1, args.print_freq), class_names=val_loader.dataset.classes)
+                                 print_freq=max(1, args.print_freq), class_names=val_loader.dataset.classes,
+                                 show=show)
     except ade.LabelError as e:
         raise UserError(ade.error_line(e)) from e
 
@@ -324,6 +333,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     timm.utils.random_seed(args.seed, rank)
     set_tf32(device, args.tf32)
     output_dir.prepare_output_dir(output, device)
+    if args.show_dir:
+        distributed.on_every_rank(lambda: output_dir.prepare_show_dir(args.show_dir), device,
+                                  f'--show-dir {args.show_dir}')
     train_set, val_set = seg_datasets(args)
     print(f'Data: {len(train_set) if train_set is not None else "-"} training / {len(val_set)} validation images, '
           f'{args.num_classes} classes')
@@ -390,14 +402,36 @@ def evaluate_seg_checkpoint(args, checkpoints, path, *, val_set, amp_dtype, stop
     model, device = checkpoints.parts.model, checkpoints.device
     ckpt = state.load_checkpoint_weights(path, checkpoints)
     _, val_loader = seg_loaders(args, None, val_set, 0)
-    result = evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag)
+    show = PredictionPictures(args.show_dir, val_set) if args.show_dir else None
+    result = evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag, show)
     if distributed.all_reduce_max([float(result['aborted'])], device)[0] > 0:  # on any process
         print(f'Evaluation stopped by {stop_flag.name() or "a stop signal on another rank"}: no mIoU reported')
         return process.stopped_status(args.launcher, stop_flag, saved=False)
     print(miou.class_table(result))
     print(miou.summary_line(result, args.eval_mode))
+    if show is not None:
+        print(f"Pictures of the {result['images']} images (each beside its prediction): {args.show_dir}")
     checkpoints.append_log(eval_record(result, args, eval=path, iter=ckpt.get('iter')))
     return 0
+
+
+class PredictionPictures:
+    """--show-dir's `show` for miou.evaluate: the picture of validation image `index` of `dataset` (the image as
+    read from disk beside its prediction, ade.prediction_picture) written to `directory`/<image file stem>.png."""
+
+    def __init__(self, directory: str, dataset: ade.ADE20K):
+        self.directory, self.dataset = directory, dataset
+        self.colours = ade.palette(dataset.num_classes)
+
+    def __call__(self, index: int, prediction: torch.Tensor) -> None:
+        image_path = self.dataset.pairs[index][0]
+        picture = ade.prediction_picture(ade.decode_image(image_path), prediction.cpu().numpy(), self.colours)
+        path = os.path.join(self.directory, os.path.splitext(os.path.basename(image_path))[0] + '.png')
+        try:
+            Image.fromarray(picture).save(path)
+        except OSError as e:
+            raise UserError(f'--show-dir: cannot write {path} ({e.strerror or e}); free space there or choose '
+                            f'another folder') from e
 
 
 class Run:
@@ -613,7 +647,9 @@ def run(argv: list[str] | None = None) -> int:
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    return process.finish(lambda: output_dir.leave_nothing_unused(lambda: main(args, parser), args.output_dir),
+    def body() -> int:
+        return output_dir.leave_nothing_unused(lambda: main(args, parser), args.show_dir)
+    return process.finish(lambda: output_dir.leave_nothing_unused(body, args.output_dir),
                           lambda: (args.num_workers, args.batch_size))
 
 

@@ -1,7 +1,7 @@
 """segmentation/: the ADE20K layout and its one-line errors, the training pipeline, the UperNet head's shapes and
-names, the --pretrained loading rules, the confusion matrix and scores, the schedule and the sampler that resumes
-mid-epoch (samplers.IterationSampler). Real processes (exact distributed mIoU, resume):
-tests/integration/test_segmentation_runs.py."""
+names, the --pretrained loading rules, the confusion matrix and scores, --show-dir's pictures and mmseg's palette,
+the schedule and the sampler that resumes mid-epoch (samplers.IterationSampler). Real processes (exact
+distributed mIoU, resume): tests/integration/test_segmentation_runs.py."""
 import json
 import os
 import re
@@ -329,6 +329,32 @@ def test_the_class_names_of_ade20k_a_classes_txt_or_generic(root, tmp_path):
         ade.class_names(data, 3)
 
 
+def test_the_palette_is_mmsegs_for_ade20k_and_mmsegs_generated_one_otherwise():
+    """ade.PALETTE is mmseg's ADE20KDataset.PALETTE (label k drawn PALETTE[k - 1]); another number of classes gets
+    the colours mmseg's CustomDataset draws for a data set without a palette (numpy's global generator seeded 42),
+    without disturbing the caller's random state; colour_labels draws a class in its colour, no class in black."""
+    assert len(ade.PALETTE) == 150 and all(len(c) == 3 and all(0 <= v <= 255 for v in c) for c in ade.PALETTE)
+    # mmseg's own palette gives road and skyscraper the same grey: the only repeated colour
+    assert len(set(ade.PALETTE)) == 149 and ade.PALETTE[6] == ade.PALETTE[48] == (140, 140, 140)
+    assert ade.PALETTE[:4] == ((120, 120, 120), (180, 120, 120), (6, 230, 230), (80, 50, 50))
+    assert (ade.PALETTE[12], ade.PALETTE[-1]) == ((150, 5, 61), (92, 0, 255))  # person, flag
+    assert ade.palette(150).dtype == np.uint8 and ade.palette(150).tolist() == [list(c) for c in ade.PALETTE]
+    state = np.random.get_state()
+    np.random.seed(42)
+    mmseg_custom = np.random.randint(0, 255, size=(5, 3))
+    np.random.set_state(state)
+    before = np.random.random(3)
+    np.random.set_state(state)
+    assert ade.palette(5).tolist() == mmseg_custom.tolist() and ade.palette(5).shape == (5, 3)
+    assert np.array_equal(np.random.random(3), before)
+    labels = np.array([[0, 1, 4], [255, 2, 3]], np.uint8)
+    colours = ade.palette(5)
+    drawn = ade.colour_labels(labels, colours)
+    assert drawn.dtype == np.uint8 and drawn.shape == (2, 3, 3)
+    assert [drawn[0, j].tolist() for j in range(3)] == [colours[0].tolist(), colours[1].tolist(), colours[4].tolist()]
+    assert drawn[1, 0].tolist() == [0, 0, 0] and drawn[1, 2].tolist() == colours[3].tolist()
+
+
 def test_the_aug_test_averages_softmax_probabilities_of_each_scale_and_its_flip(one_thread):
     """mmseg's multi-scale + flip test averages probabilities, not logits: three views favouring class 1 mildly
     outvote one favouring class 0 strongly (the mean of the logits would pick class 0). The views come scale by
@@ -577,6 +603,73 @@ def test_eval_takes_the_flags_its_checkpoint_records_unless_given(root, tmp_path
     assert _run(common + ['--channels', '32']) == 1
     assert (f'error: {path} holds a model built with --channels 16, this command passes --channels 32: leave the '
             f'flag out (the checkpoint gives it)') in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('flags', [[], ['--aug-test', '--eval-mode', 'slide']])
+def test_show_dir_draws_each_validation_image_beside_the_prediction_the_miou_counts(root, tmp_path, capsys,
+                                                                                   monkeypatch, one_thread, flags):
+    """--eval --show-dir DIR writes DIR/<image stem>.png for each validation image: the image as read from disk on
+    the left, on the right the prediction the confusion matrix counted (miou.evaluate's `show`, whole/slide and
+    the multi-scale + flip test alike) in the palette's colours; the scores from those predictions are the ones
+    printed."""
+    torch.manual_seed(0)
+    path = str(tmp_path / 'seg.pth')
+    torch.save({'task': 'segmentation', 'model': backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+                .state_dict(), 'iter': 3, 'args': {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 16,
+                                                   'crop_size': 24, 'img_scale': (64, 32), 'slide_stride': 16}}, path)
+    predictions, original = {}, miou.evaluate
+
+    def recording(*a, show, **k):
+        def record(index, prediction):
+            assert index not in predictions
+            predictions[index] = prediction.clone()
+            show(index, prediction)
+        return original(*a, show=record, **k)
+
+    monkeypatch.setattr(miou, 'evaluate', recording)
+    show_dir = tmp_path / 'show' / 'pictures'
+    assert _run(['--eval', '--resume', path, '--data-path', root, '--show-dir', str(show_dir), *flags]) == 0
+    out = capsys.readouterr().out
+    assert f'Pictures of the 3 images (each beside its prediction): {show_dir}' in out
+    pairs = ade.scan(root, 'validation')
+    assert sorted(os.listdir(show_dir)) == [os.path.basename(i)[:-4] + '.png' for i, _ in pairs]
+    assert sorted(predictions) == [0, 1, 2]
+    colours, matrix = ade.palette(5), torch.zeros(5, 5, dtype=torch.int64)
+    for index, (image_path, label_path) in enumerate(pairs):
+        picture = np.asarray(Image.open(show_dir / (os.path.basename(image_path)[:-4] + '.png')))
+        with Image.open(image_path) as im:
+            image = np.asarray(im.convert('RGB'))
+        h, w = image.shape[:2]
+        prediction = predictions[index].numpy()
+        assert picture.shape == (h, 2 * w, 3) and prediction.shape == (h, w)
+        assert np.array_equal(picture[:, :w], image)
+        assert np.array_equal(picture[:, w:], colours[prediction])
+        assert {tuple(c) for c in picture[:, w:].reshape(-1, 3)} <= {tuple(c) for c in colours.tolist()}
+        matrix += miou.confusion_matrix(predictions[index], torch.from_numpy(ade.read_pair(image_path, label_path,
+                                                                                          5)[1]), 5)
+    s = miou.scores(matrix)
+    assert f"mIoU {s['mIoU']:.2f}  mAcc {s['mAcc']:.2f}  aAcc {s['aAcc']:.2f}  (3 images" in out
+
+
+def test_show_dir_needs_eval_and_a_writable_folder(root, tmp_path, capsys):
+    """--show-dir without --eval is argparse's error; a --show-dir that cannot be written is one line before the
+    model is built or any image evaluated, and leaves nothing behind."""
+    show_dir = tmp_path / 'show'
+    with pytest.raises(SystemExit) as e:
+        seg_train.run(['--data-path', root, '--device', 'cpu', '--show-dir', str(show_dir)])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f'segmentation/train.py: error: --show-dir {show_dir}: draws the predictions of a checkpoint; use it with '
+        f'--eval (training evaluations draw nothing)')
+    path = str(tmp_path / 'seg.pth')
+    torch.save({'task': 'segmentation', 'model': backbone.build_segmentor('NALAFORMER_XT', 5, channels=8)
+                .state_dict(), 'args': {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 8}}, path)
+    (tmp_path / 'a_file').write_text('')
+    unwritable = tmp_path / 'a_file' / 'show'
+    assert _run(['--eval', '--resume', path, '--data-path', root, '--show-dir', str(unwritable)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f'error: --show-dir {unwritable}: cannot write there (Not a '
+                                                 f'directory); choose a writable folder']
+    assert 'Model:' not in captured.out and 'Test: [' not in captured.out and not show_dir.exists()
 
 
 def _bad_val_label(data, pixels):

@@ -1,8 +1,9 @@
 """segmentation/train.py in real processes on a tiny ADE20K-layout scene set: a two-process torchrun run
 stopped by SIGTERM and relaunched ends with the weights and optimizer state of an uninterrupted run, and the
-mIoU of its checkpoint is the same from one process and from two (exact --dist-eval, 5 images on 2 ranks). One
-process, against an uninterrupted run: a stop before an evaluation was saved, a kill between the checkpoint.pth
-and best.pth writes, a bad file found during training or in an evaluation; --eval with the checkpoint's flags."""
+mIoU and --show-dir pictures of its checkpoint are the same from one process and from two (exact --dist-eval, 5
+images on 2 ranks). One process, against an uninterrupted run: a stop before an evaluation was saved, a kill
+between the checkpoint.pth and best.pth writes, a bad file found during training or in an evaluation; --eval with
+the checkpoint's flags."""
 import json
 import os
 import re
@@ -165,6 +166,21 @@ def test_the_aug_test_miou_is_the_same_from_one_and_from_two_processes(data, str
     how = 'whole-image' if mode == 'whole' else 'sliding-window'
     assert outputs[0] == outputs[1] and outputs[0].endswith(f'(5 images, {how} inference, 6 scales + flip)'), outputs
     assert '| checkerboard ' in outputs[0]
+
+
+def test_show_dir_pictures_are_the_same_from_one_and_from_two_processes(data, straight, tmp_path):
+    """--eval --show-dir of the run's checkpoint: two processes (5 images on 2 ranks, each writing the pictures of
+    the images it scores) leave the same files, byte for byte, as one process."""
+    ckpt = os.path.join(straight[0], 'checkpoint.pth')
+    pictures = []
+    for nproc, dist in ((1, '--no-dist-eval'), (2, '--dist-eval')):
+        show = str(tmp_path / f'show{nproc}' / 'pictures')
+        run_seg(nproc, ['--data-path', data, '--eval', '--resume', ckpt, dist, '--show-dir', show, '--device', 'cpu',
+                        '--num_workers', '0', '--print-freq', '10'])
+        pictures.append({name: open(os.path.join(show, name), 'rb').read() for name in os.listdir(show)})
+    names = sorted(os.path.splitext(os.path.basename(i))[0] + '.png' for i, _ in scenes_pairs(data, 'validation'))
+    assert sorted(pictures[0]) == names and len(names) == 5
+    assert pictures[0] == pictures[1]
 
 
 def test_ddp_gradient_layout_warnings_are_not_shown(straight):
