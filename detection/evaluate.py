@@ -133,8 +133,9 @@ def evaluate(model: torch.nn.Module, loader: Any, coco_gt: COCO, label_to_catego
              device: torch.device, mask: bool = True, amp_dtype: torch.dtype | None = None, stop_flag: Any = None,
              print_freq: int = 50, show: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
     """Box (and mask) AP of `model` on `loader`, the same on every rank: box_AP, box_AP50, ..., mask_AP, ...,
-    'lines' (COCOeval's), 'images' (scored), 'aborted'. Every rank must call it; under DDP each rank's loader holds
-    its own share of the images (an image seen twice is an error: it would count its detections twice)."""
+    'lines' (COCOeval's), 'images' (scored), 'detections' (over all images), 'aborted'. Every rank must call it;
+    under DDP each rank's loader holds its own share of the images (an image seen twice is an error: it would count
+    its detections twice)."""
     def predict_here() -> dict[str, Any]:
         try:
             return predict(model, loader, device, label_to_category, amp_dtype=amp_dtype, stop_flag=stop_flag,
@@ -153,7 +154,7 @@ def evaluate(model: torch.nn.Module, loader: Any, coco_gt: COCO, label_to_catego
         if merged['aborted']:
             return {'aborted': True, 'images': len(ids), 'lines': []}
         result = score(coco_gt, merged['bbox'], merged['segm'] if mask else None)
-        result.update(images=len(ids), aborted=False)
+        result.update(images=len(ids), detections=len(merged['bbox']), aborted=False)
         return result
 
     return distributed.broadcast_object(distributed.on_rank0(on_main, device, 'COCO evaluation'))

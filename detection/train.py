@@ -209,7 +209,9 @@ def coco_loaders(args, train_set, val_set, start_iter: int, total_iters: int | N
         return None, val
     sampler = coco.GroupedBatchSampler(train_set.aspect_groups(), args.batch_size, world, rank, args.seed,
                                        start=start_iter, end=total_iters)
-    train = loaders.DataLoader(train_set, batch_sampler=sampler, persistent_workers=False, **common)
+    # its own generator: creating the iterator draws no number from the run's random stream (exact resume)
+    train = loaders.DataLoader(train_set, batch_sampler=sampler, generator=torch.Generator(), persistent_workers=False,
+                               **common)
     return train, val
 
 
@@ -227,9 +229,10 @@ def evaluate_detector(args, model, val_loader, device, amp, stop_flag, show=None
 
 
 def eval_record(result: dict, **extra) -> dict:
-    """The log.txt line of an evaluation: COCOeval's six figures per type, the images scored."""
+    """The log.txt line of an evaluation: COCOeval's six figures per type, the images scored and the detections
+    made on them."""
     return {**extra, **{k: v for k, v in result.items() if k.startswith(('box_', 'mask_'))},
-            'images': result['images']}
+            'images': result['images'], 'detections': result['detections']}
 
 
 def print_scores(result: dict, prefix: str = '') -> None:
