@@ -184,3 +184,42 @@ def test_a_training_image_of_another_size_than_its_annotation_ends_the_run_in_on
     code = _run([*ARGS, '--data-path', copy, '--output_dir', str(tmp_path / 'out')])
     err = capsys.readouterr().err
     assert code == 1 and re.search(r'the image is 4x4 but .* says', err), err
+
+
+def test_train_sh_runs_dry_and_its_command_parses_to_the_recipe():
+    import subprocess
+
+    from conftest import REPO, env
+    p = subprocess.run(['bash', os.path.join(REPO, 'detection', 'train.sh'), '--no-mask'],
+                       env={**env(), 'DRY_RUN': '1', 'PRETRAINED': 'ck.pth', 'RECIPE': 'pvt-1x'}, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    words = p.stdout.strip().splitlines()[-1].split()
+    args = det_train.get_args_parser().parse_args(words[words.index('detection/train.py') + 1:])
+    recipe = det_train.take_flags(args, '')
+    assert (recipe.name, args.batch_size, args.pretrained, args.mask, args.dist_eval) == ('pvt-1x', 2, 'ck.pth',
+                                                                                         False, True)
+    assert '--nproc_per_node=8' in words and args.output_dir == 'output/det_NALAFORMER_T_pvt-1x'
+    p = subprocess.run(['bash', os.path.join(REPO, 'slurm', 'train.sbatch')], cwd=REPO, capture_output=True, text=True,
+                       env={**env(), 'DRY_RUN': '1', 'SCRIPT': 'detection/train.sh'}, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    srun, node = [line for line in p.stdout.splitlines() if line.startswith('+ ')]
+    assert srun.endswith('detection/train.sh') and ' detection/train.py --model ' in node
+
+
+@pytest.fixture(scope='module')
+def five(tmp_path_factory):
+    return shapes.make_shapes(str(tmp_path_factory.mktemp('five')), n_train=5, n_val=2, seed=4)
+
+
+@pytest.mark.parametrize('peer', ['convnext_tiny', 'pvt_v2_b2', 'swin_tiny_patch4_window7_224'])
+def test_the_control_peers_train_and_evaluate_through_the_same_code(peer, five, tmp_path, capsys):
+    out = str(tmp_path / 'out')
+    code = _run(['--recipe', 'demo', '--model', peer, '--epochs', '1', '--batch-size', '2', '--device', 'cpu',
+                 '--cpu-malloc', 'system', '--num_workers', '0', '--data-path', five, '--output_dir', out])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout[-3000:]
+    assert f'Model: Mask R-CNN with FPN over {peer}, recipe demo' in stdout
+    (record,) = records(out)
+    assert record['iter'] == 3 and record['images'] == 2 and 'mask_AP' in record
+    assert json.load(open(os.path.join(out, 'args.json')))['model'] == peer

@@ -59,7 +59,6 @@ TYPO_CASES = {
     'analyze_attention': ('main', ['--images', 'imgs']),
     'benchmark': ('parse_args', []),
     'block_sweep': ('parse_args', []),
-    'detection_example': ('main', []),
     'ema_speed': ('parse_args', []),
     'export': ('main', ['--format', 'onnx', '--output', 'x.onnx']),
     'flops': ('main', []),
@@ -91,8 +90,7 @@ def test_every_tool_with_a_command_line_is_in_the_typo_cases():
     assert set(TOOLS) - {'amp_parity', 'published', 'synthetic'} == set(TYPO_CASES)
 
 
-@pytest.mark.parametrize('tool', ['analyze_attention', 'benchmark', 'detection_example', 'export', 'flops',
-                                  'profile_ops'])
+@pytest.mark.parametrize('tool', ['analyze_attention', 'benchmark', 'export', 'flops', 'profile_ops'])
 def test_a_mistyped_model_name_gets_the_variant_meant(tool, capsys):
     """nalaformer-t for NALAFORMER_T: one error line naming the variant (release and predict say it when they
     read the checkpoint, their model's default)."""
