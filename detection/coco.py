@@ -53,13 +53,6 @@ class AnnotationError(DataLayoutError):
     """The data set on disk is not what the pipeline expects; str() is one line naming the file and the fix."""
 
 
-def error_line(e: BaseException) -> str:
-    """The one line of an AnnotationError, also when a data-loader worker raised it (torch then puts the worker's
-    traceback before the message)."""
-    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-    return last.split('AnnotationError: ', 1)[-1]
-
-
 # --------------------------------------------------------------------------------------------------
 # The layout and the annotation file
 # --------------------------------------------------------------------------------------------------

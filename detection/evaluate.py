@@ -21,9 +21,10 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from detection.coco import AnnotationError, error_line
+from detection.coco import AnnotationError
 from run import distributed
 from run.errors import UserError
+from training.image_folder import data_error_line
 from training.step import autocast
 
 #: the first six of COCOeval's stats, by the names mmdet logs them with
@@ -141,7 +142,7 @@ def evaluate(model: torch.nn.Module, loader: Any, coco_gt: COCO, label_to_catego
             return predict(model, loader, device, label_to_category, amp_dtype=amp_dtype, stop_flag=stop_flag,
                            print_freq=print_freq, show=show)
         except AnnotationError as e:  # also raised in a loader worker: its one line
-            raise UserError(error_line(e)) from e
+            raise UserError(data_error_line(e)) from e
 
     # a rank that fails says so to the others, which would otherwise wait in the gather
     merged = gather_to_rank0(distributed.on_every_rank(predict_here, device, 'COCO evaluation'))

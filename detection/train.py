@@ -20,7 +20,6 @@ import dataclasses
 import os
 import sys
 import time
-import warnings
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or '.') == _HERE:  # `python detection/train.py`: the root's modules
@@ -40,10 +39,10 @@ from run import checkpoint, distributed, output_dir, process, resume  # noqa: E4
 from run.checkpoint import TrainingParts  # noqa: E402
 from run.errors import FlagError, UserError, unknown_model  # noqa: E402
 from run.resume import preserved_rng, rng_state_entries  # noqa: E402
-from training import loaders  # noqa: E402
-from training.image_folder import DataLayoutError  # noqa: E402
+from training import iterations, loaders  # noqa: E402
+from training.image_folder import DataLayoutError, data_error_line  # noqa: E402
 from training.optim import global_batch_warning  # noqa: E402
-from training.step import OptimizerStep, StopRequest, amp_dtype, check_bf16, count_bad_steps, set_tf32  # noqa: E402
+from training.step import OptimizerStep, amp_dtype, count_bad_steps, set_tf32  # noqa: E402
 
 TASK = 'detection'
 #: the flags an evaluation or a resume takes from its checkpoint when the command line leaves them out (their
@@ -105,23 +104,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--eval-interval', type=cli.POSITIVE_INT, default=1, help='epochs between evaluations')
     g.add_argument('--dist-eval', action=argparse.BooleanOptionalAction, default=None)
     g = p.add_argument_group('Run')
-    g.add_argument('--output_dir', '--output-dir', dest='output_dir', default='')
-    g.add_argument('--resume', default='')
-    g.add_argument('--auto-resume', action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument('--overwrite', action='store_true')
-    g.add_argument('--no-lock', dest='lock', action='store_false')
+    iterations.add_run_flags(g)
     g.add_argument('--save-interval', type=cli.NON_NEGATIVE_INT, default=0,
                    help='iterations between checkpoints besides those of the evaluations and stops (0: none)')
-    g.add_argument('--print-freq', type=cli.POSITIVE_INT, default=50)
-    g.add_argument('--device', default='cuda')
-    g.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'])
-    g.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument('--sync-bn', action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument('--seed', type=cli.ranged(int, 0, 2 ** 32 - 1), default=0)
-    g.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain')
-    g.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
-    g.add_argument('--dist-timeout', type=cli.POSITIVE, default=1800)
-    g.add_argument('--local_rank', '--local-rank', dest='local_rank', type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -131,18 +116,7 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         parser.error(unknown_model(args.model, VARIANTS, timm.list_models()))
     if not args.data_path:
         parser.error(f'--data-path is required: the COCO folder ({coco.LAYOUT})')
-    _, world, _, _ = distributed.launch_env()
-    if args.dist_eval is None:
-        args.dist_eval = world > 1
-    rank0 = distributed.launch_env()[0] == 0
-    for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
-        if path and rank0 and not os.path.isfile(path):
-            parser.error(f'{flag} {path}: {cli.not_a_file(path)}')
-    if args.eval and not output_dir.find_resume_path(cli.settings(output_dir.OutputDirSettings, args)):
-        parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
-    if args.show_dir and not args.eval:
-        parser.error('--show-dir draws the predictions of an evaluation: use it with --eval')
-    cli.check_device(args.device, world, parser)
+    iterations.check_run_flags(args, parser)
 
 
 def take_flags(args: argparse.Namespace, path: str) -> Recipe:
@@ -188,7 +162,7 @@ def coco_datasets(args: argparse.Namespace, recipe: Recipe) -> tuple[coco.CocoDe
                                                           masks=args.mask, seed=args.seed)
         val = coco.CocoDetection(args.data_path, coco.SPLITS['val'], test_scale=recipe.test_scale, masks=False)
     except DataLayoutError as e:
-        raise UserError(coco.error_line(e)) from e
+        raise UserError(data_error_line(e)) from e
     if train is not None and train.cat_ids != val.cat_ids:
         raise UserError(f'{train.ann_file} and {val.ann_file} list other categories ({len(train.cat_ids)} and '
                         f'{len(val.cat_ids)}, ids {train.cat_ids[:5]}... and {val.cat_ids[:5]}...); use the '
@@ -275,20 +249,8 @@ def evaluate_checkpoint(args, checkpoints, path, *, val_set, amp, stop_flag) -> 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     check_flags(args, parser)
-    launched = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
-    vars(args).update(dataclasses.asdict(launched))
-    if args.amp == 'bf16':  # on the process's own GPU
-        check_bf16(args.device)
-    stop_flag = process.StopFlag()
-    stop_flag.install()
-    device = torch.device(args.device)
-    if device.type == 'cpu' and args.cpu_malloc == 'retain':
-        process.retain_freed_cpu_memory()
-    if args.num_workers is None:
-        args.num_workers, why = process.default_num_workers()
-        print(f'Data loader: {args.num_workers} workers per process ({why})')
+    device, stop_flag = iterations.start(args)
     world, rank = distributed.get_world_size(), distributed.get_rank()
-    print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
     output = cli.settings(output_dir.OutputDirSettings, args)
     resume_path = output_dir.agree_on_resume_path(output, device)
     recipe = distributed.on_every_rank(lambda: take_flags(args, resume_path), device, f'--resume {resume_path}')
@@ -375,16 +337,18 @@ class LossForward(torch.nn.Module):
         return self.detector(images, targets)
 
 
-class Run:
+class Run(iterations.IterationLoop):
     """What the training loop works with: the flags and recipe, the steps of an epoch, the model as trained (DDP)
     and as saved (bare: the one `checkpoints` saves), the optimizer step, the checkpoints, the validation loader,
-    the precision, the stop flag, the best box AP so far and the loss terms since the last progress line."""
+    the precision, the stop flag (IterationLoop's stop and data-error handling), the best box AP so far and the loss
+    terms since the last progress line."""
 
     def __init__(self, args, *, recipe, steps, train_model, step, checkpoints, resumed, val_loader, amp, stop_flag):
-        self.args, self.recipe, self.steps, self.total = args, recipe, steps, args.epochs * steps
+        super().__init__(args, stop_flag)
+        self.recipe, self.steps, self.total = recipe, steps, args.epochs * steps
         self.train_model, self.bare, self.step = train_model, checkpoints.parts.model, step
         self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, checkpoints.device
-        self.amp, self.stop_flag, self.request = amp, stop_flag, StopRequest(stop_flag)
+        self.amp = amp
         self.best, self.best_iter, self.bad, self.last = resumed.best, resumed.best_iter, resumed.bad_steps, \
             resumed.last
         progress = resumed.progress or {}
@@ -417,13 +381,6 @@ class Run:
     def save(self, done: int, eval_due: bool = False) -> None:
         self.checkpoints.save(done, self.extra(eval_due), [checkpoint.LAST])
 
-    def stopped(self, done: int, eval_due: bool = False) -> int:
-        """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
-        due = f' (its evaluation of iteration {done} is still due: the resumed run does it first)' if eval_due else ''
-        print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
-              f'checkpoint saved{due}; run the same command again to resume')
-        return process.stopped_status(self.args.launcher, self.stop_flag)
-
     def progress(self, done: int, optimizer) -> None:
         """The progress line every --print-freq iterations and at an epoch's end."""
         if done % self.args.print_freq and done % self.steps:
@@ -443,23 +400,6 @@ class Run:
         print(f'Epoch [{epoch + 1}][{into + 1}/{self.steps}]  eta: {eta_text}  lr: {lr:.3g}  loss: {means[0]:.4f}  '
               f'{terms}  img/s: {images:.1f}', flush=True)
         self.t_line, self.it_line = now, done
-
-    def next_batch(self, batches):
-        """The next training batch, or None when this process cannot read it: its one line is then kept for the
-        next optimizer step to agree on as on a stop (every process ends after that step, its work saved)."""
-        try:
-            return next(batches)
-        except coco.AnnotationError as e:
-            self.request.error = coco.error_line(e)
-            return None
-
-    def raise_data_error(self, done: int, saved: bool) -> None:
-        """Collective: when a process could not read its batch, end every process with that line."""
-        line = next((e for e in distributed.gather_objects(self.request.error) if e), None)
-        if line:
-            kept = (f'; checkpoint.pth holds the {done} iterations done: replace the file and run the same command '
-                    f'again to resume' if saved and self.args.output_dir else '')
-            raise UserError(line + kept)
 
     def evaluate_and_save(self, done: int) -> int | None:
         """Save checkpoint.pth with the evaluation of `done` iterations due, evaluate, save checkpoint.pth again
@@ -528,9 +468,7 @@ class Run:
     def done(self) -> int:
         """The end of a finished run: each rank's weight digest under DDP, the box AP of the final weights and the
         best one."""
-        if self.args.distributed:  # DDP keeps the weights identical: every rank says so
-            print(f'[rank {distributed.get_rank()}] final weights sha256: '
-                  f'{distributed.state_digest(self.bare.state_dict())}', force=True)
+        self.print_digest(self.bare)
         last = '-' if self.last is None else f'{self.last:.1f}'
         print(f'Training done: box AP {last} at the last iteration ({self.total}), best box AP {self.best:.1f} at '
               f'iteration {self.best_iter}')
@@ -538,15 +476,8 @@ class Run:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """The entry point: parse, run, and end as process.finish says (one line per error)."""
-    # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
-    warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
-    parser = get_args_parser()
-    args = parser.parse_args(argv)
-    def body() -> int:  # a --show-dir it created and left empty goes too
-        return output_dir.leave_nothing_unused(lambda: main(args, parser), args.show_dir)
-    return process.finish(lambda: output_dir.leave_nothing_unused(body, args.output_dir),
-                          lambda: (args.num_workers, args.batch_size))
+    """The entry point: parse, run, and end in one line per error (training.iterations.run_script)."""
+    return iterations.run_script(get_args_parser(), main, argv)
 
 
 if __name__ == '__main__':

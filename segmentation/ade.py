@@ -86,13 +86,6 @@ class LabelError(DataLayoutError):
     """The data set on disk is not what the pipeline expects; str() is one line naming the file and the fix."""
 
 
-def error_line(e: BaseException) -> str:
-    """The one line of a LabelError, also when a data-loader worker raised it (torch then prefixes the worker's
-    traceback to the message and keeps the line last)."""
-    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-    return last.split('LabelError: ', 1)[-1]
-
-
 def scan(root: str, split: str) -> list[tuple[str, str]]:
     """The (image, label map) paths of `split` ('training' or 'validation') under `root`, sorted by name."""
     if not os.path.isdir(root):

@@ -13,11 +13,9 @@ warmup, no auxiliary head). Runs from the repository root, as a plain process, u
 command resumes from --output_dir/checkpoint.pth, also after a stop signal or SLURM's requeue warning.
 """
 import argparse
-import dataclasses
 import os
 import sys
 import time
-import warnings
 from collections.abc import Mapping
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,10 +37,10 @@ from run.errors import FlagError, UserError, unknown_model  # noqa: E402
 from run.resume import preserved_rng, rng_state_entries  # noqa: E402
 from segmentation import ade, backbone, miou, state  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
-from training import loaders  # noqa: E402
-from training.image_folder import DataLayoutError  # noqa: E402
+from training import iterations, loaders  # noqa: E402
+from training.image_folder import DataLayoutError, data_error_line  # noqa: E402
 from training.optim import global_batch_warning  # noqa: E402
-from training.step import OptimizerStep, StopRequest, amp_dtype, check_bf16, count_bad_steps, set_tf32  # noqa: E402
+from training.step import OptimizerStep, amp_dtype, count_bad_steps, set_tf32  # noqa: E402
 
 #: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
 #: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
@@ -152,22 +150,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--eval-at-start', action='store_true', help='also evaluate the model before training')
     g.add_argument('--dist-eval', action=argparse.BooleanOptionalAction, default=None)
     g = p.add_argument_group('Run')
-    g.add_argument('--output_dir', '--output-dir', dest='output_dir', default='')
-    g.add_argument('--resume', default='')
-    g.add_argument('--auto-resume', action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument('--overwrite', action='store_true')
-    g.add_argument('--no-lock', dest='lock', action='store_false')
+    iterations.add_run_flags(g)
     g.add_argument('--save-interval', type=cli.POSITIVE_INT, default=None, help=_default('save_interval'))
-    g.add_argument('--print-freq', type=cli.POSITIVE_INT, default=50)
-    g.add_argument('--device', default='cuda')
-    g.add_argument('--amp', nargs='?', const='fp16', default=None, choices=['fp16', 'bf16'])
-    g.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument('--sync-bn', action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument('--seed', type=cli.ranged(int, 0, 2 ** 32 - 1), default=0)
-    g.add_argument('--cpu-malloc', choices=['retain', 'system'], default='retain')
-    g.add_argument('--dist_url', '--dist-url', dest='dist_url', default='env://')
-    g.add_argument('--dist-timeout', type=cli.POSITIVE, default=1800)
-    g.add_argument('--local_rank', '--local-rank', dest='local_rank', type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -177,21 +161,10 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         parser.error(unknown_model(args.model, VARIANTS, timm.list_models()))
     if not args.data_path:
         parser.error('--data-path is required: the ADEChallengeData2016 folder (images/ and annotations/)')
-    _, world, _, _ = distributed.launch_env()
-    if args.dist_eval is None:
-        args.dist_eval = world > 1
-    rank0 = distributed.launch_env()[0] == 0
-    for flag, path in (('--resume', args.resume), ('--pretrained', args.pretrained)):
-        if path and rank0 and not os.path.isfile(path):
-            parser.error(f'{flag} {path}: {cli.not_a_file(path)}')
-    if args.eval and not output_dir.find_resume_path(cli.settings(output_dir.OutputDirSettings, args)):
-        parser.error('--eval needs a checkpoint: pass --resume PATH (or an --output_dir holding checkpoint.pth)')
+    world = iterations.check_run_flags(args, parser)
     if args.aug_test and not args.eval:
         parser.error('--aug-test is a test of a checkpoint: use it with --eval (training evaluates single-scale, '
                      'as mmseg)')
-    if args.show_dir and not args.eval:
-        parser.error(f'--show-dir {args.show_dir}: draws the predictions of a checkpoint; use it with --eval '
-                     f'(training evaluations draw nothing)')
     if args.ratio_range is not None and args.ratio_range[0] > args.ratio_range[1]:
         parser.error(f'--ratio-range {args.ratio_range[0]} {args.ratio_range[1]}: MIN above MAX')
     if args.batch_size == 1 and not args.eval and not (world > 1 and str(args.device).startswith('cuda')
@@ -298,7 +271,7 @@ def evaluate_segmentor(args, model, val_loader, device, amp_dtype, stop_flag, sh
                                  print_freq=max(1, args.print_freq), class_names=val_loader.dataset.classes,
                                  show=show)
     except ade.LabelError as e:
-        raise UserError(ade.error_line(e)) from e
+        raise UserError(data_error_line(e)) from e
 
 
 def eval_record(result: dict, args, **extra) -> dict:
@@ -311,20 +284,8 @@ def eval_record(result: dict, args, **extra) -> dict:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     check_flags(args, parser)
-    launched = distributed.init_distributed_mode(cli.settings(distributed.DistributedSettings, args))
-    vars(args).update(dataclasses.asdict(launched))
-    if args.amp == 'bf16':  # on the process's own GPU
-        check_bf16(args.device)
-    stop_flag = process.StopFlag()
-    stop_flag.install()
-    device = torch.device(args.device)
-    if device.type == 'cpu' and args.cpu_malloc == 'retain':
-        process.retain_freed_cpu_memory()
-    if args.num_workers is None:
-        args.num_workers, why = process.default_num_workers()
-        print(f'Data loader: {args.num_workers} workers per process ({why})')
-    world, rank = distributed.get_world_size(), distributed.get_rank()
-    print(f'Launcher: {args.launcher}, {world} process(es), device {device}')
+    device, stop_flag = iterations.start(args)
+    rank = distributed.get_rank()
     output = cli.settings(output_dir.OutputDirSettings, args)
     resume_path = output_dir.agree_on_resume_path(output, device)
     # the flags the command line leaves out: the checkpoint's (its command line only is read), else the recipe's
@@ -388,7 +349,7 @@ def check_validation_labels(args, val_set, device) -> None:
         try:
             return ade.check_labels(val_set.pairs[rank::world], args.num_classes)
         except ade.LabelError as e:
-            raise UserError(ade.error_line(e)) from e
+            raise UserError(data_error_line(e)) from e
 
     labelled = distributed.on_every_rank(check, device, 'checking the validation label maps')
     if distributed.all_reduce_max([float(labelled > 0)], device)[0] == 0:
@@ -434,15 +395,16 @@ class PredictionPictures:
                             f'another folder') from e
 
 
-class Run:
+class Run(iterations.IterationLoop):
     """What the training loop works with: the flags, the model as trained (DDP) and as saved (bare: the one
     `checkpoints` saves), the optimizer step, the checkpoints (and their device), the validation loader, the
-    precision, the stop flag, and the best mIoU so far."""
+    precision, the stop flag (IterationLoop's stop and data-error handling), and the best mIoU so far."""
 
     def __init__(self, args, *, train_model, step, checkpoints, resumed, val_loader, amp_dtype, stop_flag):
-        self.args, self.train_model, self.bare, self.step = args, train_model, checkpoints.parts.model, step
+        super().__init__(args, stop_flag)
+        self.train_model, self.bare, self.step = train_model, checkpoints.parts.model, step
         self.checkpoints, self.val_loader, self.device = checkpoints, val_loader, checkpoints.device
-        self.amp_dtype, self.stop_flag, self.request = amp_dtype, stop_flag, StopRequest(stop_flag)
+        self.amp_dtype = amp_dtype
         self.best, self.best_iter, self.bad = resumed.best, resumed.best_iter, resumed.bad_steps
         self.last = resumed.last  # of the last evaluation
         self.progress = IterationProgress(args, resumed.start_iter, resumed.progress)
@@ -457,31 +419,6 @@ class Run:
     def save(self, done: int, eval_due: bool = False) -> None:
         """checkpoint.pth after `done` iterations."""
         self.checkpoints.save(done, self.extra(eval_due), [checkpoint.LAST])
-
-    def stopped(self, done: int, eval_due: bool = False) -> int:
-        """The line and exit status of a run a stop signal ended (its checkpoint is saved)."""
-        due = f' (its evaluation of iteration {done} is still due: the resumed run does it first)' if eval_due else ''
-        print(f'Stopped by {self.stop_flag.name() or "a stop signal on another rank"} after iteration {done}; '
-              f'checkpoint saved{due}; run the same command again to resume')
-        return process.stopped_status(self.args.launcher, self.stop_flag)
-
-    def next_batch(self, batches):
-        """The next training batch, or None when this process cannot read it: its one line is then kept for the
-        next optimizer step to agree on as on a stop (every process ends after that step, its work saved)."""
-        try:
-            return next(batches)
-        except ade.LabelError as e:
-            self.request.error = ade.error_line(e)
-            return None
-
-    def raise_data_error(self, done: int, saved: bool) -> None:
-        """Collective: when a process could not read its batch, end every process with that line (after `done`
-        iterations, saved to checkpoint.pth when `saved`)."""
-        line = next((e for e in distributed.gather_objects(self.request.error) if e), None)
-        if line:
-            kept = (f'; checkpoint.pth holds the {done} iterations done: replace the file and run the same command '
-                    f'again to resume' if saved and self.args.output_dir else '')
-            raise UserError(line + kept)
 
     def evaluate_and_save(self, done: int) -> int | None:
         """Save checkpoint.pth with the evaluation of `done` iterations due (a stop or a failure while it runs
@@ -549,7 +486,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
             return code
         if not due and done % args.save_interval == 0:
             run.save(done)
-    return training_done(args, run.bare, run.best, run.best_iter, run.last)
+    return training_done(run)
 
 
 def warn_global_batch(args) -> None:
@@ -567,15 +504,13 @@ def _sync_bn_buffers(args, model) -> None:
         timm.utils.distribute_bn(model, distributed.get_world_size(), reduce=False)
 
 
-def training_done(args, bare, best: float, best_iter: int | None, last: float | None) -> int:
-    """The end of a finished run: each rank's weight digest under DDP, the mIoU of the final weights (`last`,
-    the evaluation of the last iteration) and the best one."""
-    if args.distributed:  # DDP keeps the weights identical: every rank says so
-        print(f'[rank {distributed.get_rank()}] final weights sha256: {distributed.state_digest(bare.state_dict())}',
-              force=True)
-    last_text = '-' if last is None else f'{last:.2f}'
-    print(f'Training done: mIoU {last_text} at the last iteration ({args.iters}), best mIoU {best:.2f} at iteration '
-          f'{best_iter}')
+def training_done(run: Run) -> int:
+    """The end of a finished run: each rank's weight digest under DDP, the mIoU of the final weights (the
+    evaluation of the last iteration) and the best one."""
+    run.print_digest(run.bare)
+    last = '-' if run.last is None else f'{run.last:.2f}'
+    print(f'Training done: mIoU {last} at the last iteration ({run.args.iters}), best mIoU {run.best:.2f} at '
+          f'iteration {run.best_iter}')
     return 0
 
 
@@ -642,15 +577,8 @@ class IterationProgress:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """The entry point: parse, run, and end as process.finish says (one line per error)."""
-    # DDP warns once when a depthwise conv's weight gradient comes out channels-last (layout only, harmless)
-    warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
-    parser = get_args_parser()
-    args = parser.parse_args(argv)
-    def body() -> int:
-        return output_dir.leave_nothing_unused(lambda: main(args, parser), args.show_dir)
-    return process.finish(lambda: output_dir.leave_nothing_unused(body, args.output_dir),
-                          lambda: (args.num_workers, args.batch_size))
+    """The entry point: parse, run, and end in one line per error (training.iterations.run_script)."""
+    return iterations.run_script(get_args_parser(), main, argv)
 
 
 if __name__ == '__main__':

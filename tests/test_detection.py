@@ -517,7 +517,9 @@ def test_recipes():
         == (2e-4, 1e-4, (800,), ())
     assert (r['3x'].epochs, r['3x'].lr_steps, r['3x'].pipeline) == (36, (27, 33), r['1x'].pipeline)
     assert r['1x'].pipeline.scales == tuple(range(480, 801, 32)) and r['1x'].pipeline.crop_range == (384, 600)
-    assert all(x.batch_size == 16 and x.warmup_iters == 500 and x.warmup_ratio == 0.001 for x in r.values())
+    assert all(x.batch_size == 16 and x.warmup_iters == 500 and x.warmup_ratio == 0.001 and x.heads == dm.Heads()
+               for name, x in r.items() if name != 'demo')
+    assert (r['demo'].heads, r['demo'].batch_size, r['demo'].per_process) == (dm.DEMO_HEADS, 4, 4)
 
 
 def test_lr_steps_by_epoch_and_warms_up_by_iteration():

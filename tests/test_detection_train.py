@@ -124,7 +124,7 @@ def test_other_tasks_checkpoints_name_the_script_that_takes_them(trained, data, 
 
 
 @pytest.mark.parametrize('argv, error', [
-    (['--show-dir', 'x'], '--show-dir draws the predictions of an evaluation: use it with --eval'),
+    (['--show-dir', 'x'], '--show-dir x: draws the predictions of a checkpoint; use it with --eval'),
     (['--model', 'nalaformer-t'], 'NALAFORMER_T'),
     (['--recipe', '2x'], "invalid choice: '2x'"),
 ])

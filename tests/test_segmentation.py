@@ -80,7 +80,8 @@ def test_a_label_map_of_another_size_and_a_label_above_the_classes_are_named(roo
 def test_an_error_raised_in_a_loader_worker_keeps_its_one_line():
     wrapped = ade.LabelError('Caught LabelError in DataLoader worker process 0.\nOriginal Traceback:\n  ...\n'
                              'segmentation.ade.LabelError: x.png: missing, the label map of x.jpg')
-    assert ade.error_line(wrapped) == 'x.png: missing, the label map of x.jpg'
+    from training.image_folder import data_error_line
+    assert data_error_line(wrapped) == 'x.png: missing, the label map of x.jpg'
 
 
 # ------------------------------------------------------------------------------------------------- pipeline

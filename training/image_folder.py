@@ -2,6 +2,7 @@
 recorded (or raised with ``--strict-data``), counted non-image files and refused directory links.
 docs/data.md describes the layouts and the bad-sample rules."""
 import os
+import re
 import warnings
 from typing import Any, Callable
 
@@ -35,6 +36,13 @@ IMAGEFOLDER_LAYOUT = ('<data-path>/train/<class>/<image> and <data-path>/val/<cl
 
 class DataLayoutError(ValueError):
     """The data on disk do not have the expected layout; str() is one line naming the path."""
+
+
+def data_error_line(e: BaseException) -> str:
+    """The one line of a DataLayoutError (or a subclass), also when a data-loader worker raised it: torch then puts
+    the worker's traceback before the message, whose line stays last, prefixed with the class name."""
+    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return re.sub(r'^[\w.]*Error: ', '', last)
 
 
 class BadSampleWarning(UserWarning):
