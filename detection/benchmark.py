@@ -29,9 +29,10 @@ elif os.path.dirname(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-from detection.model import build_detector, count_detector_flops, param_groups  # noqa: E402
+from detection.model import build_detector, count_detector_flops  # noqa: E402
 from run.errors import FlagParser  # noqa: E402
 from tools.timing import peak_bytes, time_call  # noqa: E402
+from training.optim import weight_decay_groups  # noqa: E402
 from training.step import amp_dtype, autocast, set_tf32  # noqa: E402
 
 DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny,pvt_v2_b2'
@@ -57,7 +58,7 @@ def detector_step(name: str, args: argparse.Namespace, device: torch.device):
     """A training step of Mask R-CNN over `name` on one fixed batch (optimizer included), and its parameters."""
     torch.manual_seed(0)
     model = build_detector(name, 80).to(device).train()
-    optimizer = torch.optim.AdamW(param_groups(model, 0.05), lr=1e-4)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.05), lr=1e-4)
     images, targets = synthetic_batch(args.batch_size, tuple(args.size), device)
     amp = amp_dtype(args.amp)
 

@@ -1,6 +1,6 @@
 """Mask R-CNN (Faster R-CNN with ``mask=False``) over a timm backbone, built from torchvision's parts with the
-settings of mmdet's ``mask_rcnn_r50_fpn`` model; the classification weights it starts from; AdamW's parameter
-groups; the recipes and their LR as a function of the iteration.
+settings of mmdet's ``mask_rcnn_r50_fpn`` model; the recipes and their LR as a function of the iteration; the FLOPs
+count papers report.
 
 The backbone is ``timm.create_model(name, features_only=True, feature_cls='getter')`` behind
 ``backbone.body.model.`` (strides 4, 8, 16, 32), a LayerNorm over the channels of each of its four outputs (as the
@@ -47,7 +47,6 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 import models  # noqa: F401  (registers the NaLaFormer variants)
 from detection.coco import TrainPipeline
 from run.errors import UserError
-from run.weights import load_backbone_weights
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # mmdet's img_norm_cfg (123.675, 116.28, 103.53) / 255
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -381,27 +380,6 @@ def build_detector(name: str, num_classes: int, mask: bool = True, heads: Heads 
                    drop_path: float | None = None) -> Detector:
     """Mask R-CNN (or Faster R-CNN) over timm model `name` for `num_classes` object classes (labels 1..N)."""
     return Detector(build_backbone(name, heads.fpn_channels, drop_path), num_classes, mask, heads)
-
-
-def load_pretrained(detector: Detector, path: str, name: str) -> str:
-    """Load the backbone of `detector` from the classification checkpoint or release in `path` (the EMA weights when
-    the file has them; every backbone tensor with its shape; the classifier dropped): run.weights'
-    load_backbone_weights, on the timm backbone alone. Returns the line that says what was loaded."""
-    return load_backbone_weights(detector.backbone.body, path, name, 'detection')
-
-
-def param_groups(model: nn.Module, weight_decay: float, norm_bias_decay: bool = False) -> list[dict[str, Any]]:
-    """AdamW's parameter groups: weight decay on weight matrices and conv kernels, none on 1-d parameters (every
-    norm's weight and bias, every bias) nor on what the backbone's no_weight_decay() names (timm's rule);
-    `norm_bias_decay` decays everything (PVT's configs)."""
-    body = model.backbone.body
-    inner = getattr(body, 'model', body)
-    skip = {f'backbone.body.model.{n}' for n in getattr(inner, 'no_weight_decay', lambda: set())()}
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if norm_bias_decay or not (p.ndim <= 1 or n in skip) else no_decay).append(p)
-    return [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
 
 
 # --------------------------------------------------------------------------------------------------

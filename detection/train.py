@@ -33,15 +33,16 @@ import torch  # noqa: E402
 import cli  # noqa: E402
 import samplers  # noqa: E402
 from detection import coco, evaluate  # noqa: E402
-from detection.model import RECIPES, Recipe, build_detector, load_pretrained, lr_at, param_groups  # noqa: E402
+from detection.model import RECIPES, Recipe, build_detector, lr_at  # noqa: E402
 from models import VARIANTS  # noqa: E402
 from run import checkpoint, distributed, output_dir, process, resume  # noqa: E402
 from run.checkpoint import TrainingParts  # noqa: E402
 from run.errors import FlagError, UserError, unknown_model  # noqa: E402
 from run.resume import preserved_rng, rng_state_entries  # noqa: E402
+from run.weights import load_backbone_weights  # noqa: E402
 from training import iterations, loaders  # noqa: E402
 from training.image_folder import DataLayoutError, data_error_line  # noqa: E402
-from training.optim import global_batch_warning  # noqa: E402
+from training.optim import global_batch_warning, weight_decay_groups  # noqa: E402
 from training.step import OptimizerStep, amp_dtype, count_bad_steps, set_tf32  # noqa: E402
 
 TASK = 'detection'
@@ -229,7 +230,7 @@ def shower(args, val_set):
     return show
 
 
-def evaluate_checkpoint(args, checkpoints, path, *, val_set, amp, stop_flag) -> int:
+def evaluate_detector_checkpoint(args, checkpoints, path, *, val_set, amp, stop_flag) -> int:
     """--eval: the AP of the checkpoint's weights, printed and appended to --output_dir/log.txt."""
     model, device = checkpoints.parts.model, checkpoints.device
     ckpt = resume.load_iteration_checkpoint(path, checkpoints, MODEL_FLAGS, _builds_same)
@@ -249,7 +250,7 @@ def evaluate_checkpoint(args, checkpoints, path, *, val_set, amp, stop_flag) -> 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     check_flags(args, parser)
-    device, stop_flag = iterations.start(args)
+    device, stop_flag = iterations.start_run(args)
     world, rank = distributed.get_world_size(), distributed.get_rank()
     output = cli.settings(output_dir.OutputDirSettings, args)
     resume_path = output_dir.agree_on_resume_path(output, device)
@@ -267,23 +268,25 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f'{args.num_classes} classes{dropped}')
     model = build_detector(args.model, args.num_classes, mask=args.mask, heads=recipe.heads, drop_path=args.drop_path)
     if args.pretrained and not resume_path:
-        print(distributed.on_every_rank(lambda: load_pretrained(model, args.pretrained, args.model), device,
-                                        f'--pretrained {args.pretrained}'))
+        print(distributed.on_every_rank(
+            lambda: load_backbone_weights(model.backbone.body, args.pretrained, args.model, TASK), device,
+            f'--pretrained {args.pretrained}'))
     n_parameters = sum(p.numel() for p in model.parameters())
     print(f'Model: {"Mask" if args.mask else "Faster"} R-CNN with FPN over {args.model}, recipe {args.recipe}: '
           f'{n_parameters / 1e6:.2f}M parameters')
     model.to(device)
     train_model, _, _ = distributed.wrap_model(LossForward(model), device, distributed=args.distributed,
                                                sync_bn=args.sync_bn, compile=False)
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay, recipe.norm_bias_decay), lr=args.lr,
-                                  betas=recipe.betas)
+    groups = weight_decay_groups(model, args.weight_decay, decay_all=recipe.norm_bias_decay)
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=recipe.betas)
     amp = amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     checkpoints = checkpoint.IterationCheckpoints(
         task=TASK, output_dir=args.output_dir, parts=TrainingParts(model, optimizer=optimizer, loss_scaler=scaler),
         run_args=checkpoint.args_to_dict(args), n_parameters=n_parameters, device=device)
     if args.eval:
-        return evaluate_checkpoint(args, checkpoints, resume_path, val_set=val_set, amp=amp, stop_flag=stop_flag)
+        return evaluate_detector_checkpoint(args, checkpoints, resume_path, val_set=val_set, amp=amp,
+                                            stop_flag=stop_flag)
     steps = steps_per_epoch(args, train_set)
     resumed = resume.resume_iteration_run(resume_path, checkpoints, model_flags=MODEL_FLAGS, noted_flags=NOTED_FLAGS,
                                           best_key='best_box_ap', score_key='box_AP', same=_builds_same)
@@ -306,7 +309,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run.train(optimizer, train_loader, resumed.eval_due)
 
 
-def continued_step(done: int, saved_steps: int, steps: int) -> int:
+def same_point_of_epoch(done: int, saved_steps: int, steps: int) -> int:
     """Where `done` iterations of epochs of `saved_steps` steps continue in epochs of `steps` (another batch or
     number of processes): the same epoch, after the share of it that was done."""
     epoch, into = divmod(done, saved_steps)
@@ -319,7 +322,7 @@ def continued_iteration(ckpt: dict, steps: int) -> int:
     done, saved_steps = int(ckpt['iter']), int(ckpt.get('steps_per_epoch') or steps)
     if saved_steps == steps:
         return done
-    start = continued_step(done, saved_steps, steps)
+    start = same_point_of_epoch(done, saved_steps, steps)
     print(f'Note: the checkpoint ran epochs of {saved_steps} steps, this run has {steps} (another global batch): '
           f'iteration {done} continues as iteration {start}, at the same point of epoch {done // saved_steps}')
     return start

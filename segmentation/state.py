@@ -14,7 +14,6 @@ from typing import Any
 
 from run import resume
 from run.checkpoint import IterationCheckpoints
-from segmentation.backbone import TASK
 
 #: the flags that shape the model: a checkpoint loads only into a model built with the same (--decoder first: the
 #: recipe's defaults of the others depend on it)
@@ -27,25 +26,11 @@ RECORDED_FLAGS = (*MODEL_FLAGS, 'drop_path', 'crop_size', 'img_scale', 'ratio_ra
 NOTED_FLAGS = ('batch_size', 'world_size', 'iters', 'lr', 'seed')
 
 
-def _same_model(key: str, given: Any, saved: Any) -> bool:
-    """Whether a model flag's two values build the same model (the aux weight: a head or none)."""
+def builds_same(key: str, saved: Any, given: Any) -> bool:
+    """Whether a checkpoint's model flag and this run's build the same model when its weights are loaded (a model
+    name in any case, the aux weight: a head or none)."""
     if key == 'model':
-        return str(given).upper() == str(saved).upper()
-    if key == 'aux_weight':
-        return bool(given) == bool(saved)
-    return given == saved
-
-
-def take_recorded_flags(args: Any, path: str, recipe: Any) -> None:
-    """The flags of RECORDED_FLAGS the command line did not give, from the checkpoint `path` or `recipe`
-    (run.resume.take_recorded_flags)."""
-    resume.take_recorded_flags(args, path, recipe, task=TASK, recorded_flags=RECORDED_FLAGS, model_flags=MODEL_FLAGS,
-                               same=lambda key, saved, given: _same_model(key, given, saved))
-
-
-def _builds_same(key: str, saved: Any, given: Any) -> bool:
-    """Whether a checkpoint's model flag and this run's build the same model when its weights are loaded (the aux
-    weight: a head or none)."""
+        return str(saved).upper() == str(given).upper()
     return saved == given or (key == 'aux_weight' and bool(saved) == bool(given))
 
 
@@ -53,7 +38,7 @@ def load_checkpoint_weights(path: str, checkpoints: IterationCheckpoints) -> dic
     """`path` loaded on every rank, checked to be the same segmentation checkpoint everywhere (one line for a rank
     that cannot read it or reads another file, a classification checkpoint, a file of another model), its weights
     loaded into the model (--eval)."""
-    return resume.load_iteration_checkpoint(path, checkpoints, MODEL_FLAGS, _builds_same)
+    return resume.load_iteration_checkpoint(path, checkpoints, MODEL_FLAGS, builds_same)
 
 
 def resume_from(path: str, checkpoints: IterationCheckpoints) -> resume.IterationResume:
@@ -61,4 +46,4 @@ def resume_from(path: str, checkpoints: IterationCheckpoints) -> resume.Iteratio
     when the number of processes is the one that wrote it, then the iteration, skipped-step count, best mIoU and
     what the checkpoint's loop kept (run.resume.resume_iteration_run)."""
     return resume.resume_iteration_run(path, checkpoints, model_flags=MODEL_FLAGS, noted_flags=NOTED_FLAGS,
-                                       best_key='best_miou', score_key='mIoU', same=_builds_same)
+                                       best_key='best_miou', score_key='mIoU', same=builds_same)

@@ -34,16 +34,17 @@ from models import VARIANTS  # noqa: E402
 from run import checkpoint, distributed, output_dir, process  # noqa: E402
 from run.checkpoint import TrainingParts  # noqa: E402
 from run.errors import FlagError, UserError, unknown_model  # noqa: E402
-from run.resume import preserved_rng, rng_state_entries  # noqa: E402
-from segmentation import ade, backbone, miou, state  # noqa: E402
+from run.resume import preserved_rng, rng_state_entries, take_recorded_flags  # noqa: E402
+from run.weights import load_backbone_weights  # noqa: E402
+from segmentation import ade, miou, state, upernet  # noqa: E402
 from segmentation.upernet import SegLoss  # noqa: E402
 from training import iterations, loaders  # noqa: E402
 from training.image_folder import DataLayoutError, data_error_line  # noqa: E402
-from training.optim import global_batch_warning  # noqa: E402
+from training.optim import global_batch_warning, weight_decay_groups  # noqa: E402
 from training.step import OptimizerStep, amp_dtype, count_bad_steps, set_tf32  # noqa: E402
 
 #: the recipe's values of the flags that an evaluation or a resume takes from its checkpoint (state.RECORDED_FLAGS):
-#: their parser default is None (not given); state.take_recorded_flags fills in the checkpoint's value or these
+#: their parser default is None (not given); run.resume.take_recorded_flags fills in the checkpoint's value or these
 #: and the schedule's flags (SCHEDULE), whose parser default is None too: they follow the decoder's recipe
 RECIPE = {'decoder': 'upernet', 'model': 'NALAFORMER_T', 'num_classes': 150, 'channels': 512, 'aux_weight': 0.4,
           'drop_path': None, 'crop_size': 512, 'img_scale': (2048, 512), 'ratio_range': (0.5, 2.0),
@@ -64,7 +65,7 @@ def recipe(decoder: str | None) -> dict:
 
 
 class DecoderRecipe(Mapping):
-    """recipe(args.decoder), read at each look-up: state.take_recorded_flags fills in --decoder first, so the
+    """recipe(args.decoder), read at each look-up: run.resume.take_recorded_flags fills in --decoder first, so the
     defaults of the other flags are those of the decoder it settled on."""
 
     def __init__(self, args: argparse.Namespace):
@@ -82,8 +83,9 @@ class DecoderRecipe(Mapping):
 
 def take_flags(args: argparse.Namespace, path: str) -> None:
     """The flags the command line leaves out: the recorded ones from the checkpoint `path` ('' for none) or the
-    recipe of the decoder (state.take_recorded_flags), then the schedule's from the decoder's recipe."""
-    state.take_recorded_flags(args, path, DecoderRecipe(args))
+    recipe of the decoder (run.resume.take_recorded_flags), then the schedule's from the decoder's recipe."""
+    take_recorded_flags(args, path, DecoderRecipe(args), task=upernet.TASK, recorded_flags=state.RECORDED_FLAGS,
+                        model_flags=state.MODEL_FLAGS, same=state.builds_same)
     for key in SCHEDULE:
         if getattr(args, key) is None:
             setattr(args, key, recipe(args.decoder)[key])
@@ -284,7 +286,7 @@ def eval_record(result: dict, args, **extra) -> dict:
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """A run: the process group, the data, the model, then --eval or training; returns the exit status."""
     check_flags(args, parser)
-    device, stop_flag = iterations.start(args)
+    device, stop_flag = iterations.start_run(args)
     rank = distributed.get_rank()
     output = cli.settings(output_dir.OutputDirSettings, args)
     resume_path = output_dir.agree_on_resume_path(output, device)
@@ -303,21 +305,22 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if train_set is not None:
         check_validation_labels(args, val_set, device)
 
-    model = backbone.build_segmentor(args.model, args.num_classes, args.channels, args.aux_weight > 0,
+    model = upernet.build_segmentor(args.model, args.num_classes, args.channels, args.aux_weight > 0,
                                      args.drop_path, args.crop_size, decoder=args.decoder)
     if args.pretrained and not resume_path:
-        print(distributed.on_every_rank(lambda: backbone.load_pretrained(model, args.pretrained, args.model),
-                                        device, f'--pretrained {args.pretrained}'))
+        print(distributed.on_every_rank(
+            lambda: load_backbone_weights(model.backbone, args.pretrained, args.model, upernet.TASK), device,
+            f'--pretrained {args.pretrained}'))
     n_parameters = sum(p.numel() for p in model.parameters())
     print(f'Model: {model.description} over {args.model}: {n_parameters / 1e6:.2f}M parameters')
     model.to(device)
     train_model, bare, _ = distributed.wrap_model(model, device, distributed=args.distributed, sync_bn=args.sync_bn,
                                                   compile=False)
-    optimizer = torch.optim.AdamW(backbone.param_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
+    optimizer = torch.optim.AdamW(weight_decay_groups(bare, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
     amp = amp_dtype(args.amp)
     scaler = torch.amp.GradScaler(device.type) if args.amp == 'fp16' else None
     checkpoints = checkpoint.IterationCheckpoints(
-        task=backbone.TASK, output_dir=args.output_dir, parts=TrainingParts(bare, optimizer=optimizer,
+        task=upernet.TASK, output_dir=args.output_dir, parts=TrainingParts(bare, optimizer=optimizer,
                                                                             loss_scaler=scaler),
         run_args=checkpoint.args_to_dict(args), n_parameters=n_parameters, device=device)
     if args.eval:

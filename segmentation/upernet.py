@@ -13,14 +13,24 @@ convs to 256 channels, a top-down path adding each nearest-upsampled level to th
 plain convs with bias, no norm, Xavier-uniform init as its init_cfg) and ``FPNHead`` (per level 3x3 conv + BN +
 ReLU blocks of 128 channels, each but stride 4's followed by a 2x bilinear upsampling until stride 4, the levels
 summed, then dropout 0.1 and the 1x1 classifier); no auxiliary head in its recipe.
+
+``build_segmentor`` builds either over ``timm.create_model(name, features_only=True, feature_cls='getter')``;
+``--pretrained`` loads its backbone by run.weights.load_backbone_weights (the EMA weights when the file has them,
+every backbone tensor with its shape, the classifier dropped with a note).
 """
 import math
+from typing import Any
 
+import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import models  # noqa: F401  (registers the NaLaFormer variants)
 from segmentation.ade import IGNORE_INDEX
+
+#: the marker segmentation checkpoints carry (checkpoint['task'])
+TASK = 'segmentation'
 
 
 class ConvModule(nn.Module):
@@ -198,3 +208,19 @@ class SegLoss(nn.Module):
         if aux is not None:
             loss = loss + self.aux_weight * self.pixel_ce(aux, labels)
         return loss
+
+
+def build_segmentor(name: str, num_classes: int, channels: int = 512, aux: bool = True,
+                    drop_path: float | None = None, img_size: int | tuple[int, int] | None = None,
+                    decoder: str = 'upernet') -> Segmentor:
+    """UperNet, or Semantic FPN with `decoder` 'fpn' (+ the auxiliary FCN head), over timm model `name`.
+    `drop_path` None keeps the variant's own rate; `img_size` (a side or (height, width)) is passed to backbones
+    built for one input size (Swin)."""
+    kwargs: dict[str, Any] = {}
+    if drop_path is not None:
+        kwargs['drop_path_rate'] = drop_path
+    if img_size is not None and timm.create_model(name, pretrained=False).pretrained_cfg.get('fixed_input_size'):
+        kwargs['img_size'] = img_size
+    backbone = timm.create_model(name, pretrained=False, features_only=True, feature_cls='getter',
+                                 out_indices=(0, 1, 2, 3), **kwargs)
+    return Segmentor(backbone, num_classes, channels=channels, aux=aux, decoder=decoder)

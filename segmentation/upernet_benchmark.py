@@ -32,9 +32,9 @@ elif os.path.dirname(_HERE) not in sys.path:
 import torch  # noqa: E402
 
 from run.errors import FlagParser  # noqa: E402
-from segmentation.backbone import build_segmentor, param_groups  # noqa: E402
-from segmentation.upernet import SegLoss  # noqa: E402
+from segmentation.upernet import SegLoss, build_segmentor  # noqa: E402
 from tools.timing import peak_bytes, time_call  # noqa: E402
+from training.optim import weight_decay_groups  # noqa: E402
 from training.step import amp_dtype, autocast, set_tf32  # noqa: E402
 
 DEFAULT_MODELS = 'NALAFORMER_T,swin_tiny_patch4_window7_224,convnext_tiny'
@@ -46,7 +46,7 @@ def upernet_step(name: str, args: argparse.Namespace, device: torch.device):
     torch.manual_seed(0)
     model = build_segmentor(name, 150, channels=args.channels, img_size=args.size, aux=args.decoder == 'upernet',
                             decoder=args.decoder).to(device).train()
-    optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=6e-5)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=6e-5)
     criterion = SegLoss(0.4)
     x = torch.randn(args.batch_size, 3, args.size, args.size, device=device)
     y = torch.randint(0, 150, (args.batch_size, args.size, args.size), device=device)

@@ -13,6 +13,8 @@ from pycocotools import mask as mask_utils
 from detection import coco, evaluate, shapes
 from detection import model as dm
 from run.errors import CheckpointError
+from run.weights import load_backbone_weights
+from training.optim import weight_decay_groups
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -488,25 +490,25 @@ def test_pretrained_loads_the_ema_backbone_strictly(tmp_path, xt_detector):
     ema = {k: v + 1 if v.is_floating_point() else v for k, v in cls.state_dict().items()}
     path = str(tmp_path / 'cls.pth')
     torch.save({'model': cls.state_dict(), 'model_ema': ema}, path)
-    line = dm.load_pretrained(xt_detector, path, 'NALAFORMER_XT')
+    line = load_backbone_weights(xt_detector.backbone.body, path, 'NALAFORMER_XT', 'detection')
     assert 'model_ema' in line and 'dropped the classifier' in line
     w = xt_detector.backbone.body.model.patch_embed.proj[0].weight
     assert torch.equal(w, ema['patch_embed.proj.0.weight'])
     del ema['patch_embed.proj.0.weight']
     torch.save({'model_ema': ema}, path)
     with pytest.raises(CheckpointError, match='backbone tensors missing'):
-        dm.load_pretrained(xt_detector, path, 'NALAFORMER_XT')
+        load_backbone_weights(xt_detector.backbone.body, path, 'NALAFORMER_XT', 'detection')
 
 
 def test_param_groups_skip_norms_and_biases(xt_detector):
-    groups = dm.param_groups(xt_detector, 0.05)
+    groups = weight_decay_groups(xt_detector, 0.05)
     decay, no_decay = ({id(p) for p in g['params']} for g in groups)
     d = xt_detector
     assert id(d.backbone.norms[0].weight) in no_decay and id(d.backbone.fpn.inner_blocks[0][0].bias) in no_decay
     assert id(d.backbone.fpn.inner_blocks[0][0].weight) in decay and id(d.roi_heads.box_head.fc6.weight) in decay
     assert len(decay) + len(no_decay) == len(list(d.parameters()))
     assert groups[1]['weight_decay'] == 0 and groups[0]['weight_decay'] == 0.05
-    everything = dm.param_groups(d, 1e-4, norm_bias_decay=True)
+    everything = weight_decay_groups(d, 1e-4, decay_all=True)
     assert len(everything[0]['params']) == len(list(d.parameters())) and not everything[1]['params']
 
 

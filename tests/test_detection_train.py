@@ -168,10 +168,10 @@ def test_the_recipe_defaults_and_overrides():
 
 
 def test_a_relaunch_with_epochs_of_another_length_continues_at_the_same_point_of_the_epoch():
-    assert det_train.continued_step(10, 4, 2) == 5  # epoch 2, half done: 2 x 2 + 1
-    assert det_train.continued_step(8, 4, 8) == 16  # an epoch's end stays one
-    assert det_train.continued_step(7, 4, 2) == 4  # 3 of 4 steps: 1.5 of 2, rounded half to even
-    assert all(det_train.continued_step(it, 5, 5) == it for it in range(20))
+    assert det_train.same_point_of_epoch(10, 4, 2) == 5  # epoch 2, half done: 2 x 2 + 1
+    assert det_train.same_point_of_epoch(8, 4, 8) == 16  # an epoch's end stays one
+    assert det_train.same_point_of_epoch(7, 4, 2) == 4  # 3 of 4 steps: 1.5 of 2, rounded half to even
+    assert all(det_train.same_point_of_epoch(it, 5, 5) == it for it in range(20))
 
 
 def test_a_training_image_of_another_size_than_its_annotation_ends_the_run_in_one_line(data, tmp_path, capsys):

@@ -16,8 +16,10 @@ from PIL import Image
 
 import samplers
 from run import errors
-from segmentation import ade, backbone, miou, scenes, upernet
+from run.weights import load_backbone_weights
+from segmentation import ade, miou, scenes, upernet
 from segmentation import train as seg_train
+from training.optim import weight_decay_groups
 
 
 @pytest.fixture(scope='module')
@@ -126,7 +128,7 @@ def test_hsv_round_trip_and_hue_range():
 
 # ---------------------------------------------------------------------------------------------------- model
 def test_upernet_shapes_and_mmseg_names(one_thread):
-    model = backbone.build_segmentor('NALAFORMER_XT', 7, channels=16)
+    model = upernet.build_segmentor('NALAFORMER_XT', 7, channels=16)
     x = torch.randn(2, 3, 64, 96)
     logits, aux = model.train()(x)
     assert logits.shape == (2, 7, 16, 24) and aux.shape == (2, 7, 4, 6)  # stride 4; the auxiliary head: stride 16
@@ -139,14 +141,14 @@ def test_upernet_shapes_and_mmseg_names(one_thread):
         assert k in keys, k
     assert keys['decode_head.fpn_bottleneck.conv.weight'].shape == (16, 64, 3, 3)
     assert 'decode_head.conv_seg.weight' in keys and not any(k.startswith('backbone.model.head') for k in keys)
-    assert backbone.build_segmentor('NALAFORMER_XT', 7, channels=16, aux=False).train()(x)[1] is None
+    assert upernet.build_segmentor('NALAFORMER_XT', 7, channels=16, aux=False).train()(x)[1] is None
 
 
 def test_semantic_fpn_shapes_and_mmseg_names(one_thread):
     """--decoder fpn: mmseg's FPN neck (256 channels, plain convs with bias) and FPNHead (1, 1, 2 and 3 conv blocks
     for strides 4 to 32, each but stride 4's followed by a 2x upsampling), logits at stride 4, no auxiliary head
     in its recipe (one on the neck's third map when asked for)."""
-    model = backbone.build_segmentor('NALAFORMER_XT', 7, channels=16, aux=False, decoder='fpn')
+    model = upernet.build_segmentor('NALAFORMER_XT', 7, channels=16, aux=False, decoder='fpn')
     x = torch.randn(2, 3, 64, 96)
     logits, aux = model.train()(x)
     assert logits.shape == (2, 7, 16, 24) and aux is None
@@ -160,7 +162,7 @@ def test_semantic_fpn_shapes_and_mmseg_names(one_thread):
     assert convs == [1, 1, 2, 3] and ups == [0, 1, 2, 3]
     assert keys['decode_head.scale_heads.3.4.conv.weight'].shape == (16, 16, 3, 3)
     assert keys['decode_head.scale_heads.0.0.conv.weight'].shape == (16, 256, 3, 3)
-    with_aux = backbone.build_segmentor('NALAFORMER_XT', 7, channels=16, decoder='fpn')
+    with_aux = upernet.build_segmentor('NALAFORMER_XT', 7, channels=16, decoder='fpn')
     assert with_aux.train()(x)[1].shape == (2, 7, 4, 6) and with_aux.auxiliary_head.convs[0].conv.in_channels == 256
     assert model.description == 'Semantic FPN (neck 256, head 16 channels)'
 
@@ -224,6 +226,11 @@ def _levels(head, feats):
 
 
 # --------------------------------------------------------------------------------------------- --pretrained
+def load_pretrained(model, path, name):
+    """--pretrained as segmentation/train.py loads it: the classification weights into the segmentor's backbone."""
+    return load_backbone_weights(model.backbone, path, name, upernet.TASK)
+
+
 @pytest.fixture(scope='module')
 def xt_checkpoint(tmp_path_factory):
     torch.manual_seed(0)
@@ -236,8 +243,8 @@ def xt_checkpoint(tmp_path_factory):
 
 def test_pretrained_takes_the_ema_backbone_and_drops_the_classifier(xt_checkpoint):
     path, ema = xt_checkpoint
-    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
-    line = backbone.load_pretrained(model, path, 'NALAFORMER_XT')
+    model = upernet.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    line = load_pretrained(model, path, 'NALAFORMER_XT')
     assert '(model_ema weights)' in line and 'dropped the classifier (head.bias, head.weight, norm.bias' in line
     w = 'patch_embed.proj.0.weight'
     assert torch.equal(model.state_dict()['backbone.model.' + w], ema[w])
@@ -245,27 +252,27 @@ def test_pretrained_takes_the_ema_backbone_and_drops_the_classifier(xt_checkpoin
 
 def test_pretrained_refuses_other_weights_in_one_line(xt_checkpoint, tmp_path):
     path, ema = xt_checkpoint
-    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    model = upernet.build_segmentor('NALAFORMER_XT', 5, channels=16)
     broken = {k: v for k, v in ema.items() if k != 'layers.1.blocks.0.attn.qkvg.weight'}
     torch.save({'model': broken}, tmp_path / 'missing.pth')
     with pytest.raises(errors.CheckpointError, match=r'does not hold NALAFORMER_XT classification weights: 1 '
                                                        r'backbone tensors missing \(e.g. layers.1.blocks.0.attn.qkvg'):
-        backbone.load_pretrained(model, str(tmp_path / 'missing.pth'), 'NALAFORMER_XT')
+        load_pretrained(model, str(tmp_path / 'missing.pth'), 'NALAFORMER_XT')
     torch.save({'model': timm.create_model('NALAFORMER_T').state_dict()}, tmp_path / 't.pth')
     with pytest.raises(errors.CheckpointError, match=r'backbone tensors of other shapes .* pass a checkpoint or '
                                                        r'release of --model NALAFORMER_XT'):
-        backbone.load_pretrained(model, str(tmp_path / 't.pth'), 'NALAFORMER_XT')
+        load_pretrained(model, str(tmp_path / 't.pth'), 'NALAFORMER_XT')
     torch.save({'model': {**ema, 'extra.weight': torch.zeros(1)}}, tmp_path / 'extra.pth')
     with pytest.raises(errors.CheckpointError, match=r"1 tensors that are not NALAFORMER_XT's \(e.g. extra.weight"):
-        backbone.load_pretrained(model, str(tmp_path / 'extra.pth'), 'NALAFORMER_XT')
+        load_pretrained(model, str(tmp_path / 'extra.pth'), 'NALAFORMER_XT')
     torch.save({'task': 'segmentation', 'model': model.state_dict()}, tmp_path / 'seg.pth')
     with pytest.raises(errors.CheckpointError, match=r'is a segmentation checkpoint; continue it with --resume'):
-        backbone.load_pretrained(model, str(tmp_path / 'seg.pth'), 'NALAFORMER_XT')
+        load_pretrained(model, str(tmp_path / 'seg.pth'), 'NALAFORMER_XT')
 
 
 def test_weight_decay_skips_norms_and_biases():
-    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
-    decay, no_decay = backbone.param_groups(model, 0.01)
+    model = upernet.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    decay, no_decay = weight_decay_groups(model, 0.01)
     assert decay['weight_decay'] == 0.01 and no_decay['weight_decay'] == 0.0
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(p.ndim > 1 for p in decay['params'])
@@ -529,7 +536,7 @@ def test_the_benchmark_counts_macs_of_backbone_and_head(capsys, one_thread):
     m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 64x64 \(backbone ([\d.]+), UperNet head ([\d.]+)\)', out)
     assert m and float(m.group(2)) > 0 and float(m.group(3)) > 0
     m = re.search(r'NALAFORMER_XT: ([\d.]+) GMACs at 32x96 \(backbone ([\d.]+), UperNet head ([\d.]+)\)', out)
-    model = backbone.build_segmentor('NALAFORMER_XT', 150, channels=16, aux=False)
+    model = upernet.build_segmentor('NALAFORMER_XT', 150, channels=16, aux=False)
     assert m and float(m.group(1)) == pytest.approx(count_flops(model, (32, 96)) / 1e9, abs=0.006)
     assert upernet_benchmark.main(['--macs', '--models', 'NALAFORMER_XT', '--size', '32', '--channels', '16',
                                    '--decoder', 'fpn', '--macs-size', '32', '64']) == 0
@@ -550,8 +557,8 @@ def test_pretrained_takes_a_safetensors_release(xt_checkpoint, tmp_path):
     _, ema = xt_checkpoint
     path = str(tmp_path / 'nalaformer_xt.safetensors')
     save_file({k: v.contiguous() for k, v in ema.items()}, path)
-    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
-    assert 'of ' + path + ' (weights); dropped the classifier' in backbone.load_pretrained(model, path, 'NALAFORMER_XT')
+    model = upernet.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    assert 'of ' + path + ' (weights); dropped the classifier' in load_pretrained(model, path, 'NALAFORMER_XT')
     w = 'layers.2.blocks.0.attn.qkvg.weight'
     assert torch.equal(model.state_dict()['backbone.model.' + w], ema[w])
 
@@ -580,7 +587,7 @@ def test_eval_takes_the_flags_its_checkpoint_records_unless_given(root, tmp_path
     does (the recorded size, classes, channels), says which it took in one line, names a given value that
     differs in one line, and refuses a given model flag the weights cannot load into."""
     torch.manual_seed(0)
-    model = backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    model = upernet.build_segmentor('NALAFORMER_XT', 5, channels=16)
     path = str(tmp_path / 'seg.pth')
     recorded = {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 16, 'aux_weight': 0.4, 'drop_path': None,
                 'crop_size': 48, 'img_scale': (96, 48), 'ratio_range': (0.5, 2.0), 'cat_max_ratio': 0.75,
@@ -615,7 +622,7 @@ def test_show_dir_draws_each_validation_image_beside_the_prediction_the_miou_cou
     printed."""
     torch.manual_seed(0)
     path = str(tmp_path / 'seg.pth')
-    torch.save({'task': 'segmentation', 'model': backbone.build_segmentor('NALAFORMER_XT', 5, channels=16)
+    torch.save({'task': 'segmentation', 'model': upernet.build_segmentor('NALAFORMER_XT', 5, channels=16)
                 .state_dict(), 'iter': 3, 'args': {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 16,
                                                    'crop_size': 24, 'img_scale': (64, 32), 'slide_stride': 16}}, path)
     predictions, original = {}, miou.evaluate
@@ -662,7 +669,7 @@ def test_show_dir_needs_eval_and_a_writable_folder(root, tmp_path, capsys):
         f'segmentation/train.py: error: --show-dir {show_dir}: draws the predictions of a checkpoint; use it with '
         f'--eval (training evaluations draw nothing)')
     path = str(tmp_path / 'seg.pth')
-    torch.save({'task': 'segmentation', 'model': backbone.build_segmentor('NALAFORMER_XT', 5, channels=8)
+    torch.save({'task': 'segmentation', 'model': upernet.build_segmentor('NALAFORMER_XT', 5, channels=8)
                 .state_dict(), 'args': {'model': 'NALAFORMER_XT', 'num_classes': 5, 'channels': 8}}, path)
     (tmp_path / 'a_file').write_text('')
     unwritable = tmp_path / 'a_file' / 'show'

@@ -58,7 +58,7 @@ def check_run_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return world
 
 
-def start(args: argparse.Namespace) -> tuple[torch.device, process.StopFlag]:
+def start_run(args: argparse.Namespace) -> tuple[torch.device, process.StopFlag]:
     """The start of a run: the process group (its facts into `args`), bf16 checked on this process's GPU, the stop
     signals caught, glibc told to keep freed memory on a CPU (--cpu-malloc retain), the loader workers chosen when
     not given; prints the launch. Returns the device and the stop flag."""

@@ -4,7 +4,7 @@ the global batch, timm's scheduler stepped once per epoch, the notes when the LR
 or the warmup lasts the whole run), the exponential moving average of the weights (--model-ema: timm's ModelEmaV3
 with a cheaper update, its decay at the run's global batch), the checks of their flags that need them built, and
 what a resumed run changes of them against its checkpoint, in flag terms; the warning of the dense-prediction
-recipes when their global batch is not the one their LR was set for.
+recipes when their global batch is not the one their LR was set for, and their weight-decay groups.
 """
 from dataclasses import dataclass, fields
 from typing import Any
@@ -295,3 +295,18 @@ def global_batch_warning(*, batch_size: int, world: int, recipe_batch: int) -> s
     return (f'Warning: global batch {total} ({world} process(es) x --batch-size {batch_size}) differs from the '
             f"recipe's {recipe_batch}, for which its LR and schedule are set; for {recipe_batch} images a step{how} "
             f'(there is no gradient accumulation)')
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float,
+                        decay_all: bool = False) -> list[dict[str, Any]]:
+    """AdamW's parameter groups of a dense task's model (segmentor, detector): weight decay on weight matrices and
+    conv kernels, none on 1-d parameters (every norm's weight and bias, every bias) nor on what a submodule's
+    no_weight_decay() names (timm's rule: Swin's position tables); `decay_all` decays every parameter (PVT's
+    detection configs)."""
+    skip = {f'{name}.{p}' for name, module in model.named_modules() if name
+            for p in getattr(module, 'no_weight_decay', lambda: set())()}
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if decay_all or not (p.ndim <= 1 or n in skip) else no_decay).append(p)
+    return [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
