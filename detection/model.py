@@ -419,7 +419,7 @@ RECIPES = {
 }
 
 
-def lr_at(iteration: int, steps_per_epoch: int, recipe: Recipe) -> float:
+def step_lr(iteration: int, steps_per_epoch: int, recipe: Recipe) -> float:
     """The LR of 0-based `iteration`: mmdet's step schedule by epoch (lr x gamma^(steps passed), epoch = iteration
     // steps_per_epoch) times mmcv's linear warmup by iteration (1 - (1 - it / warmup_iters)(1 - warmup_ratio)
     for the first warmup_iters)."""

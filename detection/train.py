@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import cli  # noqa: E402
 import samplers  # noqa: E402
 from detection import coco, evaluate  # noqa: E402
-from detection.model import RECIPES, Recipe, build_detector, lr_at  # noqa: E402
+from detection.model import RECIPES, Recipe, build_detector, step_lr  # noqa: E402
 from models import VARIANTS  # noqa: E402
 from run import checkpoint, distributed, output_dir, process, resume  # noqa: E402
 from run.checkpoint import TrainingParts  # noqa: E402
@@ -48,7 +48,7 @@ from training.step import OptimizerStep, amp_dtype, count_bad_steps, set_tf32  #
 TASK = 'detection'
 #: the flags an evaluation or a resume takes from its checkpoint when the command line leaves them out (their
 #: parser default is None), with the values a fresh run takes
-RECORDED = {'model': 'NALAFORMER_T', 'recipe': '1x', 'mask': True, 'drop_path': None}
+RECORDED_DEFAULTS = {'model': 'NALAFORMER_T', 'recipe': '1x', 'mask': True, 'drop_path': None}
 #: the flags that shape the model: a checkpoint loads only into a model built with the same (num_classes comes
 #: from the annotation files)
 MODEL_FLAGS = ('model', 'recipe', 'mask', 'num_classes')
@@ -122,8 +122,8 @@ def check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
 
 def take_flags(args: argparse.Namespace, path: str) -> Recipe:
     """The flags the command line leaves out: the recorded ones from the checkpoint `path` ('' for none) or
-    RECORDED, then the schedule's from the recipe; returns the recipe with the command line's overrides."""
-    resume.take_recorded_flags(args, path, RECORDED, task=TASK, recorded_flags=tuple(RECORDED),
+    RECORDED_DEFAULTS, then the schedule's from the recipe; returns the recipe with the command line's overrides."""
+    resume.take_recorded_flags(args, path, RECORDED_DEFAULTS, task=TASK, recorded_flags=tuple(RECORDED_DEFAULTS),
                                model_flags=MODEL_FLAGS, same=_builds_same)
     recipe = RECIPES[args.recipe]
     if args.batch_size is None:
@@ -420,7 +420,7 @@ class Run(iterations.IterationLoop):
         print_scores(result, prefix=f'Epoch {epoch} (iteration {done}): ')
         since, self.since_eval = self.since_eval, []
         record = eval_record(result, epoch=epoch, iter=done, train_loss=sum(since) / len(since) if since else None,
-                             lr=lr_at(done - 1, self.steps, self.recipe))
+                             lr=step_lr(done - 1, self.steps, self.recipe))
         names, self.last = [checkpoint.LAST], result['box_AP']
         if result['box_AP'] > self.best:
             self.best, self.best_iter = result['box_AP'], done
@@ -444,7 +444,7 @@ class Run(iterations.IterationLoop):
         self.raise_data_error(start, saved=False)
         for it in range(start, self.total):
             for group in optimizer.param_groups:
-                group['lr'] = lr_at(it, self.steps, self.recipe)
+                group['lr'] = step_lr(it, self.steps, self.recipe)
             images, targets = batch
             images = [im.to(self.device, non_blocking=True) for im in images]
             targets = [{k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}

@@ -8,7 +8,7 @@ A segmentation checkpoint adds to IterationCheckpoints' entries the loop's own (
 (one per process), ``bad_steps`` (consecutive skipped steps), ``best_miou`` and ``best_iter``, ``eval_due`` (the
 evaluation of ``iter`` is still to be done: the run stopped before it was saved), ``progress`` (the training losses
 not yet in a log line) and ``log`` (the last evaluation's log.txt record). The learning rate is a function of
-``iter`` (train.lr_at), so no scheduler state is needed.
+``iter`` (train.poly_lr), so no scheduler state is needed.
 """
 from typing import Any
 

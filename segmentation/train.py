@@ -56,7 +56,7 @@ FPN_RECIPE = {'channels': 128, 'aux_weight': 0.0, 'iters': 80000, 'lr': 1e-4, 'w
               'warmup_iters': 0, 'eval_interval': 8000, 'save_interval': 8000}
 SCHEDULE = ('iters', 'lr', 'weight_decay', 'power', 'warmup_iters', 'eval_interval', 'save_interval')
 RECIPE_GLOBAL_BATCH = 16  # images per optimizer step of both recipes (8 GPUs x 2)
-RECORDED = 'with a checkpoint to evaluate or resume, {}, when not given, take the values it records'
+RECORDED_HELP = 'with a checkpoint to evaluate or resume, {}, when not given, take the values it records'
 
 
 def recipe(decoder: str | None) -> dict:
@@ -102,7 +102,7 @@ def _default(key: str) -> str:
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line; the defaults are the recipe (docs/segmentation.md)."""
     p = cli.LauncherArgumentParser('segmentation/train.py', description=__doc__.split('\n')[0], add_help=True)
-    g = p.add_argument_group('Model', RECORDED.format(
+    g = p.add_argument_group('Model', RECORDED_HELP.format(
         '--decoder, --model, --drop-path, --channels, --aux-weight and --num-classes'))
     g.add_argument('--decoder', choices=['upernet', 'fpn'], default=None,
                    help=f'UperNet (160k recipe) or Semantic FPN (80k recipe: its schedule defaults) '
@@ -127,7 +127,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument('--min-lr', type=cli.NON_NEGATIVE, default=0.0)
     g.add_argument('--clip-grad', type=cli.POSITIVE, default=None)
     g.add_argument('--max-bad-steps', type=cli.NON_NEGATIVE_INT, default=20)
-    g = p.add_argument_group('Data', RECORDED.format('--crop-size, --img-scale, --ratio-range and --cat-max-ratio'))
+    g = p.add_argument_group('Data', RECORDED_HELP.format(
+        '--crop-size, --img-scale, --ratio-range and --cat-max-ratio'))
     g.add_argument('--data-path', default=None, help='the ADEChallengeData2016 folder')
     g.add_argument('--crop-size', type=cli.ranged(int, 32), default=None, help=_default('crop_size'))
     g.add_argument('--img-scale', type=cli.POSITIVE_INT, nargs=2, default=None, metavar=('LONG', 'SHORT'),
@@ -138,7 +139,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help=_default('cat_max_ratio'))
     g.add_argument('--num_workers', '--num-workers', dest='num_workers', type=cli.NON_NEGATIVE_INT, default=None)
     g.add_argument('--pin-mem', action=argparse.BooleanOptionalAction, default=True)
-    g = p.add_argument_group('Evaluation', RECORDED.format('--eval-mode and --slide-stride'))
+    g = p.add_argument_group('Evaluation', RECORDED_HELP.format('--eval-mode and --slide-stride'))
     g.add_argument('--eval', action='store_true', help='evaluate --resume (or --output_dir/checkpoint.pth) only')
     g.add_argument('--eval-mode', choices=['whole', 'slide'], default=None, help=_default('eval_mode'))
     g.add_argument('--slide-stride', type=cli.POSITIVE_INT, default=None,
@@ -216,7 +217,7 @@ def check_sizes(args: argparse.Namespace, device: torch.device) -> None:
                         f'{int(args.img_scale[1] * factor)} or less')
 
 
-def lr_at(it: int, args: argparse.Namespace) -> float:
+def poly_lr(it: int, args: argparse.Namespace) -> float:
     """mmcv's poly schedule with linear warmup (by iteration): (lr - min_lr) (1 - it / iters)^power + min_lr,
     scaled during the first warmup_iters by 1 - (1 - it / warmup_iters)(1 - warmup_ratio)."""
     lr = (args.lr - args.min_lr) * (1 - it / args.iters) ** args.power + args.min_lr
@@ -441,7 +442,7 @@ class Run(iterations.IterationLoop):
         print(miou.class_table(result))
         print(f'Iteration {done}: ' + miou.summary_line(result, self.args.eval_mode))
         record = eval_record(result, self.args, iter=done, train_loss=self.progress.take_mean(),
-                             lr=lr_at(done - 1, self.args))
+                             lr=poly_lr(done - 1, self.args))
         names, self.last = [checkpoint.LAST], result['mIoU']
         if result['mIoU'] > self.best:
             self.best, self.best_iter = result['mIoU'], done
@@ -471,7 +472,7 @@ def train(run: Run, optimizer, start: int, train_loader, eval_due: bool = False)
     run.raise_data_error(start, saved=False)
     for it in range(start, args.iters):
         for group in optimizer.param_groups:
-            group['lr'] = lr_at(it, args)
+            group['lr'] = poly_lr(it, args)
         images, labels = (t.to(run.device, non_blocking=True) for t in batch)
         # the next batch is read before this step, whose agreement ends every process when one cannot read it
         batch = run.next_batch(batches) if it + 1 < args.iters else None

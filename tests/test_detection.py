@@ -526,11 +526,11 @@ def test_recipes():
 
 def test_lr_steps_by_epoch_and_warms_up_by_iteration():
     r = dm.RECIPES['1x']
-    assert dm.lr_at(0, 100, r) == pytest.approx(1e-7)
-    assert dm.lr_at(250, 100, r) == pytest.approx(1e-4 * (1 - 0.5 * 0.999))
-    assert dm.lr_at(500, 100, r) == dm.lr_at(799, 100, r) == pytest.approx(1e-4)
-    assert dm.lr_at(800, 100, r) == pytest.approx(1e-5) and dm.lr_at(1099, 100, r) == pytest.approx(1e-5)
-    assert dm.lr_at(1100, 100, r) == pytest.approx(1e-6)
+    assert dm.step_lr(0, 100, r) == pytest.approx(1e-7)
+    assert dm.step_lr(250, 100, r) == pytest.approx(1e-4 * (1 - 0.5 * 0.999))
+    assert dm.step_lr(500, 100, r) == dm.step_lr(799, 100, r) == pytest.approx(1e-4)
+    assert dm.step_lr(800, 100, r) == pytest.approx(1e-5) and dm.step_lr(1099, 100, r) == pytest.approx(1e-5)
+    assert dm.step_lr(1100, 100, r) == pytest.approx(1e-6)
 
 
 def test_flops_count_the_heads_on_1000_proposals_and_100_masks():

@@ -212,6 +212,7 @@ def five(tmp_path_factory):
     return shapes.make_shapes(str(tmp_path_factory.mktemp('five')), n_train=5, n_val=2, seed=4)
 
 
+@pytest.mark.slow  # three backbones of about 28M parameters: 20 s
 @pytest.mark.parametrize('peer', ['convnext_tiny', 'pvt_v2_b2', 'swin_tiny_patch4_window7_224'])
 def test_the_control_peers_train_and_evaluate_through_the_same_code(peer, five, tmp_path, capsys):
     out = str(tmp_path / 'out')

@@ -425,10 +425,10 @@ def test_slide_inference_of_a_pointwise_model_equals_whole(one_thread):
 def test_poly_schedule_with_linear_warmup():
     args = seg_train.get_args_parser().parse_args(['--data-path', 'x', '--iters', '1000', '--warmup-iters', '100'])
     seg_train.take_flags(args, '')
-    assert seg_train.lr_at(0, args) == pytest.approx(6e-5 * 1e-6)
-    assert seg_train.lr_at(100, args) == pytest.approx(6e-5 * 0.9)
-    assert seg_train.lr_at(50, args) == pytest.approx(6e-5 * 0.95 * (1 - 0.5 * (1 - 1e-6)))
-    assert seg_train.lr_at(999, args) == pytest.approx(6e-5 / 1000)
+    assert seg_train.poly_lr(0, args) == pytest.approx(6e-5 * 1e-6)
+    assert seg_train.poly_lr(100, args) == pytest.approx(6e-5 * 0.9)
+    assert seg_train.poly_lr(50, args) == pytest.approx(6e-5 * 0.95 * (1 - 0.5 * (1 - 1e-6)))
+    assert seg_train.poly_lr(999, args) == pytest.approx(6e-5 / 1000)
 
 
 def test_the_sampler_resumes_inside_an_epoch_and_splits_ranks():

@@ -64,7 +64,7 @@ def hook(module, attr, when, sig):
         return original(*a, **k)
     setattr(module, attr, hooked)
 if fault[0] == 'stop-in-iteration':
-    hook(train, 'lr_at', lambda a: a[0] == int(fault[1]) - 1 and calls.count(a) == 1, signal.SIGINT)
+    hook(train, 'step_lr', lambda a: a[0] == int(fault[1]) - 1 and calls.count(a) == 1, signal.SIGINT)
 elif fault[0] == 'stop-in-eval':
     hook(evaluate, 'coco_results', lambda a: len(calls) == 1, signal.SIGINT)
 elif fault[0] == 'kill-before-best':

@@ -69,7 +69,7 @@ def hook(name, when, sig):
         return original(*a, **k)
     setattr(module, attr, hooked)
 if fault[0] == 'stop-in-iteration':
-    hook('train.lr_at', lambda a: a[0] == int(fault[1]) - 1 and calls.count(a) == 1, signal.SIGINT)
+    hook('train.poly_lr', lambda a: a[0] == int(fault[1]) - 1 and calls.count(a) == 1, signal.SIGINT)
 elif fault[0] == 'stop-in-eval':
     hook('miou.confusion_matrix', lambda a: len(calls) == 1, signal.SIGINT)
 elif fault[0] == 'kill-before-best':
