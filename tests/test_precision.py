@@ -185,8 +185,10 @@ def test_amp_parity_holds_in_fp16():
 
 @pytest.mark.parametrize('dtype,loss_scale', [(torch.bfloat16, 1.0), (torch.float16, 256.0)], ids=['bf16', 'fp16'])
 def test_gradients_under_autocast_follow_the_amp_parity_rule(dtype, loss_scale):
-    """Every parameter's gradient of a small XT under autocast, all of them as one vector: the fast path
-    differs from the plain path by no more than the plain path from fp32 (AMP_TOLERANCE). fp16 with a loss
+    """Every parameter's gradient of a small XT under autocast, all of them as one vector: the fast path is no
+    further from the fp32 gradients than the plain path (AMP_TOLERANCE). The two paths round differently, so
+    their distance from each other is up to about sqrt(2) times either one's from fp32 where the CPU computes
+    in fp16 natively (AVX512-FP16); their distance from fp32 is the precision a user gets. fp16 with a loss
     scale, as GradScaler trains it: without one, gradients this small underflow fp16 on either path."""
     from tools.amp_parity import AMP_TOLERANCE
     torch.manual_seed(0)
@@ -204,7 +206,7 @@ def test_gradients_under_autocast_follow_the_amp_parity_rule(dtype, loss_scale):
 
     ref, plain, fast = gradients(False, None), gradients(False, dtype), gradients(True, dtype)
     assert torch.isfinite(fast).all()
-    assert rel_err(fast, plain) <= AMP_TOLERANCE * rel_err(plain, ref), (rel_err(fast, plain), rel_err(plain, ref))
+    assert rel_err(fast, ref) <= AMP_TOLERANCE * rel_err(plain, ref), (rel_err(fast, ref), rel_err(plain, ref))
 
 
 @pytest.fixture(scope='module')
