@@ -211,6 +211,21 @@ def signal_when(proc, pattern, sig, timeout=180):
     return ''.join(out) + rest, err, time.time() - t_sig
 
 
+def run_to_end(cmd, timeout=240, code=0, environ=None):
+    """`cmd` (a training script, plain or under torchrun) in its own session to its end, which must be exit status
+    `code`; on a timeout its process group is killed and its output shown."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=environ or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}') from None
+    assert proc.returncode == code, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def kill_group(proc):
     """Leave no process of a failed test behind (torchrun workers included)."""
     try:

@@ -7,11 +7,10 @@ import json
 import os
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
-from conftest import PY, REPO, TORCHRUN, env, free_port, kill_group, load, signal_when, start_process
+from conftest import PY, TORCHRUN, free_port, load, run_to_end, signal_when, start_process
 
 from detection import shapes
 
@@ -34,16 +33,7 @@ def det_cmd(nproc, args):
 
 def run_det(nproc, args, timeout=240, code=0, cmd=None):
     """detection/train.py (or `cmd`) to its end, which must be exit status `code`."""
-    proc = subprocess.Popen(cmd or det_cmd(nproc, args), cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}') from None
-    assert proc.returncode == code, out[-3000:] + err[-3000:]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_to_end(cmd or det_cmd(nproc, args), timeout=timeout, code=code)
 
 
 #: detection/train.py with a fault (argv[1]): 'stop-in-iteration N' sends itself SIGINT as iteration N starts,

@@ -9,12 +9,11 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 
 import numpy as np
 import pytest
 import torch
-from conftest import PY, REPO, TORCHRUN, env, free_port, kill_group, load, signal_when, start_process
+from conftest import PY, TORCHRUN, env, free_port, load, run_to_end, signal_when, start_process
 from PIL import Image
 
 from segmentation import scenes
@@ -35,18 +34,8 @@ def seg_cmd(nproc, args):
 
 
 def run_seg(nproc, args, timeout=240, code=0, cmd=None, environ=None):
-    """segmentation/train.py (or `cmd`) to its end, which must be exit status `code`; on a timeout its process
-    group is killed and its output shown."""
-    proc = subprocess.Popen(cmd or seg_cmd(nproc, args), cwd=REPO, env=environ or env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f'timed out after {timeout}s\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-4000:]}') from None
-    assert proc.returncode == code, out[-3000:] + err[-3000:]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """segmentation/train.py (or `cmd`) to its end, which must be exit status `code`."""
+    return run_to_end(cmd or seg_cmd(nproc, args), timeout=timeout, code=code, environ=environ)
 
 
 #: segmentation/train.py with a fault at a chosen point (argv[1]): 'stop-in-iteration N' sends itself SIGINT as
