@@ -200,7 +200,10 @@ def setup_for_distributed(is_master: bool) -> None:
     def print(*args, **kwargs):
         force = kwargs.pop('force', False)
         if is_master or force:
-            builtin_print(*args, **kwargs)
+            # the line and its end in one write: lines of processes that share a pipe do not run into each other
+            sep, end = kwargs.pop('sep', None), kwargs.pop('end', None)
+            text = (' ' if sep is None else sep).join(map(str, args)) + ('\n' if end is None else end)
+            builtin_print(text, end='', **kwargs)
 
     __builtin__.print = print
 
